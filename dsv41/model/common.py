@@ -1,0 +1,147 @@
+"""Shared building blocks: RMSNorm, the quantization-aware Linear, RoPE with YaRN (MODEL.md 2, 3.2, 9).
+
+Legend: B batch, T tokens, H heads, D width, R rope dims.
+
+Numerics switches. A model runs in one of two precisions (`float32` for parity and tests, `bfloat16` for the
+official numerics) and with its FP8/FP4 quantize-dequantize steps on (official) or off (identities, which makes
+the model a continuous function of its inputs: dataflow equalities such as chunked == one-shot then hold to
+~1e-5, see golden/README.md section 4). `set_quantization(model, False)` flips every QDQ site at once.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv41.codecs import qdq_fp8
+
+# Checkpoint storage kinds of a Linear weight (MODEL.md 9). Quantized kinds quantize their activation to FP8
+# (per 32 along K, ue8m0 scales) before the matmul; the weight itself is held dequantized (exact in bf16).
+QUANT_KINDS = ("fp8", "fp4")
+WEIGHT_KINDS = ("fp8", "fp4", "bf16", "fp32")
+
+
+class QuantSite(nn.Module):
+    """A module with a QDQ step that `set_quantization` can switch off."""
+
+    quant: bool = True
+
+
+def set_quantization(model: nn.Module, enabled: bool) -> None:
+    """Turn every FP8/FP4 quantize-dequantize step of `model` on (official numerics) or into an identity."""
+    for m in model.modules():
+        if isinstance(m, QuantSite):
+            m.quant = enabled
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, in fp32, cast back to the input dtype (MODEL.md 2)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+class Linear(QuantSite):
+    """y = x W^T. `kind` is the checkpoint storage (fp8 / fp4 / bf16 / fp32).
+
+    Quantized kinds compute (QDQ_fp8 a) . (dequant W)^T with fp32 accumulation, which is what the official
+    block-scaled GEMM computes up to summation order (MODEL.md 9)."""
+
+    def __init__(self, in_features: int, out_features: int, kind: str = "fp8", dtype: torch.dtype | None = None,
+                 bias: bool = False):
+        super().__init__()
+        assert kind in WEIGHT_KINDS, kind
+        self.in_features, self.out_features, self.kind = in_features, out_features, kind
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant and self.kind in QUANT_KINDS:
+            x = qdq_fp8(x)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+# ------------------------------------------------------------------------------------------------ RoPE
+
+@lru_cache(maxsize=16)
+def rope_inv_freq(rope_dim: int, original_seq_len: int, base: float, factor: float, beta_fast: int,
+                  beta_slow: int) -> torch.Tensor:
+    """omega_i = base^(-2i/R), with the YaRN ramp when original_seq_len > 0 (MODEL.md 3.2). fp32 [R/2]."""
+    freqs = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if original_seq_len > 0:
+        def corrected_dim(rotations: float) -> float:
+            return rope_dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corrected_dim(beta_fast)), 0)
+        high = min(math.ceil(corrected_dim(beta_slow)), rope_dim - 1)
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs
+
+
+class Rope:
+    """One RoPE table family (a layer's theta / YaRN setting); angles are computed for the positions asked.
+
+    Angle p * omega_i is one fp32 product, so computing it on demand equals the official precomputed table
+    row for row, and nothing of size max_seq_len is ever allocated."""
+
+    def __init__(self, rope_dim: int, original_seq_len: int, base: float, factor: float, beta_fast: int,
+                 beta_slow: int):
+        self.rope_dim = rope_dim
+        self.inv_freq = rope_inv_freq(rope_dim, original_seq_len, float(base), float(factor), beta_fast, beta_slow)
+
+    def freqs(self, positions: torch.Tensor) -> torch.Tensor:
+        """complex64 [..., R/2] for integer positions of any shape."""
+        inv = self.inv_freq.to(positions.device)
+        angle = positions.to(torch.float32).unsqueeze(-1) * inv
+        return torch.polar(torch.ones_like(angle), angle)
+
+    @classmethod
+    def for_layer(cls, cfg, ratio: int) -> "Rope":
+        """Window-only layers: theta rope_theta, no YaRN; compressed layers: compress_rope_theta with YaRN."""
+        if ratio:
+            return cls(cfg.rope_head_dim, cfg.original_seq_len, cfg.compress_rope_theta, cfg.rope_factor,
+                       cfg.beta_fast, cfg.beta_slow)
+        return cls(cfg.rope_head_dim, 0, cfg.rope_theta, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the LAST R dims of x by adjacent (even, odd) pairs. x [B, T, (H,) *], freqs [B or 1, T, R/2].
+
+    fp32 arithmetic, result rounded to x's dtype; returns a new tensor (autograd friendly)."""
+    R = freqs.size(-1) * 2
+    head, tail = x[..., :-R], x[..., -R:]
+    z = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
+    f = freqs.conj() if inverse else freqs
+    if z.ndim == 4:  # [B, T, H, R/2]
+        f = f.unsqueeze(-2)
+    rot = torch.view_as_real(z * f).flatten(-2).to(x.dtype)
+    return torch.cat([head, rot], dim=-1)
+
+
+_WARMED = False
+
+
+def warm_up_transcendentals() -> None:
+    """torch 2.13 CPU can compute the first vectorised cos/sin/sqrt/log of a process slightly wrong
+    (golden/README.md section 6); one small call of each first makes later calls exact."""
+    global _WARMED
+    if _WARMED:
+        return
+    t = torch.linspace(0.5, 40.0, 4096, dtype=torch.float32)
+    for fn in (torch.cos, torch.sin, torch.sqrt, torch.log, torch.exp, torch.rsqrt):
+        fn(t)
+    torch.polar(torch.ones_like(t), t)
+    _WARMED = True
