@@ -1,0 +1,243 @@
+"""FP4 codecs: E2M1 nibbles, the packed compressed main-KV record and the packed index-key record.
+
+Bit legend used in the comments below: ``s`` sign bit, ``e`` exponent bit, ``m`` mantissa bit.
+
+E2M1 (OCP float4_e2m1fn), one nibble ``s ee m`` (MODEL.md 3.5 and 9):
+  * magnitude by 3-bit code 0..7: {0, 0.5, 1, 1.5, 2, 3, 4, 6}; bit 3 is the sign, so code 8 is -0.
+  * Rounding is to nearest, ties to the even code: midpoints 0.25, 1.25, 2.5, 5.0 round *down* (to 0, 1,
+    2, 4) and 0.75, 1.75, 3.5 round *up* (to 1, 2, 4). Inputs beyond +-6 saturate (the quantizers clamp to
+    +-6 first anyway). The sign of zero is preserved: -0 and tiny negatives encode as code 8 and decode
+    to -0.0. E2M1 has no NaN; ``float_to_e2m1`` maps NaN to a (signed) zero code.
+  * Nibble packing (MODEL.md 9, fp4 experts; also used by the KV records): element 2k sits in the LOW
+    nibble of byte k and element 2k+1 in the HIGH nibble.
+
+Compressed main-KV record (MODEL.md 3.4, FP4 with E4M3 scales; layout MODEL.md 9 "Packed byte layouts"),
+for d channels (d = 512 in the released model, any multiple of 16 here):
+  * groups of 16 contiguous channels; ``amax = max(|x| over the group, 6 * 2^-9)``;
+  * ``scale = e4m3_RNE(amax / 6)``: a true fp32 *division* by 6, rounded to E4M3 and saturating at 448;
+  * ``v = clamp(x / scale, -6, 6)`` (true fp32 division; the scale is not a power of two), code = E2M1(v);
+  * bytes ``[0, d/2)``: nibble-packed codes; bytes ``[d/2, d/2 + d/16)``: the E4M3 byte of each group's
+    scale. 288 bytes for d = 512. Decoded value = E2M1(code) * scale.
+
+Index-key record (MODEL.md 3.6, MXFP4: UE8M0 scales; layout MODEL.md 9), for d channels (d = 128 in the
+released model, any multiple of 32 here):
+  * groups of 32; ``amax = max(|x|, 6 * 2^-126)``; ``scale = 2^ceil(log2(amax * fp32(1/6)))`` with the
+    exact bit-trick ceiling (see fp8.py); ``v = clamp(x / scale, -6, 6)``; code = E2M1(v);
+  * bytes ``[0, d/2)``: nibble-packed codes; bytes ``[d/2, d/2 + d/32)``: UE8M0 scale bytes. 68 bytes for
+    d = 128. The indexer *queries* use the very same quantizer (``qdq_index_q`` is the same function).
+
+``qdq_main_kv`` / ``qdq_index_k`` are the fake-quant twins used by the model forward: they return the same
+values as unpack(pack(x)) in x's dtype (exact in bf16), never raise and never synchronise with the host.
+
+Pitfall (MODEL.md 10.2, 2): on CUDA, ``tensor / python_float`` is computed as a multiply by the
+reciprocal, which is not a correctly rounded division; the division by 6 here therefore divides by a
+tensor. Every value in these formats is a small-integer multiple of a power of two, so the final
+``E2M1 * scale`` product is exact in fp32 and in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fp8 import as_u8, byte_ints, e4m3_to_float, e8m0_to_float, f32, float_to_e4m3, grouped, pow2, require_finite
+from .fp8 import round_to_e4m3, ue8m0_scale_byte
+
+__all__ = [
+    "E2M1_MAX",
+    "MAIN_KV_GROUP",
+    "INDEX_K_GROUP",
+    "MAIN_KV_AMAX_FLOOR",
+    "INDEX_K_AMAX_FLOOR",
+    "FP4_MAX_INV",
+    "round_to_e2m1",
+    "float_to_e2m1",
+    "e2m1_to_float",
+    "pack_nibbles",
+    "unpack_nibbles",
+    "main_kv_bytes",
+    "pack_main_kv",
+    "unpack_main_kv",
+    "qdq_main_kv",
+    "index_k_bytes",
+    "pack_index_k",
+    "unpack_index_k",
+    "qdq_index_k",
+    "qdq_index_q",
+]
+
+E2M1_MAX = 6.0
+MAIN_KV_GROUP = 16
+INDEX_K_GROUP = 32
+MAIN_KV_AMAX_FLOOR = 6 * 2.0**-9  # 0.01171875, so the scale is at least the smallest E4M3 subnormal
+INDEX_K_AMAX_FLOOR = 6 * 2.0**-126
+FP4_MAX_INV = f32(1.0 / 6.0)  # fp32(1/6), multiplied before the power-of-two ceiling
+
+
+# ----------------------------------------------------------------------------------------------------------
+# E2M1 and nibbles
+# ----------------------------------------------------------------------------------------------------------
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to the nearest E2M1 value (ties to even code), saturating at +-6; returns fp32.
+
+    The grid has step 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 6]; in each range the codes are consecutive
+    and the even codes are the even multiples of the step, so torch.round (half to even) of |x| / step is
+    exactly the RNE of the spec. Scaling by 2, 1 or 1/2 is exact. Sign of zero kept; NaN stays NaN.
+    """
+    x = x.float()
+    a = x.abs().clamp(max=E2M1_MAX)
+    r = torch.where(
+        a < 2.0,
+        torch.round(a * 2.0) * 0.5,
+        torch.where(a < 4.0, torch.round(a), torch.round(a * 0.5) * 2.0),
+    )
+    return torch.copysign(r, x)
+
+
+def _e2m1_code_of_exact(r: torch.Tensor) -> torch.Tensor:
+    """4-bit code (uint8) of an fp32 value that is exactly on the E2M1 grid; NaN -> signed zero code."""
+    a = r.abs()
+    a = torch.where(torch.isnan(a), 0.0, a)
+    # 0,.5,1,1.5 -> 0..3 (2a); 2,3 -> 4,5 (a+2); 4,6 -> 6,7 (a/2+4)
+    mag = torch.where(a < 2.0, a * 2.0, torch.where(a < 4.0, a + 2.0, a * 0.5 + 4.0)).to(torch.uint8)
+    return mag | (torch.signbit(r).to(torch.uint8) << 3)
+
+
+def float_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """fp32/bf16 -> E2M1 codes (uint8 in 0..15, bit 3 = sign): RNE, saturating at +-6, -0 -> 8."""
+    return _e2m1_code_of_exact(round_to_e2m1(x))
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8; only the low 4 bits are read) -> fp32. Code 8 decodes to -0.0."""
+    c = byte_ints(codes)
+    e = (c >> 1) & 3
+    m = c & 1
+    mf = m.to(torch.float32)
+    # e = 0: m * 0.5 (0 or the subnormal 0.5); e >= 1: (1 + m/2) * 2^(e-1) = (2 + m) * 2^(e-2)
+    v = torch.where(e == 0, mf * 0.5, (mf + 2.0) * pow2(e - 2))
+    return torch.where((c & 8) != 0, -v, v)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """codes[..., 2n] (values 0..15) -> uint8[..., n]; element 2k -> low nibble, 2k+1 -> high nibble."""
+    c = as_u8(codes)
+    if c.dim() == 0 or c.shape[-1] % 2:
+        raise ValueError(f"pack_nibbles: last dim must be even, got shape {tuple(c.shape)}")
+    return (c[..., 0::2] & 0x0F) | ((c[..., 1::2] & 0x0F) << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8[..., n] (or float4_e2m1fn_x2) -> codes uint8[..., 2n]; the low nibble is the even element."""
+    b = as_u8(packed)
+    return torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# compressed main KV: FP4, E4M3 scale per 16
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _main_kv_quant(x: torch.Tensor, group: int, what: str):
+    """MODEL.md 3.4 quantizer. Returns (E2M1 values fp32 [..,G,group], scale fp32 [..,G,1])."""
+    g = grouped(x, group, what)
+    amax = g.abs().amax(dim=-1, keepdim=True).clamp_min(MAIN_KV_AMAX_FLOOR)
+    six = torch.full_like(amax, E2M1_MAX)  # tensor divisor: a true fp32 division on every device
+    scale = round_to_e4m3(amax / six)  # saturating at 448
+    v = (g / scale).clamp(-E2M1_MAX, E2M1_MAX)
+    return round_to_e2m1(v), scale
+
+
+def main_kv_bytes(d: int = 512) -> int:
+    """Bytes of one packed main-KV record of d channels: d/2 code bytes + d/16 E4M3 scales (288 for 512)."""
+    if d <= 0 or d % MAIN_KV_GROUP:
+        raise ValueError(f"main-KV channel count must be a positive multiple of {MAIN_KV_GROUP}, got {d}")
+    return d // 2 + d // MAIN_KV_GROUP
+
+
+def qdq_main_kv(x: torch.Tensor, group: int = MAIN_KV_GROUP) -> torch.Tensor:
+    """FP4 QDQ with E4M3 scales per ``group`` (16) channels (MODEL.md 3.4): the compressed-KV latent.
+
+    Equal to ``unpack_main_kv(pack_main_kv(x))`` in x's dtype. No raise on non-finite, no host sync.
+    """
+    r, scale = _main_kv_quant(x, group, "qdq_main_kv")
+    return (r * scale).flatten(-2).to(x.dtype)
+
+
+def pack_main_kv(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
+    """x[..., d] (d % 16 == 0) -> uint8[..., d/2 + d/16]: nibble-packed E2M1 codes, then E4M3 scales."""
+    if check_finite:
+        require_finite(x, "pack_main_kv")
+    r, scale = _main_kv_quant(x, MAIN_KV_GROUP, "pack_main_kv")
+    codes = pack_nibbles(_e2m1_code_of_exact(r).flatten(-2))
+    return torch.cat([codes, float_to_e4m3(scale.squeeze(-1))], dim=-1)
+
+
+def unpack_main_kv(packed: torch.Tensor) -> torch.Tensor:
+    """uint8[..., d/2 + d/16] -> fp32[..., d] = E2M1(code) * E4M3(scale)."""
+    b = as_u8(packed)
+    n = b.shape[-1]
+    d = n * 16 // 9
+    if d <= 0 or d % MAIN_KV_GROUP or main_kv_bytes(d) != n:
+        raise ValueError(f"unpack_main_kv: {n} bytes is not d/2 + d/16 for any d divisible by 16")
+    vals = e2m1_to_float(unpack_nibbles(b[..., : d // 2])).unflatten(-1, (d // MAIN_KV_GROUP, MAIN_KV_GROUP))
+    scale = e4m3_to_float(b[..., d // 2 :]).unsqueeze(-1)
+    return (vals * scale).flatten(-2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# index keys / indexer queries: MXFP4, UE8M0 scale per 32
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _index_k_quant(x: torch.Tensor, group: int, what: str):
+    """MODEL.md 3.6 quantizer. Returns (E2M1 values fp32, scale fp32 [..,G,1], scale byte int32 [..,G,1])."""
+    g = grouped(x, group, what)
+    amax = g.abs().amax(dim=-1, keepdim=True).clamp_min(INDEX_K_AMAX_FLOOR)
+    sbyte = ue8m0_scale_byte(amax * FP4_MAX_INV)
+    scale = e8m0_to_float(sbyte)
+    v = (g / scale).clamp(-E2M1_MAX, E2M1_MAX)
+    return round_to_e2m1(v), scale, sbyte
+
+
+def index_k_bytes(d: int = 128) -> int:
+    """Bytes of one packed index-key record of d channels: d/2 code bytes + d/32 UE8M0 scales (68 for 128)."""
+    if d <= 0 or d % INDEX_K_GROUP:
+        raise ValueError(f"index-K channel count must be a positive multiple of {INDEX_K_GROUP}, got {d}")
+    return d // 2 + d // INDEX_K_GROUP
+
+
+def qdq_index_k(x: torch.Tensor, group: int = INDEX_K_GROUP) -> torch.Tensor:
+    """MXFP4 QDQ (E2M1, UE8M0 scale per ``group`` = 32) of the indexer keys AND the indexer queries.
+
+    MODEL.md 3.6 applies this one quantizer to both ``k`` (before the index-key cache) and ``q`` (after
+    RoPE); ``qdq_index_q`` is an alias. Equal to ``unpack_index_k(pack_index_k(x))`` in x's dtype.
+    No raise on non-finite (the group becomes NaN), no host sync.
+    """
+    r, scale, _ = _index_k_quant(x, group, "qdq_index_k")
+    return (r * scale).flatten(-2).to(x.dtype)
+
+
+qdq_index_q = qdq_index_k
+
+
+def pack_index_k(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
+    """x[..., d] (d % 32 == 0) -> uint8[..., d/2 + d/32]: nibble-packed E2M1 codes, then UE8M0 scales."""
+    if check_finite:
+        require_finite(x, "pack_index_k")
+    r, _, sbyte = _index_k_quant(x, INDEX_K_GROUP, "pack_index_k")
+    codes = pack_nibbles(_e2m1_code_of_exact(r).flatten(-2))
+    return torch.cat([codes, sbyte.squeeze(-1).to(torch.uint8)], dim=-1)
+
+
+def unpack_index_k(packed: torch.Tensor) -> torch.Tensor:
+    """uint8[..., d/2 + d/32] -> fp32[..., d] = E2M1(code) * 2^(scale byte - 127)."""
+    b = as_u8(packed)
+    n = b.shape[-1]
+    d = n * 32 // 17
+    if d <= 0 or d % INDEX_K_GROUP or index_k_bytes(d) != n:
+        raise ValueError(f"unpack_index_k: {n} bytes is not d/2 + d/32 for any d divisible by 32")
+    vals = e2m1_to_float(unpack_nibbles(b[..., : d // 2])).unflatten(-1, (d // INDEX_K_GROUP, INDEX_K_GROUP))
+    scale = e8m0_to_float(b[..., d // 2 :]).unsqueeze(-1)
+    return (vals * scale).flatten(-2)

@@ -1,0 +1,45 @@
+"""Torch reference kernels (the model's own math; every fast path is compared against these).
+
+Legend: B batch, T queries, H heads, D head dim, N KV rows, K selected indices per query.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SPARSE_ATTN_BLOCK = 64
+
+
+def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Sparse single-KV-head attention with a per-head sink in the denominator (MODEL.md 3.8).
+
+    q [B,T,H,D], kv [B,N,D] (K = V), sink [H] fp32 (not scaled), idx [B,T,K] int (-1 = nothing).
+    Online softmax over blocks of 64 indices starting from a running max of -1e30, so a row whose indices
+    are all -1 returns exactly 0. In bf16 the probabilities are rounded to bf16 relative to the running max
+    before P@V, as the official kernel; in fp32 they are not (the golden float32 mode)."""
+    B, T, H, D = q.shape
+    round_p = q.dtype == torch.bfloat16
+    qf = q.float()
+    kvf = kv.float()
+    acc = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device)
+    den = torch.zeros(B, T, H, dtype=torch.float32, device=q.device)
+    run_max = torch.full((B, T, H), -1e30, dtype=torch.float32, device=q.device)
+    batch = torch.arange(B, device=q.device).view(B, 1, 1)
+    for t in range(0, idx.size(-1), SPARSE_ATTN_BLOCK):
+        blk = idx[:, :, t:t + SPARSE_ATTN_BLOCK].long()
+        valid = blk >= 0
+        kv_blk = kvf[batch, blk.clamp_min(0)] * valid.unsqueeze(-1)            # [B,T,k,D]
+        s = torch.einsum("bthd,btkd->bthk", qf, kv_blk)
+        s = torch.where(valid.unsqueeze(2), s, -torch.inf) * scale
+        prev = run_max
+        run_max = torch.maximum(prev, s.amax(dim=-1))
+        rescale = torch.exp(prev - run_max)
+        p = torch.exp(s - run_max.unsqueeze(-1))
+        den = den * rescale + p.sum(dim=-1)
+        if round_p:
+            p = p.to(torch.bfloat16).float()
+        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bthk,btkd->bthd", p, kv_blk)
+    den = den + torch.exp(sink.float() - run_max)
+    out = acc / den.unsqueeze(-1)
+    return out.to(torch.bfloat16 if round_p else q.dtype)

@@ -1,0 +1,262 @@
+"""CSA2 attention: sliding-window KV, the Compressor, the Indexer with the hierarchical candidate pool, sparse
+attention with sinks, and the grouped low-rank output projection (MODEL.md 3 and 4).
+
+Legend: B batch, T tokens of this call, P start position, H heads, C head dim (= latent width), R rope dims,
+W window, m compression ratio, I index-key width, J indexer heads, N compressed entries visible, K top-k.
+
+Layer modes (resolved once in `dsv41.config.layer_roles`):
+  SWA-only   window only.
+  Full       owns a Compressor (global KV at 1/m of positions) and index keys; its Indexer scores every entry.
+  Reindex    its own Indexer over a Full layer's keys, restricted to that layer's candidate-block pool.
+  Reuse      reads a source's compressed KV and top-k.
+
+Calls are general chunks: any start position P and any T (prefill P = 0, decode T = 1, chunked prefill in
+between). Index lists reproduce the official ones exactly in the two official modes (prefill at P = 0: ascending
+positions; otherwise the ring listed oldest first), since the blocked softmax's bf16 rounding depends on order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dsv41.codecs import qdq_fp8, qdq_index_k, qdq_main_kv
+from dsv41.config import LayerRole, ModelConfig
+from dsv41.kernels import sparse_attn
+from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope
+
+
+@dataclass
+class StepContext:
+    """Per-forward state handed down the stack: where this chunk sits, the bound store, and what source layers
+    published for the layers above them (top-k by index source, candidate masks by candidate source)."""
+
+    start_pos: int
+    seqlen: int
+    cache: object
+    official_decode_artifact: bool = False
+    published: dict = field(default_factory=dict)
+    record: dict | None = None          # when a dict: per-layer top-k / candidates are kept for inspection
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start_pos, self.start_pos + self.seqlen)
+
+
+def lin_kind(cfg: ModelConfig) -> str:
+    """Storage kind of the ordinary Linear weights: 'fp8' (activation-quantized) or plain 'bf16'."""
+    return "fp8" if cfg.dtype == "fp8" else "bf16"
+
+
+def window_indices(P: int, T: int, W: int) -> torch.Tensor:
+    """Window index lists [T, K] into the window KV tensor of this call.
+
+    P == 0: the KV tensor is the chunk itself; query i sees max(0,i-W+1) + 0..min(T,W)-1, entries > i -> -1.
+    P > 0:  the KV tensor is [ring (W slots, position p at slot p % W) || chunk (T rows)]; query p lists the W
+            positions p-W+1..p oldest first (ring slot for positions < P, chunk row for >= P), < 0 -> -1."""
+    if P == 0:
+        end = torch.arange(T).unsqueeze(1)
+        idx = (end - W + 1).clamp(min=0) + torch.arange(min(T, W))
+        return torch.where(idx > end, -1, idx)
+    pos = torch.arange(P, P + T).unsqueeze(1) - W + 1 + torch.arange(W)          # [T, W] positions
+    idx = torch.where(pos < P, pos % W, W + pos - P)
+    return torch.where(pos < 0, -1, idx)
+
+
+def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int,
+                            block_size: int) -> torch.Tensor:
+    """Level one of the hierarchical indexer (MODEL.md 3.7): block score = max over `block_size` entries, the
+    block holding the newest visible entry pinned to +inf, keep the top `topk_blocks` blocks with a finite
+    score. score [B,T,N] (invisible = -inf), compress_lens [T,1] -> bool mask [B,T,N]."""
+    N = score.size(-1)
+    padded = torch.nn.functional.pad(score, (0, -N % block_size), value=-torch.inf)
+    blocks = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
+    nb = blocks.size(-1)
+    last = torch.div(compress_lens - 1, block_size, rounding_mode="floor")
+    blocks = blocks.masked_fill(torch.arange(nb, device=score.device) == last, torch.inf)
+    top = blocks.topk(min(topk_blocks, nb), dim=-1)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :N]
+
+
+class Compressor(nn.Module):
+    """m tokens -> one latent (MODEL.md 3.4). m = 2: per-channel softmax-gated pooling in fp32, with the partial
+    group carried between calls; m = 1: a plain bf16 projection. Returns the latent before RoPE (the indexer
+    needs it unrotated) for every group completed in this call."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, dtype: torch.dtype):
+        super().__init__()
+        self.ratio = ratio
+        self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype)
+        if ratio > 1:
+            self.wkv = Linear(cfg.dim, cfg.head_dim, "fp32", torch.float32)
+            self.wgate = Linear(cfg.dim, cfg.head_dim, "fp32", torch.float32)
+        else:
+            self.wkv = Linear(cfg.dim, cfg.head_dim, "bf16", dtype)
+
+    def forward(self, u: torch.Tensor, P: int, cache, layer: int) -> torch.Tensor | None:
+        """u [B,T,D] -> latents [B,n,C] for groups P//m .. (P+T)//m - 1, or None when no group completed."""
+        m = self.ratio
+        if m == 1:
+            return self.norm(self.wkv(u))
+        x = u.float()
+        kv, score = self.wkv(x), self.wgate(x)
+        carried = P % m                                   # tokens of the current group seen before this call
+        if carried:
+            st_kv, st_sc = cache.compressor_state(layer)
+            kv = torch.cat([st_kv[:, :carried], kv], dim=1)
+            score = torch.cat([st_sc[:, :carried], score], dim=1)
+        n = kv.size(1) // m
+        rest = kv.size(1) - n * m
+        if rest:
+            cache.set_compressor_state(layer, kv[:, n * m:], score[:, n * m:])
+        if n == 0:
+            return None
+        kv = kv[:, :n * m].unflatten(1, (n, m))
+        score = score[:, :n * m].unflatten(1, (n, m))
+        pooled = (kv * score.softmax(dim=2)).sum(dim=2)
+        return self.norm(pooled.to(u.dtype))
+
+
+class Indexer(QuantSite):
+    """Scores compressed entries for each query and keeps the top K (MODEL.md 3.6).
+
+    I[q,t] = sum_j w[q,j] * ReLU(q_j . K_t), keys FP4 (MXFP4) QDQ'd. Owners (Full layers) first turn the new
+    latents into index keys. The candidate source publishes its block pool; Reindex layers mask to it."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, dtype: torch.dtype):
+        super().__init__()
+        self.role = role
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.cand_blocks, self.cand_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, lin_kind(cfg), dtype)
+        self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, "bf16", dtype)
+        if role.is_kv_source:
+            self.wk = Linear(cfg.head_dim, cfg.index_head_dim, "bf16", dtype)
+            self.k_norm = RMSNorm(cfg.index_head_dim, cfg.norm_eps, dtype)
+
+    def qdq(self, x: torch.Tensor) -> torch.Tensor:
+        return qdq_index_k(x) if self.quant else x
+
+    def publish_keys(self, latent: torch.Tensor, row0: int, rope: Rope, ctx: StepContext) -> None:
+        m = self.role.ratio
+        k = self.k_norm(self.wk(latent))
+        k = apply_rope(k, rope.freqs(torch.arange(row0, row0 + k.size(1)) * m).unsqueeze(0))
+        ctx.cache.append_index_k(self.role.layer, row0, self.qdq(k))
+        ctx.cache.index_k_publisher = self.role.layer
+
+    def forward(self, u: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor, offset: int,
+                ctx: StepContext) -> torch.Tensor:
+        """Returns int32 [B,T,K] indices into the concatenated [window || compressed] KV axis (-1 = none)."""
+        role, m = self.role, self.role.ratio
+        end = ctx.start_pos + ctx.seqlen
+        n_vis = end // m
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = self.qdq(apply_rope(q, freqs))
+        src = ctx.cache.index_k_publisher if ctx.official_decode_artifact else role.kv_from
+        keys = ctx.cache.index_k(src, n_vis)                                        # [B,N,I]
+        w = self.weights_proj(u) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)  # [B,T,J]
+        score = torch.einsum("bthd,bnd->bthn", q, keys)
+        score = (score.relu() * w.unsqueeze(-1)).sum(dim=2)                         # [B,T,N]
+        compress_lens = (ctx.positions.to(score.device) + 1).div(m, rounding_mode="floor").unsqueeze(-1)
+        visible = torch.arange(n_vis, device=score.device) < compress_lens         # [T,N]
+        score = score.masked_fill(~visible, -torch.inf)
+        if role.is_candidate_source:
+            cand = select_candidate_blocks(score, compress_lens, self.cand_blocks, self.cand_size)
+            ctx.published[("cand", role.layer)] = cand
+        elif role.uses_candidates:
+            score = score.masked_fill(~ctx.published[("cand", role.candidates_from)], -torch.inf)
+        k = min(self.topk, n_vis)
+        idx = score.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        return torch.where(idx < compress_lens, idx + offset, -1).int()
+
+
+class Attention(QuantSite):
+    """One layer's attention. Parameter names follow the official checkpoint (`layers.{L}.attn.*`)."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, dtype: torch.dtype):
+        super().__init__()
+        self.role, self.layer = role, role.layer
+        H, C = cfg.n_heads, cfg.head_dim
+        self.n_heads, self.head_dim, self.window = H, C, cfg.window_size
+        self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        self.softmax_scale = C ** -0.5
+        kind = lin_kind(cfg)
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, kind, dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, H * C, kind, dtype)
+        self.wkv = Linear(cfg.dim, C, kind, dtype)
+        self.kv_norm = RMSNorm(C, cfg.norm_eps, dtype)
+        self.wo_a = Linear(H * C // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, "bf16", dtype)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, kind, dtype)
+        self.rope = Rope.for_layer(cfg, role.ratio)
+        self.compressor = Compressor(cfg, role.ratio, dtype) if role.is_kv_source else None
+        self.indexer = Indexer(cfg, role, dtype) if role.is_index_source else None
+
+    # ---------------------------------------------------------------- pieces
+    def queries(self, u: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qr = self.q_norm(self.wq_a(u))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        return qr, apply_rope(q, freqs)
+
+    def window_kv(self, u: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """kv_norm(wkv u), RoPE tail, FP8 QDQ of the whole vector (MODEL.md 3.3). [B,T,C]"""
+        kv = apply_rope(self.kv_norm(self.wkv(u)), freqs)
+        return qdq_fp8(kv) if self.quant else kv
+
+    def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE at the query positions, grouped wo_a (block diagonal), wo_b (MODEL.md 3.9)."""
+        B, T = o.shape[:2]
+        o = apply_rope(o, freqs, inverse=True).reshape(B, T, self.n_groups, -1)
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        o = torch.einsum("btgd,grd->btgr", o.to(wo_a.dtype), wo_a)
+        return self.wo_b(o.flatten(2))
+
+    def compressed_part(self, u, qr, offset, ctx: StepContext):
+        """(compressed KV [B,N,C], indices [B,T,K]) of a layer with m > 0."""
+        role, m, cache = self.role, self.role.ratio, ctx.cache
+        P, T = ctx.start_pos, ctx.seqlen
+        n_vis = (P + T) // m
+        latent = self.compressor(u, P, cache, self.layer) if self.compressor is not None else None
+        row0 = P // m
+        if role.is_index_source:
+            if latent is not None:
+                self.indexer.publish_keys(latent, row0, self.rope, ctx)
+            if n_vis == 0:
+                idx = torch.empty(u.size(0), T, 0, dtype=torch.int32, device=u.device)
+            else:
+                idx = self.indexer(u, qr, self.rope.freqs(ctx.positions).unsqueeze(0), offset, ctx)
+            ctx.published[("topk", self.layer)] = idx
+            if ctx.record is not None:
+                ctx.record[("topk", self.layer)] = idx
+                if role.is_candidate_source and n_vis:
+                    ctx.record[("cand", self.layer)] = ctx.published[("cand", self.layer)]
+        else:
+            idx = ctx.published[("topk", role.topk_from)]
+        if latent is not None:
+            pos = torch.arange(row0, row0 + latent.size(1)) * m          # a latent sits at its group's first token
+            latent = apply_rope(latent, self.rope.freqs(pos).unsqueeze(0))
+            cache.append_compressed(self.layer, row0, qdq_main_kv(latent) if self.quant else latent)
+        return cache.compressed(role.kv_from, n_vis), idx
+
+    def forward(self, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        P, T = ctx.start_pos, ctx.seqlen
+        freqs = self.rope.freqs(ctx.positions).unsqueeze(0).to(u.device)
+        qr, q = self.queries(u, freqs)
+        kv = self.window_kv(u, freqs)
+        if P == 0:
+            win_kv = kv
+        else:
+            win_kv = torch.cat([ctx.cache.window_ring(self.layer).to(kv.dtype), kv], dim=1)
+        idx = window_indices(P, T, self.window).to(u.device).int().expand(u.size(0), -1, -1)
+        ctx.cache.write_window(self.layer, P, kv)
+        kv_all = win_kv
+        if self.role.ratio:
+            ckv, cidx = self.compressed_part(u, qr, win_kv.size(1), ctx)
+            kv_all = torch.cat([win_kv, ckv.to(kv.dtype)], dim=1)
+            idx = torch.cat([idx, cidx], dim=-1)
+        o = sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)
+        return self.output(o, freqs)

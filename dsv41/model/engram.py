@@ -1,0 +1,377 @@
+"""Engram: n-gram hash lookups written into the hyper-connection stream (MODEL.md section 6).
+
+Legend: B batch, T tokens (of this call), S hc streams (`hc_mult`), D width (`dim`), G hash columns per engram
+layer (`(engram_max_ngram_size - 1) * engram_n_heads`), N `engram_max_ngram_size`, E engram layers, R table rows,
+W row width (`engram_head_dim`).
+
+Pipeline (MODEL.md 6.1-6.3):
+  1. every raw token id is mapped to a *compressed* id (tokens that normalise alike collapse together);
+  2. `NgramHasher` hashes, for every position, the 2-gram .. N-gram ending there into G bucket ids per engram
+     layer (rolling XOR of id * odd multiplier, reduced modulo one prime per (n-gram size, head), offset so that
+     every column owns a disjoint range of the layer's table);
+  3. `Engram` (one per engram layer) fetches those G table rows, projects them to S keys and one shared value,
+     and adds `gate_k * value` to every stream k, the gate being a normalised stream/key dot product.
+
+Differences in form (not in values) from the official code:
+  * The official `NgramHashState` keeps a `[max_batch, max_seq_len]` cache of compressed ids. Here the hasher is
+    stateless per call: the caller carries `history`, the compressed ids of the N-1 positions before the chunk
+    (DEAD = -1 for positions before the sequence start or inside an image span). Because the official look-back
+    treats "before the start" and "DEAD" identically (both block, cumulatively), one-shot prefill, chunked prefill
+    and one-token decode all give the same hash ids.
+  * The official table stays fp8 (+ one ue8m0 scale per 32) and is dequantized then cast to bf16 on lookup. Here
+    `embed.weight` holds the dequantized table (every such value is exact in bf16, so holding it in bf16 or fp32
+    loses nothing), and the looked-up rows are cast to the stream's dtype.
+  * A config whose `engram_num_embeddings` disagree with the prime layout raises ValueError (the official code
+    would silently read zero rows for out-of-range ids).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv41.codecs import qdq_fp8
+from dsv41.model.common import Linear
+
+__all__ = [
+    "DEAD",
+    "GATE_CLAMP",
+    "build_compressed_token_map",
+    "identity_token_map",
+    "is_prime",
+    "engram_primes",
+    "check_engram_tables",
+    "hash_multipliers",
+    "hash_column_offsets",
+    "NgramHasher",
+    "EngramEmbedding",
+    "Engram",
+]
+
+DEAD = -1           # compressed id of a position that takes no part in an n-gram (MODEL.md 6.2)
+GATE_CLAMP = 1e-6   # |dot| floor before the signed square root (MODEL.md 6.3, 10.1)
+
+
+# ------------------------------------------------------------------------------------------------ 6.1 token map
+
+def _engram_normalizer():
+    """NFKC, NFD, strip accents, lowercase, collapse [ \\t\\r\\n]+ to one space, strip; a text that is exactly
+    one space survives the strip through a private-use sentinel (MODEL.md 6.1)."""
+    from tokenizers import Regex, normalizers
+
+    keep = "\ue000"
+    return normalizers.Sequence([
+        normalizers.NFKC(),
+        normalizers.NFD(),
+        normalizers.StripAccents(),
+        normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex(r"^ $"), keep),
+        normalizers.Strip(),
+        normalizers.Replace(keep, " "),
+    ])
+
+
+def build_compressed_token_map(tokenizer) -> tuple[torch.Tensor, int]:
+    """(map [V] int64, compressed vocab size) for a `tokenizers.Tokenizer` (MODEL.md 6.1).
+
+    V = the tokenizer's size including added tokens (what `len()` of a transformers fast tokenizer reports). Each
+    id is decoded alone, special tokens kept. A text holding U+FFFD (a partial UTF-8 byte token) is keyed by the
+    raw token string; any other text by its normalised form (or the text itself if normalising empties it).
+    Compressed ids are handed out in first-seen order over ids 0..V-1. A transformers tokenizer is accepted too
+    (its `backend_tokenizer` is used)."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    n = backend.get_vocab_size(with_added_tokens=True)
+    norm = _engram_normalizer()
+    key_ids: dict[str, int] = {}
+    out = [0] * n
+    for tid in range(n):
+        text = backend.decode([tid], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = backend.id_to_token(tid)
+        else:
+            key = norm.normalize_str(text) or text
+        out[tid] = key_ids.setdefault(key, len(key_ids))
+    return torch.tensor(out, dtype=torch.long), len(key_ids)
+
+
+def identity_token_map(vocab_size: int) -> tuple[torch.Tensor, int]:
+    """(arange(V), V): compressed id = raw id.
+
+    Project convention for models without a tokenizer (random / preset models): their config must then say
+    `engram_compressed_vocab_size == vocab_size`, since the multipliers are derived from that size."""
+    return torch.arange(vocab_size, dtype=torch.long), int(vocab_size)
+
+
+# ------------------------------------------------------------------------------------------------ 6.2 primes
+
+_MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin (exact for every n < 3.3e24, far beyond any table size)."""
+    if n < 2:
+        return False
+    for p in _MR_BASES:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        r += 1
+    for a in _MR_BASES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _next_unseen_prime(after: int, seen: set[int]) -> int:
+    c = after + 1
+    while c in seen or not is_prime(c):
+        c += 1
+    return c
+
+
+@lru_cache(maxsize=32)
+def _primes(n_layers: int, max_ngram: int, n_heads: int, start: int) -> tuple:
+    seen: set[int] = set()
+    layers = []
+    for _ in range(n_layers):
+        per_ngram = []
+        for _ in range(max_ngram - 1):
+            cur, sizes = start - 1, []
+            for _ in range(n_heads):
+                cur = _next_unseen_prime(cur, seen)
+                seen.add(cur)
+                sizes.append(cur)
+            per_ngram.append(tuple(sizes))
+        layers.append(tuple(per_ngram))
+    return tuple(layers)
+
+
+def engram_primes(cfg) -> list[list[list[int]]]:
+    """Bucket moduli [engram layer][n-gram size index (2-gram first)][head] (MODEL.md 6.2).
+
+    One global "seen" set; for every layer and every n-gram size the search restarts just below
+    `engram_vocab_size` (the first candidate is engram_vocab_size itself) and takes the next `engram_n_heads`
+    primes not handed out yet. Released config: the 48 consecutive primes from 16000057 on."""
+    p = _primes(len(cfg.engram_layer_ids), cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_vocab_size)
+    return [[list(h) for h in layer] for layer in p]
+
+
+def check_engram_tables(cfg, primes: list[list[list[int]]] | None = None) -> None:
+    """Raise ValueError naming `engram_num_embeddings` unless every layer's table has sum(its primes) rows."""
+    primes = engram_primes(cfg) if primes is None else primes
+    want = tuple(sum(sum(h) for h in layer) for layer in primes)
+    have = tuple(cfg.engram_num_embeddings)
+    if have != want:
+        raise ValueError(f"config field 'engram_num_embeddings' = {list(have)!r}: the hash layout (primes from "
+                         f"engram_vocab_size={cfg.engram_vocab_size}, {cfg.engram_n_heads} heads, n-grams up to "
+                         f"{cfg.engram_max_ngram_size}) needs {list(want)!r} rows per engram layer")
+
+
+def hash_column_offsets(primes_of_layer: Sequence[Sequence[int]]) -> list[int]:
+    """Exclusive cumulative sum of one layer's G primes, in column order (2-gram heads, 3-gram heads, ...)."""
+    flat = [p for per_ngram in primes_of_layer for p in per_ngram]
+    return [0] + list(np.cumsum(flat[:-1]).tolist()) if flat else []
+
+
+def hash_multipliers(cfg, layer_id: int) -> torch.Tensor:
+    """Odd multipliers [N] int64 of one engram layer, seeded by the layer *id* (MODEL.md 6.2).
+
+    `numpy.random.default_rng(10007 * layer_id).integers(0, bound, size=N, dtype=int64) * 2 + 1`, with
+    bound = max(1, ((2^63 - 1) // engram_compressed_vocab_size) // 2), which keeps id * multiplier in int64."""
+    bound = max(1, (np.iinfo(np.int64).max // cfg.engram_compressed_vocab_size) // 2)
+    rng = np.random.default_rng(10007 * layer_id)
+    v = rng.integers(low=0, high=bound, size=(cfg.engram_max_ngram_size,), dtype=np.int64)
+    return torch.from_numpy(v * 2 + 1)
+
+
+# ------------------------------------------------------------------------------------------------ 6.2 hashing
+
+class NgramHasher(nn.Module):
+    """Hash ids of every position for all engram layers; stateless per call (MODEL.md 6.2).
+
+    `hasher(input_ids [B,T], history [B,N-1] | None, token_mask [B,T] | None)` returns
+    `(hash_ids [B,T,E,G] int64, new_history [B,N-1] int64)`.
+
+    `history` holds the compressed ids of the N-1 positions before this chunk, oldest first, DEAD (-1) for a
+    position before the sequence start or inside an image span; `init_history(B)` (all DEAD) starts a sequence
+    and `new_history` continues it. Positions whose `token_mask` is False are DEAD. For position p the look-back
+    token at shift s (0..N-1) is the compressed id at p-s; a `blocked` flag turns on at the first DEAD slot and
+    stays on for larger shifts (a DEAD token at shift 0 blocks all), and every blocked slot takes `pad_id` (the
+    compressed id of `engram_pad_id`). Then h = t0*m0, and for n = 1..N-1, h ^= t_n*m_n, column block n-1 =
+    h mod prime[layer][n-1][head] + offset (int64 throughout)."""
+
+    def __init__(self, cfg, token_map: torch.Tensor | Sequence[int] | tuple, compressed_vocab_size: int | None = None):
+        super().__init__()
+        if isinstance(token_map, tuple) and len(token_map) == 2 and isinstance(token_map[1], int):
+            token_map, compressed_vocab_size = token_map
+        tmap = torch.as_tensor(token_map, dtype=torch.long).flatten()
+        size = int(tmap.max()) + 1 if compressed_vocab_size is None else int(compressed_vocab_size)
+        if size != cfg.engram_compressed_vocab_size:
+            raise ValueError(f"config field 'engram_compressed_vocab_size' = {cfg.engram_compressed_vocab_size}: "
+                             f"the token map has {size} compressed ids")
+        if int(tmap.min()) < 0 or int(tmap.max()) >= size:
+            raise ValueError(f"token map values must lie in [0, {size})")
+        if not 0 <= cfg.engram_pad_id < tmap.numel():
+            raise ValueError(f"config field 'engram_pad_id' = {cfg.engram_pad_id}: outside the token map "
+                             f"({tmap.numel()} ids)")
+        primes = engram_primes(cfg)
+        check_engram_tables(cfg, primes)
+        self.layer_ids = tuple(cfg.engram_layer_ids)
+        self.max_ngram = cfg.engram_max_ngram_size
+        self.n_heads = cfg.engram_n_heads
+        self.n_cols = (self.max_ngram - 1) * self.n_heads
+        self.compressed_vocab_size = size
+        self.pad_id = int(tmap[cfg.engram_pad_id])
+        self.register_buffer("token_map", tmap, persistent=False)
+        self.register_buffer("primes", torch.tensor(primes, dtype=torch.long).reshape(
+            len(self.layer_ids), self.max_ngram - 1, self.n_heads), persistent=False)          # [E, N-1, H]
+        self.register_buffer("offsets", torch.tensor([hash_column_offsets(p) for p in primes],
+                                                     dtype=torch.long).reshape(len(self.layer_ids), self.n_cols),
+                             persistent=False)                                                # [E, G]
+        mult = [hash_multipliers(cfg, L) for L in self.layer_ids]
+        self.register_buffer("multipliers", torch.stack(mult) if mult else torch.zeros(0, self.max_ngram,
+                                                                                        dtype=torch.long),
+                             persistent=False)                                                # [E, N]
+
+    def init_history(self, batch: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """All-DEAD history [B, N-1]: the state before a sequence's first token."""
+        dev = self.token_map.device if device is None else device
+        return torch.full((batch, self.max_ngram - 1), DEAD, dtype=torch.long, device=dev)
+
+    def compress(self, input_ids: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Compressed ids [B,T], DEAD where token_mask is False."""
+        c = self.token_map[input_ids]
+        if token_mask is not None:
+            c = torch.where(token_mask.to(torch.bool), c, torch.full_like(c, DEAD))
+        return c
+
+    def forward(self, input_ids: torch.Tensor, history: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T = input_ids.shape
+        k = self.max_ngram - 1
+        if history is None:
+            history = self.init_history(B, input_ids.device)
+        if history.shape != (B, k):
+            raise ValueError(f"history must be [B={B}, {k}], got {tuple(history.shape)}")
+        ext = torch.cat([history.to(torch.long), self.compress(input_ids, token_mask)], dim=1)  # [B, k+T]
+        blocked = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)
+        toks = []
+        for shift in range(self.max_ngram):
+            src = ext[:, k - shift:k - shift + T]
+            blocked = blocked | (src == DEAD)
+            toks.append(torch.where(blocked, torch.full_like(src, self.pad_id), src))
+        toks = torch.stack(toks, dim=-1)                                     # [B, T, N]
+        prod = toks.unsqueeze(2) * self.multipliers                          # [B, T, E, N]
+        h = prod[..., 0]
+        cols = []
+        for n in range(1, self.max_ngram):
+            h = torch.bitwise_xor(h, prod[..., n])                           # hash of the (n+1)-gram, >= 0
+            cols.append(h.unsqueeze(-1) % self.primes[:, n - 1])             # [B, T, E, H]
+        hash_ids = torch.cat(cols, dim=-1) + self.offsets                    # [B, T, E, G]
+        new_history = ext[:, ext.size(1) - k:] if k else ext[:, :0]
+        return hash_ids, new_history.contiguous()
+
+
+# ------------------------------------------------------------------------------------------------ 6.3 lookup, gate
+
+class EngramEmbedding(nn.Module):
+    """The hash table [R, W], held dequantized (official: e4m3 rows times one ue8m0 scale per 32, exact in bf16)."""
+
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.num_embeddings, self.dim = num_embeddings, dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+def _qdq_fp8_tiles(w: torch.Tensor, tile: int = 32) -> torch.Tensor:
+    """Round a weight [O, I] to e4m3 values with one power-of-two scale per tile x tile block (the checkpoint's
+    fp8 Linear storage, MODEL.md 9): scale = 2^ceil(log2(amax * fp32(1/448))), amax >= 1e-4, RNE to e4m3.
+    Used to give random weights checkpoint-representable values."""
+    O, I = w.shape
+    po, pi = -O % tile, -I % tile
+    g = F.pad(w.float(), (0, pi, 0, po)).reshape((O + po) // tile, tile, (I + pi) // tile, tile)
+    amax = g.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-4)
+    mant, expo = torch.frexp(amax * torch.tensor(1.0 / 448.0, dtype=torch.float32))   # y = mant * 2^expo
+    scale = torch.ldexp(torch.ones_like(amax), expo - (mant == 0.5).to(expo.dtype))      # 2^ceil(log2 y)
+    q = (g / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(O + po, I + pi)[:O, :I].to(w.dtype)
+
+
+class Engram(nn.Module):
+    """One engram layer: X [B,T,S,D] -> X' [B,T,S,D] (MODEL.md 6.3), applied before its block.
+
+    Parameters (official checkpoint names under `layers.{L}.engram.`): `embed.weight` [R, W] (dequantized),
+    `wkv.weight` [D*(S+1), G*W] (fp8 Linear), `q_weight`, `k_weight` [S, D].
+
+    rows = embed(hash_ids) [B,T,G,W] -> [B,T,G*W] in the stream's dtype; kv = wkv(rows) (FP8 activation QDQ
+    inside the Linear); key [B,T,S,D], value [B,T,D]. In fp32, with w = q_weight * k_weight and h = X:
+      dot_k  = sum_D(h_k * w_k * key_k) * rsqrt(mean_D h_k^2 + eps) * rsqrt(mean_D key_k^2 + eps) * D^-0.5
+      gate_k = sigmoid(copysign(sqrt(max(|dot_k|, 1e-6)), dot_k)),  0 where token_mask is False
+      X'_k   = (h_k + gate_k * value) cast to X's dtype (the value is shared by all S streams)."""
+
+    def __init__(self, cfg, layer_id: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        if layer_id not in cfg.engram_layer_ids:
+            raise ValueError(f"config field 'engram_layer_ids' = {list(cfg.engram_layer_ids)!r}: no engram at "
+                             f"layer {layer_id}")
+        check_engram_tables(cfg)
+        self.layer_id = layer_id
+        self.layer_index = tuple(cfg.engram_layer_ids).index(layer_id)  # slice of NgramHasher's E axis
+        self.dim, self.hc_mult, self.eps = cfg.dim, cfg.hc_mult, cfg.norm_eps
+        self.n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+        self.head_dim = cfg.engram_head_dim
+        self.embed = EngramEmbedding(cfg.engram_num_embeddings[self.layer_index], cfg.engram_head_dim, dtype)
+        self.wkv = Linear(self.n_cols * self.head_dim, self.dim * (self.hc_mult + 1), kind="fp8", dtype=dtype)
+        self.q_weight = nn.Parameter(torch.ones(self.hc_mult, self.dim, dtype=dtype))
+        self.k_weight = nn.Parameter(torch.ones(self.hc_mult, self.dim, dtype=dtype))
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Random weights with checkpoint-like statistics, every value representable in the checkpoint format:
+        table ~ N(0, 1) rounded to e4m3 with a ue8m0 scale per 32, wkv ~ N(0, 1/in) rounded to fp8 per 32x32
+        tile, q/k ~ 1 + 0.1 N(0, 1) rounded to bf16 (the case-a checkpoint measures 1.0 +- 0.1)."""
+        def randn(shape):
+            return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+        e = self.embed.weight
+        e.copy_(qdq_fp8(randn(e.shape)).to(e.dtype))
+        w = self.wkv.weight
+        w.copy_(_qdq_fp8_tiles(randn(w.shape) * w.shape[1] ** -0.5).to(w.dtype))
+        for p in (self.q_weight, self.k_weight):
+            p.copy_((1 + 0.1 * randn(p.shape)).to(torch.bfloat16).to(p.dtype))
+
+    def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, S, D = x.shape
+        if hash_ids.shape != (B, T, self.n_cols):
+            raise ValueError(f"hash_ids must be [B={B}, T={T}, G={self.n_cols}], got {tuple(hash_ids.shape)}")
+        rows = self.embed(hash_ids).flatten(-2).to(x.dtype)                 # [B, T, G*W]
+        kv = self.wkv(rows)
+        key, value = kv.split([S * D, D], dim=-1)
+        key = key.float().unflatten(-1, (S, D))                              # [B, T, S, D]
+        w = self.q_weight.float() * self.k_weight.float()                    # [S, D]
+        h = x.float()
+        # normalised per (token, stream) over D, applied after the dot product (MODEL.md 10.2 item 6)
+        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (h * w * key).sum(-1) * rstd * D ** -0.5                       # [B, T, S]
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
+        if token_mask is not None:
+            gate = gate.masked_fill(~token_mask.to(torch.bool).unsqueeze(-1), 0.0)
+        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)

@@ -1,0 +1,98 @@
+"""Mixture of experts: sqrt-softplus gate with selection-only bias, SwiGLU experts with the asymmetric clamp,
+one shared expert (MODEL.md 5).
+
+Legend: N tokens (flattened B*T), D width, F expert hidden width, E routed experts, K activated experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv41.model.common import Linear
+
+
+class Gate(nn.Module):
+    """scores = score_func(v W_g^T / gate_temp) in fp32; experts picked by top-K of scores + bias (the bias
+    steers selection only, aux-loss-free balancing); weights from the unbiased scores, normalised, x route_scale.
+    Image-span tokens select with `bias_vl` (one bias per modality, SYSTEM.md 6)."""
+
+    def __init__(self, cfg, n_experts: int, topk: int, dtype: torch.dtype):
+        super().__init__()
+        self.topk, self.score_func = topk, cfg.score_func
+        self.gate_temp, self.norm_topk_prob, self.route_scale = cfg.gate_temp, cfg.norm_topk_prob, cfg.route_scale
+        self.weight = nn.Parameter(torch.empty(n_experts, cfg.dim, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32)) if cfg.vision_enabled else None
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        z = F.linear(x.float(), self.weight.float()) / self.gate_temp
+        if self.score_func == "softmax":
+            return z.softmax(dim=-1)
+        if self.score_func == "sigmoid":
+            return z.sigmoid()
+        return F.softplus(z).sqrt()
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
+        """x [N,D], image_mask [N] bool -> (weights [N,K] fp32, indices [N,K] long, scores [N,E])."""
+        scores = self.scores(x)
+        bias = self.bias
+        if image_mask is not None and self.bias_vl is not None:
+            bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
+        indices = (scores + bias).detach().topk(self.topk, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob and self.topk > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # literal 1e-20, not norm_eps
+        return weights * self.route_scale, indices, scores
+
+
+class Expert(nn.Module):
+    """SwiGLU: w2( silu(min(w1 v, L)) * clamp(w3 v, -L, L) ), routing weight applied before w2."""
+
+    def __init__(self, dim: int, inter: int, kind: str, dtype: torch.dtype, swiglu_limit: float):
+        super().__init__()
+        self.w1 = Linear(dim, inter, kind, dtype)
+        self.w2 = Linear(inter, dim, kind, dtype)
+        self.w3 = Linear(dim, inter, kind, dtype)
+        self.limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = self.w1(x).float(), self.w3(x).float()
+        if self.limit > 0:
+            up = up.clamp(-self.limit, self.limit)
+            gate = gate.clamp(max=self.limit)
+        h = F.silu(gate) * up
+        if weights is not None:
+            h = weights * h
+        return self.w2(h.to(x.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        n_experts, topk = cfg.moe_shape(layer_id)
+        self.n_experts, self.dim = n_experts, cfg.dim
+        self.gate = Gate(cfg, n_experts, topk, dtype)
+        kind = {"fp4": "fp4", "fp8": "fp8", "bf16": "bf16", None: "bf16"}[cfg.expert_dtype]
+        shared_kind = "fp8" if cfg.dtype == "fp8" else "bf16"
+        self.experts = nn.ModuleList(
+            [Expert(cfg.dim, cfg.moe_inter_dim, kind, dtype, cfg.swiglu_limit) for _ in range(n_experts)])
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, shared_kind, dtype, cfg.swiglu_limit)
+        self.last_route: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices, weights) of the last call
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B,T,D] -> [B,T,D]. Routed outputs accumulate in fp32 in ascending expert id, shared expert last."""
+        shape = x.shape
+        x = x.reshape(-1, self.dim)
+        weights, indices, _ = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
+        self.last_route = (indices.view(*shape[:-1], -1), weights.view(*shape[:-1], -1))
+        y = torch.zeros_like(x, dtype=torch.float32)
+        counts = torch.bincount(indices.flatten(), minlength=self.n_experts).tolist()
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows, slot = torch.where(indices == e)
+            y = y.index_add(0, rows, self.experts[e](x[rows], weights[rows, slot, None]).float())
+        y = y + self.shared_experts(x).float()
+        return y.type_as(x).view(shape)
