@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from dsv41.config import Mode, ModelConfig, ced_split, layer_roles
+from dsv41.config import LayerRole, Mode, ModelConfig, ced_split, layer_roles
 
 PRECISION_WEIGHT = {"bf16": 1.0, "fp32": 1.0, "fp8": 0.5, "fp4": 0.25}
 _WIDTH = {"fp4": 4, "fp8": 8, "bf16": 16, "fp32": 32}
@@ -85,7 +85,7 @@ def candidate_pool_entries(cfg: ModelConfig) -> int:
     return cfg.candidate_topk_blocks * cfg.candidate_block_size
 
 
-def _scanned_entries(cfg: ModelConfig, role, visible: int, hierarchical: bool) -> int:
+def _scanned_entries(cfg: ModelConfig, role: LayerRole, visible: int, hierarchical: bool) -> int:
     if role.mode == Mode.FULL:
         return visible
     if role.mode == Mode.REINDEX:
@@ -135,12 +135,11 @@ class Term:
         return self.flops * PRECISION_WEIGHT[self.precision]
 
 
-def _layer_linear_terms(cfg: ModelConfig, layer: int, expert_mma: str) -> list[Term]:
+def _layer_linear_terms(cfg: ModelConfig, role: LayerRole, expert_mma: str) -> list[Term]:
     """Matmul terms of one backbone layer that do not depend on context (per token)."""
     D, H, d = cfg.dim, cfg.n_heads, cfg.head_dim
     lin = linear_precision(cfg)
-    role = layer_roles(cfg)[layer]
-    n_exp, k = cfg.moe_shape(layer)
+    n_exp, k = cfg.moe_shape(role.layer)
     mixw = (2 + cfg.hc_mult) * cfg.hc_mult
     t = [
         Term("hc_mixes", 2 * mixw * cfg.hc_mult * D, "fp32"),
@@ -176,7 +175,7 @@ def decode_terms(cfg: ModelConfig, n: int, expert_mma: str = "auto", hierarchica
 
     roles = layer_roles(cfg)
     for r in roles:
-        for term in _layer_linear_terms(cfg, r.layer, expert_mma):
+        for term in _layer_linear_terms(cfg, r, expert_mma):
             add(term)
         visible = n // r.ratio if r.ratio else 0
         add(Term("attention_core", _attn_core_macs(cfg, r.ratio, min(cfg.window_size, n),
@@ -246,7 +245,7 @@ def prefill_terms(cfg: ModelConfig, n: int, expert_mma: str = "auto") -> list[Te
     s = index_score_macs(cfg)
     w = cfg.window_size
     for r in roles[:split]:                                   # encoder: every prompt token
-        for t in _layer_linear_terms(cfg, r.layer, expert_mma):
+        for t in _layer_linear_terms(cfg, r, expert_mma):
             add(t.name, t.macs * n, t.precision)
         win_rows = _sum_min_floor(n, 1, w)
         topk_rows = _sum_min_floor(n, r.ratio, cfg.index_topk) if r.ratio else 0
@@ -260,7 +259,7 @@ def prefill_terms(cfg: ModelConfig, n: int, expert_mma: str = "auto") -> list[Te
     tail = min(w, n)                                           # decoder: the last window, in full
     for i in range(n - tail, n):
         for r in roles[split:]:
-            for t in _layer_linear_terms(cfg, r.layer, expert_mma):
+            for t in _layer_linear_terms(cfg, r, expert_mma):
                 if t.name in ("compressor", "indexer_k"):
                     continue                                   # counted above for all n tokens
                 add(t.name, t.macs, t.precision)
@@ -347,8 +346,11 @@ def plot_decode_curve(cfg: ModelConfig, contexts: Iterable[int], path: str) -> N
     import matplotlib.pyplot as plt
 
     ctx = sorted(int(c) for c in contexts)
-    dense = sorted(set(ctx) | {int(4096 * 2 ** (k / 4)) for k in range(33)} if ctx else set())
-    dense = [c for c in dense if min(ctx) <= c <= max(ctx)] or ctx
+    if not ctx:
+        raise ValueError("no contexts to plot")
+    lo, hi = ctx[0], ctx[-1]
+    steps = 64
+    dense = sorted(set(ctx) | {round(lo * (hi / lo) ** (k / steps)) for k in range(steps + 1)})
     w = [decode_flops(cfg, n)["weighted"] / 1e9 for n in dense]
     w4 = [decode_flops(cfg, n, expert_mma="fp4")["weighted"] / 1e9 for n in dense]
     flat = [decode_flops(cfg, n, hierarchical=False)["weighted"] / 1e9 for n in dense]

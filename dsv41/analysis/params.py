@@ -127,7 +127,7 @@ def vision_params(cfg: ModelConfig) -> dict[str, int]:
 
 def _activated_block(cfg: ModelConfig, layer: int) -> int:
     p = block_params(cfg, layer)
-    n_experts, k = cfg.moe_shape(layer)
+    _, k = cfg.moe_shape(layer)
     return sum(v for name, v in p.items() if name != "routed_experts") + k * expert_params(cfg)
 
 
