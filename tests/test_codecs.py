@@ -158,8 +158,8 @@ def test_pack_shape_dtype_and_round_trip(name, d, dtype):
         assert u.dtype == torch.float32 and u.shape == x.shape
         y = qdq(x)
         assert y.dtype == dtype and y.shape == x.shape
+        # bit-equal to the fp32 unpack: so the cast to the input dtype (bf16 too) lost nothing
         assert same_bits(u, y), (name, d, scale)
-        assert same_bits(y.float().to(dtype), y)  # exactly representable in the input dtype
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -499,6 +499,7 @@ def test_cuda_matches_cpu(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode")
 def test_cuda_qdq_does_not_sync():
     x = torch.randn(64, 512, device="cuda").bfloat16()
     x[0, 0] = float("nan")
