@@ -45,6 +45,15 @@ class StepContext:
         return torch.arange(self.start_pos, self.start_pos + self.seqlen)
 
 
+def set_tie_break(model: nn.Module, ties: str) -> None:
+    """Choose how every indexer / candidate top-k breaks exact ties: 'official' or 'recent' (`topk_indices`)."""
+    if ties not in ("official", "recent"):
+        raise ValueError(f"tie break must be 'official' or 'recent', got {ties!r}")
+    for m in model.modules():
+        if isinstance(m, Indexer):
+            m.ties = ties
+
+
 def lin_kind(cfg: ModelConfig) -> str:
     """Storage kind of the ordinary Linear weights: 'fp8' (activation-quantized) or plain 'bf16'."""
     return "fp8" if cfg.dtype == "fp8" else "bf16"
@@ -65,8 +74,23 @@ def window_indices(P: int, T: int, W: int) -> torch.Tensor:
     return torch.where(pos < 0, -1, idx)
 
 
+def topk_indices(score: torch.Tensor, k: int, ties: str = "official") -> torch.Tensor:
+    """Indices of the k largest entries along the last axis.
+
+    ties="official": torch's `topk(sorted=False)`, as the official code. Its order among exactly equal scores
+      is implementation-defined and depends on the tensor's width (MODEL.md 10.2 item 1), so it reproduces
+      the official selections (gate 1) but a chunked prefill or a decode step can pick another member of a tie.
+    ties="recent": ties broken toward the larger index (the more recent entry): a fixed rule under which
+      chunked prefill, decode and batching select exactly what one-shot prefill selects, even at exact ties
+      (all-zero ReLU score rows are common). Used for the engine's exactness checks."""
+    if ties == "official":
+        return score.topk(k, dim=-1, sorted=False).indices
+    order = torch.sort(score.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
+    return score.size(-1) - 1 - order
+
+
 def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int,
-                            block_size: int) -> torch.Tensor:
+                            block_size: int, ties: str = "official") -> torch.Tensor:
     """Level one of the hierarchical indexer (MODEL.md 3.7): block score = max over `block_size` entries, the
     block holding the newest visible entry pinned to +inf, keep the top `topk_blocks` blocks with a finite
     score. score [B,T,N] (invisible = -inf), compress_lens [T,1] -> bool mask [B,T,N]."""
@@ -76,8 +100,8 @@ def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, to
     nb = blocks.size(-1)
     last = torch.div(compress_lens - 1, block_size, rounding_mode="floor")
     blocks = blocks.masked_fill(torch.arange(nb, device=score.device) == last, torch.inf)
-    top = blocks.topk(min(topk_blocks, nb), dim=-1)
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    top = topk_indices(blocks, min(topk_blocks, nb), ties)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top, blocks.gather(-1, top) > -torch.inf)
     return keep.repeat_interleave(block_size, dim=-1)[..., :N]
 
 
@@ -126,6 +150,8 @@ class Indexer(QuantSite):
     I[q,t] = sum_j w[q,j] * ReLU(q_j . K_t), keys FP4 (MXFP4) QDQ'd. Owners (Full layers) first turn the new
     latents into index keys. The candidate source publishes its block pool; Reindex layers mask to it."""
 
+    ties: str = "official"          # see `topk_indices`; switched model-wide by `set_tie_break`
+
     def __init__(self, cfg: ModelConfig, role: LayerRole, dtype: torch.dtype):
         super().__init__()
         self.role = role
@@ -164,12 +190,12 @@ class Indexer(QuantSite):
         visible = torch.arange(n_vis, device=score.device) < compress_lens         # [T,N]
         score = score.masked_fill(~visible, -torch.inf)
         if role.is_candidate_source:
-            cand = select_candidate_blocks(score, compress_lens, self.cand_blocks, self.cand_size)
+            cand = select_candidate_blocks(score, compress_lens, self.cand_blocks, self.cand_size, self.ties)
             ctx.published[("cand", role.layer)] = cand
         elif role.uses_candidates:
             score = score.masked_fill(~ctx.published[("cand", role.candidates_from)], -torch.inf)
         k = min(self.topk, n_vis)
-        idx = score.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        idx = topk_indices(score, k, self.ties).sort(dim=-1).values
         return torch.where(idx < compress_lens, idx + offset, -1).int()
 
 
