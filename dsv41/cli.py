@@ -10,6 +10,8 @@ import sys
 COMMANDS = [
     "dsv41.analysis.cli",
     "dsv41.model.cli",
+    "dsv41.train.cli",
+    "dsv41.engine.cli",
 ]
 
 
