@@ -185,3 +185,26 @@ def test_logits_cli_on_random_official_checkpoint(tmp_path):
                           "--tokens", str(tmp_path / "t.json"), "--decode-steps", "-1", "--out", "x"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "decode-steps" in bad.stderr
+
+
+def test_batched_decode_at_different_positions_equals_one_at_a_time():
+    """Continuous batching: rows at different positions (different compression phases) decode together."""
+    cfg, m = continuous("debug")
+    lens = [13, 26, 9]
+    seqs = [tokens(cfg, 1, n + 4, seed=s) for s, n in enumerate(lens)]
+    alone, caches = [], []
+    with torch.no_grad():
+        for s, n in zip(seqs, lens):
+            c = DenseCache(cfg, 1, torch.float32)
+            m(s[:, :n], c)
+            caches.append(c)
+            c2 = DenseCache(cfg, 1, torch.float32)
+            m(s[:, :n], c2)
+            alone.append(torch.cat([m(s[:, n + k:n + k + 1], c2).logits for k in range(4)], 1))
+        batch = DenseCache.stack(caches)
+        steps = []
+        for k in range(4):
+            ids = torch.cat([s[:, n + k:n + k + 1] for s, n in zip(seqs, lens)])
+            steps.append(m(ids, batch).logits)
+    together = torch.cat(steps, 1)
+    assert rel(together, torch.cat(alone)) < 1e-5

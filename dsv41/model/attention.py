@@ -30,10 +30,12 @@ from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope
 
 @dataclass
 class StepContext:
-    """Per-forward state handed down the stack: where this chunk sits, the bound store, and what source layers
-    published for the layers above them (top-k by index source, candidate masks by candidate source)."""
+    """Per-forward state handed down the stack: where each row's chunk starts, the bound store, and what source
+    layers published for the layers above them (top-k by index source, candidate masks by candidate source).
 
-    start_pos: int
+    Rows may sit at different positions (continuous batching); all rows process `seqlen` tokens."""
+
+    start: torch.Tensor                 # [B] long: position of each row's first token in this call
     seqlen: int
     cache: object
     official_decode_artifact: bool = False
@@ -42,7 +44,18 @@ class StepContext:
 
     @property
     def positions(self) -> torch.Tensor:
-        return torch.arange(self.start_pos, self.start_pos + self.seqlen)
+        """[B,T] absolute positions of this call's tokens."""
+        return self.start.unsqueeze(1) + torch.arange(self.seqlen, device=self.start.device)
+
+    @property
+    def uniform_start(self) -> int | None:
+        """The common start position when every row has the same one (the official runtime's case)."""
+        lo, hi = int(self.start.min()), int(self.start.max())
+        return lo if lo == hi else None
+
+    @property
+    def all_prefill(self) -> bool:
+        return int(self.start.max()) == 0
 
 
 def set_tie_break(model: nn.Module, ties: str) -> None:
@@ -59,17 +72,21 @@ def lin_kind(cfg: ModelConfig) -> str:
     return "fp8" if cfg.dtype == "fp8" else "bf16"
 
 
-def window_indices(P: int, T: int, W: int) -> torch.Tensor:
-    """Window index lists [T, K] into the window KV tensor of this call.
+def window_indices(start: torch.Tensor, T: int, W: int, prefill: bool) -> torch.Tensor:
+    """Window index lists [B, T, K] into the window KV tensor of this call.
 
-    P == 0: the KV tensor is the chunk itself; query i sees max(0,i-W+1) + 0..min(T,W)-1, entries > i -> -1.
-    P > 0:  the KV tensor is [ring (W slots, position p at slot p % W) || chunk (T rows)]; query p lists the W
-            positions p-W+1..p oldest first (ring slot for positions < P, chunk row for >= P), < 0 -> -1."""
-    if P == 0:
+    prefill (every row at position 0): the KV tensor is the chunk itself; query i sees max(0,i-W+1) +
+      0..min(T,W)-1, entries > i -> -1 (the official prefill lists).
+    otherwise: the KV tensor is [ring (W slots, position p at slot p % W) || chunk (T rows)]; query p lists the W
+      positions p-W+1..p oldest first (ring slot for positions before the chunk, chunk row after), < 0 -> -1
+      (for T = 1 exactly the official decode list)."""
+    B = start.size(0)
+    if prefill:
         end = torch.arange(T).unsqueeze(1)
         idx = (end - W + 1).clamp(min=0) + torch.arange(min(T, W))
-        return torch.where(idx > end, -1, idx)
-    pos = torch.arange(P, P + T).unsqueeze(1) - W + 1 + torch.arange(W)          # [T, W] positions
+        return torch.where(idx > end, -1, idx).expand(B, -1, -1)
+    P = start.view(B, 1, 1).cpu()
+    pos = P + torch.arange(T).view(1, T, 1) - W + 1 + torch.arange(W).view(1, 1, W)     # [B,T,W] positions
     idx = torch.where(pos < P, pos % W, W + pos - P)
     return torch.where(pos < 0, -1, idx)
 
@@ -107,8 +124,8 @@ def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, to
 
 class Compressor(nn.Module):
     """m tokens -> one latent (MODEL.md 3.4). m = 2: per-channel softmax-gated pooling in fp32, with the partial
-    group carried between calls; m = 1: a plain bf16 projection. Returns the latent before RoPE (the indexer
-    needs it unrotated) for every group completed in this call."""
+    group carried between calls; m = 1: a plain bf16 projection. Returns the latents before RoPE (the indexer
+    needs them unrotated) of every group completed in this call."""
 
     def __init__(self, cfg: ModelConfig, ratio: int, dtype: torch.dtype):
         super().__init__()
@@ -120,28 +137,40 @@ class Compressor(nn.Module):
         else:
             self.wkv = Linear(cfg.dim, cfg.head_dim, "bf16", dtype)
 
-    def forward(self, u: torch.Tensor, P: int, cache, layer: int) -> torch.Tensor | None:
-        """u [B,T,D] -> latents [B,n,C] for groups P//m .. (P+T)//m - 1, or None when no group completed."""
+    def forward(self, u: torch.Tensor, start: torch.Tensor, cache, layer: int):
+        """u [B,T,D] -> (latents [B,n,C], count [B]): row b completed groups start_b//m .. + count_b - 1
+        (latents beyond a row's count are padding)."""
         m = self.ratio
+        B, T = u.shape[:2]
         if m == 1:
-            return self.norm(self.wkv(u))
+            return self.norm(self.wkv(u)), torch.full((B,), T, dtype=torch.long, device=u.device)
         x = u.float()
-        kv, score = self.wkv(x), self.wgate(x)
-        carried = P % m                                   # tokens of the current group seen before this call
-        if carried:
-            st_kv, st_sc = cache.compressor_state(layer)
-            kv = torch.cat([st_kv[:, :carried], kv], dim=1)
-            score = torch.cat([st_sc[:, :carried], score], dim=1)
-        n = kv.size(1) // m
-        rest = kv.size(1) - n * m
-        if rest:
-            cache.set_compressor_state(layer, kv[:, n * m:], score[:, n * m:])
+        kv, score = self.wkv(x), self.wgate(x)                                     # [B,T,C] fp32
+        carried = (start % m).to(u.device)                                          # tokens of the open group
+        st_kv, st_sc = cache.compressor_state(layer)                                # [B,m,C], slots 0..m-1
+        # row b's sequence: its `carried` state slots, then this chunk; aligned so index 0 starts a group
+        seq_kv = torch.cat([st_kv, kv], dim=1)                                     # [B,m+T,C]
+        seq_sc = torch.cat([st_sc, score], dim=1)
+        shift = m - carried                                                         # first used index per row
+        L = T + int(carried.max())
+        gather = (shift.unsqueeze(1) + torch.arange(L, device=u.device)).clamp(max=m + T - 1)
+        seq_kv = seq_kv.gather(1, gather.unsqueeze(-1).expand(-1, -1, kv.size(-1)))
+        seq_sc = seq_sc.gather(1, gather.unsqueeze(-1).expand(-1, -1, kv.size(-1)))
+        length = carried + T                                                        # [B]
+        count = length // m
+        n = int(count.max())
+        rest = length - count * m
+        # the open group's tokens become the new carry (slots 0..rest-1; other slots are never read)
+        rest_idx = (count * m).unsqueeze(1) + torch.arange(m, device=u.device)
+        rest_idx = rest_idx.clamp(max=L - 1)
+        cache.set_compressor_state(layer, seq_kv.gather(1, rest_idx.unsqueeze(-1).expand(-1, -1, kv.size(-1))),
+                                   seq_sc.gather(1, rest_idx.unsqueeze(-1).expand(-1, -1, kv.size(-1))))
         if n == 0:
-            return None
-        kv = kv[:, :n * m].unflatten(1, (n, m))
-        score = score[:, :n * m].unflatten(1, (n, m))
-        pooled = (kv * score.softmax(dim=2)).sum(dim=2)
-        return self.norm(pooled.to(u.dtype))
+            return None, count
+        g_kv = seq_kv[:, :n * m].unflatten(1, (n, m))
+        g_sc = seq_sc[:, :n * m].unflatten(1, (n, m))
+        pooled = (g_kv * g_sc.softmax(dim=2)).sum(dim=2)
+        return self.norm(pooled.to(u.dtype)), count
 
 
 class Indexer(QuantSite):
@@ -166,35 +195,37 @@ class Indexer(QuantSite):
     def qdq(self, x: torch.Tensor) -> torch.Tensor:
         return qdq_index_k(x) if self.quant else x
 
-    def publish_keys(self, latent: torch.Tensor, row0: int, rope: Rope, ctx: StepContext) -> None:
+    def publish_keys(self, latent: torch.Tensor, count: torch.Tensor, row0: torch.Tensor, rope: Rope,
+                     ctx: StepContext) -> None:
         m = self.role.ratio
         k = self.k_norm(self.wk(latent))
-        k = apply_rope(k, rope.freqs(torch.arange(row0, row0 + k.size(1)) * m).unsqueeze(0))
-        ctx.cache.append_index_k(self.role.layer, row0, self.qdq(k))
+        pos = (row0.unsqueeze(1) + torch.arange(k.size(1), device=row0.device)) * m
+        k = apply_rope(k, rope.freqs(pos).to(k.device))
+        ctx.cache.append_index_k(self.role.layer, row0, self.qdq(k), count)
         ctx.cache.index_k_publisher = self.role.layer
 
     def forward(self, u: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor, offset: int,
                 ctx: StepContext) -> torch.Tensor:
         """Returns int32 [B,T,K] indices into the concatenated [window || compressed] KV axis (-1 = none)."""
         role, m = self.role, self.role.ratio
-        end = ctx.start_pos + ctx.seqlen
-        n_vis = end // m
+        n_vis = (ctx.start + ctx.seqlen) // m                                       # [B] entries visible at the end
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = self.qdq(apply_rope(q, freqs))
         src = ctx.cache.index_k_publisher if ctx.official_decode_artifact else role.kv_from
         keys = ctx.cache.index_k(src, n_vis)                                        # [B,N,I]
+        N = keys.size(1)
         w = self.weights_proj(u) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)  # [B,T,J]
-        score = torch.einsum("bthd,bnd->bthn", q, keys)
+        score = torch.einsum("bthd,bnd->bthn", q, keys.to(q.dtype))
         score = (score.relu() * w.unsqueeze(-1)).sum(dim=2)                         # [B,T,N]
         compress_lens = (ctx.positions.to(score.device) + 1).div(m, rounding_mode="floor").unsqueeze(-1)
-        visible = torch.arange(n_vis, device=score.device) < compress_lens         # [T,N]
+        visible = torch.arange(N, device=score.device) < compress_lens             # [B,T,N]
         score = score.masked_fill(~visible, -torch.inf)
         if role.is_candidate_source:
             cand = select_candidate_blocks(score, compress_lens, self.cand_blocks, self.cand_size, self.ties)
             ctx.published[("cand", role.layer)] = cand
         elif role.uses_candidates:
             score = score.masked_fill(~ctx.published[("cand", role.candidates_from)], -torch.inf)
-        k = min(self.topk, n_vis)
+        k = min(self.topk, N)
         idx = topk_indices(score, k, self.ties).sort(dim=-1).values
         return torch.where(idx < compress_lens, idx + offset, -1).int()
 
@@ -241,47 +272,47 @@ class Attention(QuantSite):
         o = torch.einsum("btgd,grd->btgr", o.to(wo_a.dtype), wo_a)
         return self.wo_b(o.flatten(2))
 
-    def compressed_part(self, u, qr, offset, ctx: StepContext):
+    def compressed_part(self, u, qr, freqs, offset, ctx: StepContext):
         """(compressed KV [B,N,C], indices [B,T,K]) of a layer with m > 0."""
         role, m, cache = self.role, self.role.ratio, ctx.cache
-        P, T = ctx.start_pos, ctx.seqlen
-        n_vis = (P + T) // m
-        latent = self.compressor(u, P, cache, self.layer) if self.compressor is not None else None
-        row0 = P // m
+        B, T = u.shape[:2]
+        n_vis = (ctx.start + T) // m                                                # [B]
+        row0 = ctx.start // m
+        latent = count = None
+        if self.compressor is not None:
+            latent, count = self.compressor(u, ctx.start, cache, self.layer)
         if role.is_index_source:
             if latent is not None:
-                self.indexer.publish_keys(latent, row0, self.rope, ctx)
-            if n_vis == 0:
-                idx = torch.empty(u.size(0), T, 0, dtype=torch.int32, device=u.device)
+                self.indexer.publish_keys(latent, count, row0, self.rope, ctx)
+            if int(n_vis.max()) == 0:
+                idx = torch.empty(B, T, 0, dtype=torch.int32, device=u.device)
             else:
-                idx = self.indexer(u, qr, self.rope.freqs(ctx.positions).unsqueeze(0), offset, ctx)
+                idx = self.indexer(u, qr, freqs, offset, ctx)
             ctx.published[("topk", self.layer)] = idx
             if ctx.record is not None:
                 ctx.record[("topk", self.layer)] = idx
-                if role.is_candidate_source and n_vis:
+                if ("cand", self.layer) in ctx.published:
                     ctx.record[("cand", self.layer)] = ctx.published[("cand", self.layer)]
         else:
             idx = ctx.published[("topk", role.topk_from)]
         if latent is not None:
-            pos = torch.arange(row0, row0 + latent.size(1)) * m          # a latent sits at its group's first token
-            latent = apply_rope(latent, self.rope.freqs(pos).unsqueeze(0))
-            cache.append_compressed(self.layer, row0, qdq_main_kv(latent) if self.quant else latent)
+            pos = (row0.unsqueeze(1) + torch.arange(latent.size(1), device=row0.device)) * m   # group's first token
+            latent = apply_rope(latent, self.rope.freqs(pos).to(latent.device))
+            cache.append_compressed(self.layer, row0, qdq_main_kv(latent) if self.quant else latent, count)
         return cache.compressed(role.kv_from, n_vis), idx
 
     def forward(self, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        P, T = ctx.start_pos, ctx.seqlen
-        freqs = self.rope.freqs(ctx.positions).unsqueeze(0).to(u.device)
+        B, T = u.shape[:2]
+        freqs = self.rope.freqs(ctx.positions).to(u.device)                        # [B,T,R/2]
         qr, q = self.queries(u, freqs)
         kv = self.window_kv(u, freqs)
-        if P == 0:
-            win_kv = kv
-        else:
-            win_kv = torch.cat([ctx.cache.window_ring(self.layer).to(kv.dtype), kv], dim=1)
-        idx = window_indices(P, T, self.window).to(u.device).int().expand(u.size(0), -1, -1)
-        ctx.cache.write_window(self.layer, P, kv)
+        prefill = ctx.all_prefill
+        win_kv = kv if prefill else torch.cat([ctx.cache.window_ring(self.layer).to(kv.dtype), kv], dim=1)
+        idx = window_indices(ctx.start, T, self.window, prefill).to(u.device).int()
+        ctx.cache.write_window(self.layer, ctx.start, kv)
         kv_all = win_kv
         if self.role.ratio:
-            ckv, cidx = self.compressed_part(u, qr, win_kv.size(1), ctx)
+            ckv, cidx = self.compressed_part(u, qr, freqs, win_kv.size(1), ctx)
             kv_all = torch.cat([win_kv, ckv.to(kv.dtype)], dim=1)
             idx = torch.cat([idx, cidx], dim=-1)
         o = sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)

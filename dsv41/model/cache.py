@@ -40,7 +40,7 @@ def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
 
 
 class DenseCache:
-    """Reference store for one batch of sequences that advance together (the official `start_pos`).
+    """Reference store for a batch of B sequences (rows may sit at different positions).
 
     Window rings hold position p in slot p % W. Global stores grow by doubling (no max_seq_len-sized
     preallocation). `index_k_publisher` emulates the official runtime's stale index-key pointer (MODEL.md 4)."""
@@ -48,18 +48,18 @@ class DenseCache:
     def __init__(self, cfg: ModelConfig, batch: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.cfg, self.batch, self.dtype, self.device = cfg, batch, dtype, torch.device(device)
         self.specs = {s.layer: s for s in cache_spec(cfg)}
-        self.pos = 0
+        self.pos = torch.zeros(batch, dtype=torch.long)
         self.window = {L: torch.zeros(batch, s.window_rows, s.width, dtype=dtype, device=self.device)
                        for L, s in self.specs.items()}
         self.ckv: dict[int, torch.Tensor] = {}
         self.kidx: dict[int, torch.Tensor] = {}
-        self.rows: dict[int, int] = {}
+        self.rows: dict[int, torch.Tensor] = {}
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for L, s in self.specs.items():
             if s.ratio:
                 self.ckv[L] = torch.zeros(batch, 16, s.width, dtype=dtype, device=self.device)
                 self.kidx[L] = torch.zeros(batch, 16, s.index_width, dtype=dtype, device=self.device)
-                self.rows[L] = 0
+                self.rows[L] = torch.zeros(batch, dtype=torch.long)
             if s.pending_rows:
                 self.pending[L] = (
                     torch.zeros(batch, s.pending_rows, s.width, dtype=torch.float32, device=self.device),
@@ -72,14 +72,14 @@ class DenseCache:
     def window_ring(self, layer: int) -> torch.Tensor:
         return self.window[layer]
 
-    def write_window(self, layer: int, start_pos: int, kv: torch.Tensor) -> None:
-        """kv [B,T,C] for positions start_pos..start_pos+T-1; only the last W survive."""
+    def write_window(self, layer: int, start: torch.Tensor, kv: torch.Tensor) -> None:
+        """kv [B,T,C] for positions start_b..start_b+T-1; only the last W of each row survive."""
         ring = self.window[layer]
-        W = ring.size(1)
-        T = kv.size(1)
+        W, T = ring.size(1), kv.size(1)
         first = max(0, T - W)
-        slots = (torch.arange(start_pos + first, start_pos + T, device=self.device) % W)
-        ring[:, slots] = kv[:, first:].to(ring.dtype)
+        pos = start.view(-1, 1).to(self.device) + torch.arange(first, T, device=self.device)
+        rows = torch.arange(kv.size(0), device=self.device).unsqueeze(1)
+        ring[rows, pos % W] = kv[:, first:].to(ring.dtype)
 
     # ---------------------------------------------------------------- global KV
     def _ensure(self, layer: int, rows: int) -> None:
@@ -93,37 +93,59 @@ class DenseCache:
             grown[:, :cur] = old
             store[layer] = grown
 
-    def append_compressed(self, layer: int, row0: int, kv: torch.Tensor) -> None:
-        """Write main-KV entries (RoPE'd, FP4 QDQ'd) [B,n,C] at rows row0.."""
-        n = kv.size(1)
-        self._ensure(layer, row0 + n)
-        self.ckv[layer][:, row0:row0 + n] = kv.to(self.dtype)
-        self.rows[layer] = max(self.rows[layer], row0 + n)
+    def _append(self, store: dict, layer: int, row0: torch.Tensor, x: torch.Tensor, count: torch.Tensor) -> None:
+        self._ensure(layer, int((row0 + count).max()))
+        for b in range(x.size(0)):
+            n = int(count[b])
+            if n:
+                r = int(row0[b])
+                store[layer][b, r:r + n] = x[b, :n].to(self.dtype)
 
-    def append_index_k(self, layer: int, row0: int, k: torch.Tensor) -> None:
-        n = k.size(1)
-        self._ensure(layer, row0 + n)
-        self.kidx[layer][:, row0:row0 + n] = k.to(self.dtype)
+    def append_compressed(self, layer: int, row0: torch.Tensor, kv: torch.Tensor, count: torch.Tensor) -> None:
+        """Main-KV entries (RoPE'd, FP4 QDQ'd) kv [B,n,C]: row b writes its first count_b at rows row0_b.."""
+        self._append(self.ckv, layer, row0, kv, count)
+        self.rows[layer] = torch.maximum(self.rows[layer], (row0 + count).cpu())
 
-    def compressed(self, layer: int, n: int) -> torch.Tensor:
-        return self.ckv[layer][:, :n]
+    def append_index_k(self, layer: int, row0: torch.Tensor, k: torch.Tensor, count: torch.Tensor) -> None:
+        self._append(self.kidx, layer, row0, k, count)
 
-    def index_k(self, layer: int, n: int) -> torch.Tensor:
-        return self.kidx[layer][:, :n]
+    def compressed(self, layer: int, n: torch.Tensor) -> torch.Tensor:
+        """[B, max n, C]; entries past a row's n are padding (never selected)."""
+        return self.ckv[layer][:, :int(n.max())]
+
+    def index_k(self, layer: int, n: torch.Tensor) -> torch.Tensor:
+        return self.kidx[layer][:, :int(n.max())]
 
     # ---------------------------------------------------------------- compressor carry
     def compressor_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pending[layer]
 
     def set_compressor_state(self, layer: int, kv: torch.Tensor, score: torch.Tensor) -> None:
-        """kv/score [B,r,C] fp32 of the r tokens of the current partial group (slots 0..r-1)."""
+        """kv/score [B,m,C] fp32: slots 0..r_b-1 hold the r_b tokens of each row's open group."""
         st_kv, st_sc = self.pending[layer]
-        r = kv.size(1)
-        st_kv[:, :r] = kv
-        st_sc[:, :r] = score
+        st_kv.copy_(kv)
+        st_sc.copy_(score)
 
     # ---------------------------------------------------------------- accounting
     def global_bytes(self) -> int:
         """Bytes the reference store holds for global KV (in its simulated dtype, not packed)."""
-        return sum(self.rows[L] * (self.ckv[L].size(2) + self.kidx[L].size(2)) * self.ckv[L].element_size()
-                   * self.batch for L in self.ckv)
+        return sum(int(self.rows[L].sum()) * (self.ckv[L].size(2) + self.kidx[L].size(2)) * self.ckv[L].element_size()
+                   for L in self.ckv)
+
+    # ---------------------------------------------------------------- batching
+    @classmethod
+    def stack(cls, caches: list["DenseCache"]) -> "DenseCache":
+        """One batch from single-sequence stores (rows keep their own positions): continuous batching."""
+        c0 = caches[0]
+        out = cls(c0.cfg, sum(c.batch for c in caches), c0.dtype, c0.device)
+        out.pos = torch.cat([c.pos for c in caches])
+        out.window = {L: torch.cat([c.window[L] for c in caches]) for L in c0.window}
+        for L in c0.ckv:
+            n = max(c.ckv[L].size(1) for c in caches)
+            out.ckv[L] = torch.cat([torch.nn.functional.pad(c.ckv[L], (0, 0, 0, n - c.ckv[L].size(1))) for c in caches])
+            out.kidx[L] = torch.cat([torch.nn.functional.pad(c.kidx[L], (0, 0, 0, n - c.kidx[L].size(1))) for c in caches])
+            out.rows[L] = torch.cat([c.rows[L] for c in caches])
+        out.pending = {L: tuple(torch.cat([c.pending[L][i] for c in caches]) for i in range(2)) for L in c0.pending}
+        if c0.engram_history is not None:
+            out.engram_history = torch.cat([c.engram_history for c in caches])
+        return out

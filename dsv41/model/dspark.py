@@ -22,25 +22,27 @@ class DSparkAttention(Attention):
     """Window-only attention whose ring is filled from the target's hidden taps (`main_x`), while the draft
     block attends bidirectionally to itself on top of the ring (MODEL.md 7)."""
 
-    def seed(self, main_x: torch.Tensor, P: int, cache) -> torch.Tensor:
-        """Window KV of the main tokens at positions P..P+T-1, written to the ring."""
-        freqs = self.rope.freqs(torch.arange(P, P + main_x.size(1))).unsqueeze(0).to(main_x.device)
-        main_kv = self.window_kv(main_x, freqs)
-        cache.write_window(self.layer, P, main_kv)
-        return main_kv
+    def seed(self, main_x: torch.Tensor, start: torch.Tensor, cache) -> None:
+        """Window KV of the main tokens at positions start_b..start_b+T-1, written to the ring."""
+        pos = start.view(-1, 1) + torch.arange(main_x.size(1))
+        cache.write_window(self.layer, start, self.window_kv(main_x, self.rope.freqs(pos).to(main_x.device)))
 
     def forward(self, u: torch.Tensor, ctx, main_x: torch.Tensor) -> torch.Tensor:
-        P, cache = ctx.start_pos, ctx.cache
+        cache, start = ctx.cache, ctx.start
         B, G = u.shape[:2]
         T = main_x.size(1)
-        self.seed(main_x, P, cache)
-        freqs = self.rope.freqs(torch.arange(P + T, P + T + G)).unsqueeze(0).to(u.device)
+        self.seed(main_x, start, cache)
+        freqs = self.rope.freqs(start.view(-1, 1) + T + torch.arange(G)).to(u.device)
         qr, q = self.queries(u, freqs)
         kv = self.window_kv(u, freqs)                                       # drafts: not cached
         W = self.window
+        filled = torch.clamp(start + T, max=W)                              # ring slots holding a position
+        width = int(filled.max()) if ctx.uniform_start is not None else W   # official width when uniform
+        slots = torch.arange(width).expand(B, -1)
+        slots = torch.where(slots < filled.view(-1, 1), slots, -1)
+        idx = torch.cat([slots, W + torch.arange(G).expand(B, -1)], dim=1).int().to(u.device)
+        idx = idx.unsqueeze(1).expand(B, G, -1)
         ring = cache.window_ring(self.layer).to(kv.dtype)
-        idx = torch.cat([torch.arange(min(W, P + 1)), W + torch.arange(G)]).int().to(u.device)
-        idx = idx.view(1, 1, -1).expand(B, G, -1)
         o = sparse_attn(q, torch.cat([ring, kv], dim=1), self.attn_sink, idx, self.softmax_scale)
         return self.output(o, freqs)
 
@@ -93,21 +95,23 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     return probs.div_(noise).argmax(dim=-1)
 
 
-def forward_spec(model, token: torch.Tensor, main_hidden: torch.Tensor, cache, start_pos: int,
-                 temperature: float = 0.0):
+def forward_spec(model, token: torch.Tensor | None, main_hidden: torch.Tensor, cache, start,
+                 temperature: float = 0.0, generator: torch.Generator | None = None):
     """See `Transformer.draft`."""
     from dsv41.model.attention import StepContext
 
     warm_up_transcendentals()
     cfg, stages = model.cfg, model.mtp
     first, last = stages[0], stages[-1]
+    B = main_hidden.size(0)
+    start = torch.as_tensor(start, dtype=torch.long).expand(B).clone()
     main_x = first.main_norm(first.main_proj(main_hidden))                 # [B,T,D]
-    ctx = StepContext(start_pos, main_x.size(1), cache)
-    if start_pos == 0:
+    if token is None:                                                      # prefill: seed the rings only
         for st in stages:
-            st.attn.seed(main_x, 0, cache)
+            st.attn.seed(main_x, start, cache)
         return None
-    B, G = token.size(0), cfg.dspark_block_size
+    ctx = StepContext(start, main_x.size(1), cache)
+    G = cfg.dspark_block_size
     ids = token.new_full((B, G), cfg.dspark_noise_token_id)
     ids[:, 0] = token
     h = model.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
@@ -123,7 +127,6 @@ def forward_spec(model, token: torch.Tensor, main_hidden: torch.Tensor, cache, s
         bias, e = last.markov_head(out[:, i])
         logits[:, i] = logits[:, i] + bias
         embeds.append(e)
-        out[:, i + 1] = sample(logits[:, i], temperature)
+        out[:, i + 1] = sample(logits[:, i], temperature, generator)
     confidence = last.confidence_head(x, torch.stack(embeds, dim=1))
     return out, logits, confidence
-

@@ -126,7 +126,7 @@ def run_teacher_forced(model, golden: dict[str, torch.Tensor], official_decode_a
             image_mask = token_types[:, sl] >= 0
         token_mask = None if image_mask is None else ~image_mask
         hashes = model.engram_hashes(ids, cache, token_mask)
-        ctx = StepContext(P, Tn, cache, official_decode_artifact)
+        ctx = StepContext(P.clone(), Tn, cache, official_decode_artifact)
         emb = model.embed_tokens(ids, images if (images is not None and not prefix) else None)
         if "embed_out" in golden:
             keep(f"{prefix}embed_out", emb)

@@ -130,22 +130,26 @@ class Transformer(nn.Module):
         return self.head(hidden.float()), hidden
 
     # ---------------------------------------------------------------- forward
-    def forward(self, input_ids: torch.Tensor, cache, start_pos: int | None = None, *,
+    def forward(self, input_ids: torch.Tensor, cache, start_pos: int | torch.Tensor | None = None, *,
                 token_types: torch.Tensor | None = None, images=None, last_only: bool = False,
                 official_decode_artifact: bool = False, record: dict | None = None) -> ForwardOut:
-        """Run T tokens at positions start_pos.. (default: where the cache stands) and advance the cache.
+        """Run T tokens per row at positions start_pos.. (default: where the cache stands) and advance the cache.
 
-        Prefill (P = 0, any T), decode (T = 1) and chunked prefill (any P, T) share this one path."""
-        P = cache.pos if start_pos is None else start_pos
-        if P != cache.pos:
-            raise ValueError(f"start_pos {P} does not continue the cache, which holds {cache.pos} tokens")
+        Prefill (P = 0, any T), decode (T = 1) and chunked prefill (any P, T) share this one path; rows may
+        sit at different positions (continuous batching)."""
         B, T = input_ids.shape
-        if images is not None and P != 0:
+        start = cache.pos.clone()
+        if start_pos is not None:
+            want = torch.as_tensor(start_pos, dtype=torch.long).expand(B)
+            if not torch.equal(want, start):
+                raise ValueError(f"start_pos {want.tolist()} does not continue the cache, which holds "
+                                 f"{start.tolist()} tokens per row")
+        if images is not None and int(start.max()) != 0:
             raise ValueError("image spans must be prefilled in the first chunk (start_pos 0)")
         image_mask = None if token_types is None else token_types >= 0
         token_mask = None if image_mask is None else ~image_mask
         hashes = self.engram_hashes(input_ids, cache, token_mask)
-        ctx = StepContext(P, T, cache, official_decode_artifact, record=record)
+        ctx = StepContext(start, T, cache, official_decode_artifact, record=record)
         h = self.embed_tokens(input_ids, images)
         if record is not None:
             record["embed_out"] = h
@@ -167,16 +171,19 @@ class Transformer(nn.Module):
         if last_only:
             h, pre_mix = h[:, -1:], pre_mix[:, -1:]
         logits, hidden = self.logits_from(h, pre_mix)
-        cache.pos = P + T
+        cache.pos = start + T
         return ForwardOut(logits, hidden, torch.cat(taps, dim=-1) if taps else None)
 
     # ---------------------------------------------------------------- DSpark
-    def draft(self, token: torch.Tensor, main_hidden: torch.Tensor, cache, start_pos: int, temperature: float = 0.0):
-        """The DSpark drafter (MODEL.md 7). At start_pos 0 only seeds the drafter windows from `main_hidden`
-        ([B,T,taps*D]) and returns None; later, `token` [B] is the token the main model just produced (it sits
-        at start_pos + 1) and this returns (ids [B, bs+1], logits [B,bs,V], confidence [B,bs])."""
+    def draft(self, token: torch.Tensor | None, main_hidden: torch.Tensor, cache, start, temperature: float = 0.0,
+              generator: torch.Generator | None = None):
+        """The DSpark drafter (MODEL.md 7). `main_hidden` [B,T,taps*D] are the target's taps of the tokens at
+        positions start_b..start_b+T-1. With `token` None (prefill) it only seeds the drafter windows and
+        returns None; otherwise `token` [B] is the token the target just produced (position start_b + T) and
+        it returns (ids [B, G+1], logits [B,G,V], confidence [B,G]) for positions start_b+T+1...
+        The official code drafts only after a one-token decode step (T = 1)."""
         from dsv41.model.dspark import forward_spec
-        return forward_spec(self, token, main_hidden, cache, start_pos, temperature)
+        return forward_spec(self, token, main_hidden, cache, start, temperature, generator)
 
     # ---------------------------------------------------------------- misc
     def num_parameters(self) -> int:
