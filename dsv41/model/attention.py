@@ -41,6 +41,8 @@ class StepContext:
     official_decode_artifact: bool = False
     published: dict = field(default_factory=dict)
     record: dict | None = None          # when a dict: per-layer top-k / candidates are kept for inspection
+    window_floor: torch.Tensor | None = None   # [B]: window keys before this position are absent (replay start)
+    produce_kv: bool = True             # False: KV sources skip compressing (their global KV already exists)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -72,14 +74,16 @@ def lin_kind(cfg: ModelConfig) -> str:
     return "fp8" if cfg.dtype == "fp8" else "bf16"
 
 
-def window_indices(start: torch.Tensor, T: int, W: int, prefill: bool) -> torch.Tensor:
+def window_indices(start: torch.Tensor, T: int, W: int, prefill: bool,
+                   floor: torch.Tensor | None = None) -> torch.Tensor:
     """Window index lists [B, T, K] into the window KV tensor of this call.
 
     prefill (every row at position 0): the KV tensor is the chunk itself; query i sees max(0,i-W+1) +
       0..min(T,W)-1, entries > i -> -1 (the official prefill lists).
     otherwise: the KV tensor is [ring (W slots, position p at slot p % W) || chunk (T rows)]; query p lists the W
       positions p-W+1..p oldest first (ring slot for positions before the chunk, chunk row after), < 0 -> -1
-      (for T = 1 exactly the official decode list)."""
+      (for T = 1 exactly the official decode list).
+    floor [B]: positions below floor_b are absent (-1): the sliding window truncated at a replay start."""
     B = start.size(0)
     if prefill:
         end = torch.arange(T).unsqueeze(1)
@@ -88,7 +92,8 @@ def window_indices(start: torch.Tensor, T: int, W: int, prefill: bool) -> torch.
     P = start.view(B, 1, 1).cpu()
     pos = P + torch.arange(T).view(1, T, 1) - W + 1 + torch.arange(W).view(1, 1, W)     # [B,T,W] positions
     idx = torch.where(pos < P, pos % W, W + pos - P)
-    return torch.where(pos < 0, -1, idx)
+    lo = 0 if floor is None else floor.view(B, 1, 1).cpu()
+    return torch.where(pos < lo, -1, torch.where(pos < 0, -1, idx))
 
 
 def topk_indices(score: torch.Tensor, k: int, ties: str = "official") -> torch.Tensor:
@@ -204,9 +209,8 @@ class Indexer(QuantSite):
         ctx.cache.append_index_k(self.role.layer, row0, self.qdq(k), count)
         ctx.cache.index_k_publisher = self.role.layer
 
-    def forward(self, u: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor, offset: int,
-                ctx: StepContext) -> torch.Tensor:
-        """Returns int32 [B,T,K] indices into the concatenated [window || compressed] KV axis (-1 = none)."""
+    def forward(self, u: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Returns int32 [B,T,K] compressed-entry ids, ascending, -1 = none (the caller adds its window offset)."""
         role, m = self.role, self.role.ratio
         n_vis = (ctx.start + ctx.seqlen) // m                                       # [B] entries visible at the end
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
@@ -224,10 +228,11 @@ class Indexer(QuantSite):
             cand = select_candidate_blocks(score, compress_lens, self.cand_blocks, self.cand_size, self.ties)
             ctx.published[("cand", role.layer)] = cand
         elif role.uses_candidates:
-            score = score.masked_fill(~ctx.published[("cand", role.candidates_from)], -torch.inf)
+            cand = ctx.published[("cand", role.candidates_from)][:, -ctx.seqlen:]   # source may have run on more rows
+            score = score.masked_fill(~cand, -torch.inf)
         k = min(self.topk, N)
         idx = topk_indices(score, k, self.ties).sort(dim=-1).values
-        return torch.where(idx < compress_lens, idx + offset, -1).int()
+        return torch.where(idx < compress_lens, idx, -1).int()
 
 
 class Attention(QuantSite):
@@ -272,33 +277,41 @@ class Attention(QuantSite):
         o = torch.einsum("btgd,grd->btgr", o.to(wo_a.dtype), wo_a)
         return self.wo_b(o.flatten(2))
 
+    def produce_global_kv(self, u: torch.Tensor, ctx: StepContext) -> None:
+        """A KV source's global-KV production for this call's tokens: Compressor, index keys (pre-RoPE latent),
+        RoPE at each group's first position, FP4 QDQ, append to the store. This is all that CED prefill runs of
+        the decoder's KV source on the prompt rows the decoder skips (SYSTEM.md 2)."""
+        m, cache = self.role.ratio, ctx.cache
+        latent, count = self.compressor(u, ctx.start, cache, self.layer)
+        if latent is None:
+            return
+        row0 = ctx.start // m
+        if self.indexer is not None:
+            self.indexer.publish_keys(latent, count, row0, self.rope, ctx)
+        pos = (row0.unsqueeze(1) + torch.arange(latent.size(1), device=row0.device)) * m   # group's first token
+        latent = apply_rope(latent, self.rope.freqs(pos).to(latent.device))
+        cache.append_compressed(self.layer, row0, qdq_main_kv(latent) if self.quant else latent, count)
+
     def compressed_part(self, u, qr, freqs, offset, ctx: StepContext):
-        """(compressed KV [B,N,C], indices [B,T,K]) of a layer with m > 0."""
+        """(compressed KV [B,N,C], indices into [window || compressed] [B,T,K]) of a layer with m > 0."""
         role, m, cache = self.role, self.role.ratio, ctx.cache
         B, T = u.shape[:2]
         n_vis = (ctx.start + T) // m                                                # [B]
-        row0 = ctx.start // m
-        latent = count = None
-        if self.compressor is not None:
-            latent, count = self.compressor(u, ctx.start, cache, self.layer)
+        if self.compressor is not None and ctx.produce_kv:
+            self.produce_global_kv(u, ctx)
         if role.is_index_source:
-            if latent is not None:
-                self.indexer.publish_keys(latent, count, row0, self.rope, ctx)
             if int(n_vis.max()) == 0:
                 idx = torch.empty(B, T, 0, dtype=torch.int32, device=u.device)
             else:
-                idx = self.indexer(u, qr, freqs, offset, ctx)
+                idx = self.indexer(u, qr, freqs, ctx)
             ctx.published[("topk", self.layer)] = idx
             if ctx.record is not None:
                 ctx.record[("topk", self.layer)] = idx
                 if ("cand", self.layer) in ctx.published:
                     ctx.record[("cand", self.layer)] = ctx.published[("cand", self.layer)]
         else:
-            idx = ctx.published[("topk", role.topk_from)]
-        if latent is not None:
-            pos = (row0.unsqueeze(1) + torch.arange(latent.size(1), device=row0.device)) * m   # group's first token
-            latent = apply_rope(latent, self.rope.freqs(pos).to(latent.device))
-            cache.append_compressed(self.layer, row0, qdq_main_kv(latent) if self.quant else latent, count)
+            idx = ctx.published[("topk", role.topk_from)][:, -T:]                   # source may have run on more rows
+        idx = torch.where(idx >= 0, idx + offset, -1).int()
         return cache.compressed(role.kv_from, n_vis), idx
 
     def forward(self, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -308,7 +321,7 @@ class Attention(QuantSite):
         kv = self.window_kv(u, freqs)
         prefill = ctx.all_prefill
         win_kv = kv if prefill else torch.cat([ctx.cache.window_ring(self.layer).to(kv.dtype), kv], dim=1)
-        idx = window_indices(ctx.start, T, self.window, prefill).to(u.device).int()
+        idx = window_indices(ctx.start, T, self.window, prefill, ctx.window_floor).to(u.device).int()
         ctx.cache.write_window(self.layer, ctx.start, kv)
         kv_all = win_kv
         if self.role.ratio:

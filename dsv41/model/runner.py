@@ -14,14 +14,10 @@ from dsv41.model.mhc import identity_pre_mix
 from dsv41.model.attention import StepContext
 
 
-def _strip_offset(idx: torch.Tensor, offset: int) -> torch.Tensor:
-    return torch.where(idx >= 0, idx - offset, -1).int()
-
-
-def _collect_prefill(model, rec: dict, out: dict, offset: int, prefix: str = "") -> None:
+def _collect_prefill(model, rec: dict, out: dict, prefix: str = "") -> None:
     for r in model.roles:
         if r.is_index_source and ("topk", r.layer) in rec:
-            out[f"{prefix}topk.{r.layer}"] = _strip_offset(rec[("topk", r.layer)], offset)
+            out[f"{prefix}topk.{r.layer}"] = rec[("topk", r.layer)]
         if ("cand", r.layer) in rec:
             out[f"{prefix}candidates.{r.layer}"] = rec[("cand", r.layer)]
     if not prefix:
@@ -43,7 +39,7 @@ def run_logits(model, tokens: torch.Tensor, decode_steps: int = 0, official_deco
     res = model(tokens, cache, token_types=token_types, images=images, record=rec,
                 official_decode_artifact=official_decode_artifact)
     out: dict[str, torch.Tensor] = {"tokens": tokens, "prefill_logits": res.logits.float()}
-    _collect_prefill(model, rec, out, offset=T)
+    _collect_prefill(model, rec, out)
     if "embed_out" in rec and images is not None:
         out["embed_out"] = rec["embed_out"].float()
     if cfg.dspark_enabled:
@@ -59,8 +55,7 @@ def run_logits(model, tokens: torch.Tensor, decode_steps: int = 0, official_deco
         dec_logits.append(r.logits[:, -1].float())
         for ro in model.roles:
             if ro.is_index_source and ("topk", ro.layer) in rec:
-                offset = cfg.window_size + 1                 # decode KV axis: [ring (W) || this token]
-                topks.setdefault(ro.layer, []).append(_strip_offset(rec[("topk", ro.layer)][:, 0], offset))
+                topks.setdefault(ro.layer, []).append(rec[("topk", ro.layer)][:, 0])
         nxt = r.logits[:, -1].argmax(-1)
         if cfg.dspark_enabled:
             ids, lg, conf = model.draft(nxt, r.main_hidden, cache, P)
