@@ -1,0 +1,172 @@
+"""Prefill modes of the causal encoder-decoder (CED) dataflow (SYSTEM.md 2).
+
+  full         every layer on every prompt token: what the official code computes; the speed baseline.
+  ced-exact    encoder (layers below the split) on every token; the decoder's KV source produces its global KV
+               on every token; decoder layers run only on the rows the layers above still need (a dependency
+               halo growing by W-1 per layer: W + (D-1-k)(W-1) rows for decoder layer k of D). Equals `full` up
+               to floating-point order (the oracle for the approximation).
+  ced-bounded  the design: decoder layers run only on the last n_win = W prompt tokens, their sliding window
+               truncated at the replay start (Decoder SWA Bounded Replay). An approximation, measured.
+
+Legend: B batch, N prompt tokens of this call, S streams, D width, R rows a decoder layer runs on.
+
+Chunked prefill: the encoder (and the split layer's KV production) runs chunk by chunk; the encoder output of
+the tail rows the decoder needs is buffered and the decoder runs once at the end, so every chunking gives the
+one-shot result of the same mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv41.config import ced_split
+from dsv41.model.attention import StepContext
+from dsv41.model.mhc import hc_pre, identity_pre_mix
+
+MODES = ("full", "ced-exact", "ced-bounded")
+
+
+@dataclass
+class PrefillOut:
+    logits: torch.Tensor                       # [B,V] fp32 logits of the last prompt position
+    main_hidden: torch.Tensor | None           # DSpark taps of the last rows [B,Rt,taps*D] (to seed the drafter)
+    tap_start: torch.Tensor | None             # [B] position of main_hidden's first row
+    rows: dict[int, int] = field(default_factory=dict)   # layer -> prompt rows it ran on (this call)
+
+
+def check_ced(cfg) -> int:
+    """The split layer, or ValueError when this config admits no CED skip: every layer from the split up must
+    read global KV, top-k and candidates produced at or above the split (SYSTEM.md 2)."""
+    split = ced_split(cfg)
+    if split is None:
+        raise ValueError("config has no KV source layers, so no causal encoder-decoder split: use prefill mode 'full'")
+    from dsv41.config import layer_roles
+    for r in layer_roles(cfg)[split:]:
+        for src in (r.kv_from, r.topk_from, r.candidates_from):
+            if src is not None and src < split:
+                raise ValueError(f"layer {r.layer} reads state of layer {src} below the CED split {split}: "
+                                 "this config has no valid CED skip; use prefill mode 'full'")
+    return split
+
+
+def decoder_rows(cfg, mode: str, n_prompt: int) -> list[int]:
+    """Rows each decoder layer (split..L-1) runs on for a prompt of n_prompt tokens."""
+    split, W = check_ced(cfg), cfg.window_size
+    D = cfg.n_layers - split
+    if mode == "ced-bounded":
+        return [min(W, n_prompt)] * D
+    if mode == "ced-exact":
+        return [min(n_prompt, W + (D - 1 - k) * (W - 1)) for k in range(D)]
+    raise ValueError(f"prefill mode {mode!r} has no decoder segment")
+
+
+def _taps(model, L: int, h: torch.Tensor, taps: dict) -> None:
+    if model.cfg.dspark_enabled and L in model.cfg.dspark_target_layer_ids:
+        taps[L] = h.mean(dim=2)
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, cache, mode: str = "ced-bounded", chunk_size: int | None = None,
+            official_decode_artifact: bool = False) -> PrefillOut:
+    """Prefill `input_ids` [B,N] from where `cache` stands, in `mode`, optionally in chunks."""
+    if mode not in MODES:
+        raise ValueError(f"unknown prefill mode {mode!r}; choose one of {', '.join(MODES)}")
+    B, N = input_ids.shape
+    if N == 0:
+        raise ValueError("empty prompt")
+    chunk = chunk_size or N
+    if chunk <= 0:
+        raise ValueError(f"chunk size must be positive, got {chunk_size}")
+    if mode == "full":
+        return _prefill_full(model, input_ids, cache, chunk, official_decode_artifact)
+    return _prefill_ced(model, input_ids, cache, mode, chunk, official_decode_artifact)
+
+
+def _prefill_full(model, ids, cache, chunk, artifact) -> PrefillOut:
+    cfg = model.cfg
+    N = ids.size(1)
+    taps, tap_start, out = [], None, None
+    W = cfg.window_size
+    for lo in range(0, N, chunk):
+        start = cache.pos.clone()
+        out = model(ids[:, lo:lo + chunk], cache, last_only=True, official_decode_artifact=artifact)
+        if out.main_hidden is not None:
+            taps.append(out.main_hidden)
+            tap_start = start if tap_start is None else tap_start
+    main_hidden = torch.cat(taps, 1) if taps else None
+    if main_hidden is not None and main_hidden.size(1) > W:                 # the drafter's ring holds W rows
+        tap_start = tap_start + main_hidden.size(1) - W
+        main_hidden = main_hidden[:, -W:]
+    rows = {L: N for L in range(cfg.n_layers)}
+    return PrefillOut(out.logits[:, -1], main_hidden, tap_start, rows)
+
+
+def _prefill_ced(model, ids, cache, mode, chunk, artifact) -> PrefillOut:
+    cfg = model.cfg
+    split = check_ced(cfg)
+    B, N = ids.size(0), ids.size(1)
+    seg_rows = decoder_rows(cfg, mode, N)
+    R0 = seg_rows[0]
+    rows = {L: N for L in range(split)}
+    tail: dict[str, list[torch.Tensor]] = {"x": [], "pre": [], "hash": []}
+    enc_taps: dict[int, list[torch.Tensor]] = {}
+    for lo in range(0, N, chunk):
+        part = ids[:, lo:lo + chunk]
+        T = part.size(1)
+        start = cache.pos.clone()
+        hashes = model.engram_hashes(part, cache, None)
+        ctx = StepContext(start, T, cache, artifact)
+        h = model.embed_tokens(part).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
+        pre = identity_pre_mix(B, T, cfg.hc_mult, h.device)
+        chunk_taps: dict[int, torch.Tensor] = {}
+        for L in range(split):
+            layer = model.layers[L]
+            if layer.engram is not None:
+                h = model.apply_engram(L, h, hashes, None)
+            _taps(model, L, h, chunk_taps)
+            h, pre = layer(h, pre, ctx, None)
+        # the split layer's block input on every prompt row (Engram first, if it has one), then its global-KV
+        # production from that input and the lagged pre
+        if model.layers[split].engram is not None:
+            h = model.apply_engram(split, h, hashes, None)
+        _taps(model, split, h, chunk_taps)
+        split_attn = model.layers[split].attn
+        u = model.layers[split].attn_norm(hc_pre(h, pre))
+        split_attn.produce_global_kv(u, ctx)
+        cache.pos = start + T
+        keep = min(T, max(0, R0 - (N - lo - T)))                             # rows of this chunk the decoder needs
+        if keep:
+            tail["x"].append(h[:, T - keep:])
+            tail["pre"].append(pre[:, T - keep:])
+            if hashes is not None:
+                tail["hash"].append(hashes[:, T - keep:])
+        for L, t in chunk_taps.items():                                      # encoder-side drafter taps
+            enc_taps.setdefault(L, []).append(t[:, -cfg.window_size:])
+    x = torch.cat(tail["x"], 1)
+    pre = torch.cat(tail["pre"], 1)
+    hashes = torch.cat(tail["hash"], 1) if tail["hash"] else None
+    end = cache.pos.clone()
+    published: dict = {}
+    taps: dict[int, torch.Tensor] = {L: torch.cat(v, 1)[:, -cfg.window_size:] for L, v in enc_taps.items()}
+    for k, L in enumerate(range(split, cfg.n_layers)):
+        R = seg_rows[k]
+        x, pre = x[:, -R:], pre[:, -R:]
+        seg_start = end - R
+        ctx = StepContext(seg_start, R, cache, artifact, published=published, window_floor=seg_start,
+                          produce_kv=False)
+        layer = model.layers[L]
+        if L > split:                                      # the split layer's input was completed above
+            if layer.engram is not None:
+                x = model.apply_engram(L, x, hashes[:, -R:], None)
+            _taps(model, L, x, taps)
+        x, pre = layer(x, pre, ctx, None)
+        rows[L] = R
+    logits, _ = model.logits_from(x[:, -1:], pre[:, -1:])
+    main_hidden = tap_start = None
+    if taps:
+        Rt = min(t.size(1) for t in taps.values())
+        main_hidden = torch.cat([taps[L][:, -Rt:] for L in cfg.dspark_target_layer_ids], dim=-1)
+        tap_start = end - Rt
+    return PrefillOut(logits[:, -1], main_hidden, tap_start, rows)
