@@ -149,3 +149,17 @@ class DenseCache:
         if c0.engram_history is not None:
             out.engram_history = torch.cat([c.engram_history for c in caches])
         return out
+
+    def select(self, b: int) -> "DenseCache":
+        """Row b as a one-sequence store (views of this store's tensors)."""
+        out = DenseCache.__new__(DenseCache)
+        out.cfg, out.batch, out.dtype, out.device, out.specs = self.cfg, 1, self.dtype, self.device, self.specs
+        out.pos = self.pos[b:b + 1].clone()
+        out.window = {L: t[b:b + 1] for L, t in self.window.items()}
+        out.ckv = {L: t[b:b + 1, :max(16, int(self.rows[L][b]))] for L, t in self.ckv.items()}
+        out.kidx = {L: t[b:b + 1, :max(16, int(self.rows[L][b]))] for L, t in self.kidx.items()}
+        out.rows = {L: t[b:b + 1].clone() for L, t in self.rows.items()}
+        out.pending = {L: (k[b:b + 1], s[b:b + 1]) for L, (k, s) in self.pending.items()}
+        out.engram_history = None if self.engram_history is None else self.engram_history[b:b + 1]
+        out.index_k_publisher = self.index_k_publisher
+        return out

@@ -1,0 +1,245 @@
+"""The inference engine: requests in, tokens out, with continuous batching.
+
+Each `step()` admits waiting requests (prefill, one sequence at a time, in the configured CED mode and chunk
+size), then runs ONE batched decode step for every running sequence (rows at different positions), samples,
+applies stop conditions, and returns what each request produced. Sequences join and leave between steps.
+Bad requests are rejected at `add_request` with a ValueError and never reach the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from dsv41.engine.prefill import MODES, prefill
+from dsv41.engine.sampling import SamplingParams, make_generator, sample_token, top_logprobs
+from dsv41.engine.store import make_pool
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    gen: torch.Generator
+    sid: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0                         # characters of `text` already streamed
+    finish_reason: str | None = None
+    pending: int | None = None               # sampled token not yet fed through the model
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+    kv: dict | None = None
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict
+    logprobs: list[dict]
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, prefill_mode: str = "ced-bounded", max_batch: int = 8,
+                 max_seq_len: int | None = None, chunk_size: int | None = None, device="cpu",
+                 prefill_fallback: bool = True):
+        from dsv41.engine.tokenizer import ByteTokenizer
+
+        if prefill_mode not in MODES:
+            raise ValueError(f"unknown prefill mode {prefill_mode!r}; choose one of {', '.join(MODES)}")
+        if prefill_mode != "full":
+            from dsv41.engine.prefill import check_ced
+            try:
+                check_ced(model.cfg)
+            except ValueError:
+                if not prefill_fallback:
+                    raise
+                prefill_mode = "full"                    # this config has no CED skip: say so in stats
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self.cfg = model.eval(), model.cfg
+        self.tokenizer = tokenizer or ByteTokenizer(model.cfg.vocab_size)
+        self.prefill_mode, self.max_batch, self.chunk_size = prefill_mode, max_batch, chunk_size
+        self.max_seq_len = max_seq_len or 4096
+        self.pool = make_pool(model, device)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.finished: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate(self.cfg.vocab_size)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        bos = getattr(self.tokenizer, "bos_id", None)
+        if isinstance(prompt, str) and bos is not None:
+            ids = [bos] + ids
+        if not ids or (isinstance(prompt, str) and not prompt):
+            raise ValueError("empty prompt")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size for t in ids):
+            raise ValueError(f"prompt holds token ids outside [0, {self.cfg.vocab_size})")
+        if len(ids) + params.max_tokens > self.max_seq_len:
+            raise ValueError(f"prompt of {len(ids)} tokens plus max_tokens {params.max_tokens} exceeds the "
+                             f"maximum context of {self.max_seq_len} tokens")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.finished or any(s.request_id == rid for s in self.waiting + self.running):
+            raise ValueError(f"duplicate request id {rid!r}")
+        self.waiting.append(Sequence(rid, ids, params, make_generator(params.seed)))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        for lst in (self.waiting, self.running):
+            for s in list(lst):
+                if s.request_id == request_id:
+                    lst.remove(s)
+                    s.finish_reason = "abort"
+                    self._release(s)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- stepping
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        outs: list[StepOutput] = []
+        decoding = list(self.running)
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting.pop(0)
+            self._prefill(seq)
+            self.running.append(seq)
+            outs.append(self._emit(seq, [seq.pending]))
+        if decoding:
+            self._decode(decoding, outs)
+        for s in [s for s in self.running if s.finish_reason]:
+            self.running.remove(s)
+            self._release(s)
+            self.finished[s.request_id] = s
+        return outs
+
+    def _prefill(self, seq: Sequence) -> None:
+        t0 = time.perf_counter()
+        seq.sid = self.pool.new_sequence()
+        view = self.pool.bind([seq.sid])
+        ids = torch.tensor([seq.prompt_ids])
+        out = prefill(self.model, ids, view, self.prefill_mode, self.chunk_size)
+        getattr(self.pool, "release", lambda *a: None)(view, [seq.sid])
+        tok = self._sample(seq, out.logits[0])
+        seq.pending = tok
+        seq.prefill_s = time.perf_counter() - t0
+        seq.t_first_token = time.perf_counter()
+
+    def _decode(self, seqs: list[Sequence], outs: list[StepOutput]) -> None:
+        live = [s for s in seqs if not s.finish_reason]
+        if not live:
+            return
+        t0 = time.perf_counter()
+        sids = [s.sid for s in live]
+        view = self.pool.bind(sids)
+        ids = torch.tensor([[s.pending] for s in live])
+        logits = self.model(ids, view, last_only=True).logits[:, -1]
+        getattr(self.pool, "release", lambda *a: None)(view, sids)
+        dt = time.perf_counter() - t0
+        for b, s in enumerate(live):
+            s.decode_s += dt
+            s.pending = self._sample(s, logits[b])
+            outs.append(self._emit(s, [s.pending]))
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        tok = sample_token(logits, seq.params, seq.gen)
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(top_logprobs(logits, tok, seq.params.logprobs))
+        return tok
+
+    def _emit(self, seq: Sequence, new_ids: list[int]) -> StepOutput:
+        """Account the sampled token, apply stop conditions, and return the new text (held back while it ends
+        in an incomplete UTF-8 sequence or could still become a stop string)."""
+        p = seq.params
+        eos = getattr(self.tokenizer, "eos_id", None)
+        tok = new_ids[0]
+        stop_ids = set(p.stop_token_ids) | ({eos} if eos is not None and not p.ignore_eos else set())
+        if tok in stop_ids:
+            seq.finish_reason = "stop"
+            new_ids = []
+        else:
+            seq.output_ids.append(tok)
+            seq.text = self.tokenizer.decode(seq.output_ids)
+            for st in p.stop:
+                i = seq.text.find(st)
+                if i >= 0:
+                    seq.text = seq.text[:i]
+                    seq.finish_reason = "stop"
+            if not seq.finish_reason and len(seq.output_ids) >= p.max_tokens:
+                seq.finish_reason = "length"
+        hold = 0
+        if not seq.finish_reason:
+            if seq.text.endswith("\ufffd"):
+                hold = 1
+            for st in p.stop:                                  # a partial stop string may still complete
+                for k in range(min(len(st) - 1, len(seq.text)), 0, -1):
+                    if seq.text.endswith(st[:k]):
+                        hold = max(hold, k)
+                        break
+        upto = len(seq.text) - hold
+        delta = seq.text[seq.emitted:upto] if upto > seq.emitted else ""
+        seq.emitted = max(seq.emitted, upto)
+        return StepOutput(seq.request_id, new_ids, delta, seq.finish_reason is not None, seq.finish_reason)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.sid is not None:
+            seq.kv = self.pool.seq_bytes(seq.sid)
+            self.pool.free(seq.sid)
+            seq.sid = None
+
+    # ---------------------------------------------------------------- conveniences
+    def completion(self, request_id: str) -> Completion:
+        s = self.finished[request_id]
+        stats = {"prompt_tokens": len(s.prompt_ids), "generated_tokens": len(s.output_ids),
+                 "prefill_mode": self.prefill_mode, "prefill_s": s.prefill_s, "decode_s": s.decode_s,
+                 "ttft_s": (s.t_first_token or s.t_arrival) - s.t_arrival, "kv_bytes": s.kv}
+        return Completion(s.request_id, s.prompt_ids, s.output_ids, s.text, s.finish_reason, stats, s.logprobs)
+
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        rids = [self.add_request(p, None if sp is None else _copy(sp)) for p, sp in zip(prompts, plist)]
+        while self.has_unfinished():
+            self.step()
+        return [self.completion(r) for r in rids]
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[StepOutput]:
+        rid = self.add_request(prompt, params)
+        while True:
+            for o in self.step():
+                if o.request_id == rid:
+                    yield o
+                    if o.finished:
+                        return
+            if rid in self.finished:
+                return
+
+
+def _copy(p: SamplingParams) -> SamplingParams:
+    from dataclasses import replace
+    return replace(p, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids))

@@ -1,0 +1,534 @@
+"""The engine's packed KV store (SYSTEM.md 3): real packed bytes, paged per sequence, bound into the model.
+
+`PackedKVPool` owns the storage of many sequences; `pool.bind(seq_ids)` returns a `BatchView` with exactly the
+methods of `dsv41.model.cache.DenseCache` (the interface the model calls), rows in the order given. The model
+never sees the bytes: every read unpacks, every write packs.
+
+What is stored, per the layer specs of `cache_spec(cfg)` (legend: W window rows, C latent width, I index-key
+width, m compression ratio, P page size in entries):
+
+  global store   per KV-source layer (spec.ratio > 0): pages of P entries, `main [n_pages, P, C/2 + C/16]` and
+                 `index [n_pages, P, I/2 + I/32]` uint8 (288 B + 68 B for the released geometry), one free list
+                 per layer, the page count doubling when it runs out. A sequence owns a page table per layer and
+                 holds pages only for entries it has written: one entry per *completed* group of m positions
+                 (no max_seq_len-sized preallocation). The main and index records of entry e share page e // P.
+  SWA ring       per layer (backbone and DSpark stages) per sequence: `[W, C + C/32]` uint8 (528 B rows), the
+                 token at position p in slot p % W. Rings of all sequences live in one slab per layer indexed by
+                 the sequence's slot (`[n_slots, W, bytes]`, doubling), so a batch reads them with one gather.
+  pending        per layer with pending_rows > 0, per sequence: the Compressor's carry, fp32 `[m, C]` kv and
+                 score (score starts at -inf). Uncompressed and not part of the global bytes.
+  per sequence   position `pos`, the Engram history (opaque LongTensor) and the index-key publisher.
+
+Exactness. The model writes values that are already quantize-dequantized in the three formats (`qdq_fp8`,
+`qdq_main_kv`, `qdq_index_k`), so the stored bytes decode to exactly the values `DenseCache` would hold.
+The SWA and index-key formats use power-of-two scales and `pack(qdq(x))` reproduces `qdq(x)`. The main-KV format
+uses an E4M3 scale, and `pack_main_kv` re-derives the scale from the group maximum; for groups whose scale is an
+E4M3 *subnormal* (group amax below about 0.09) that re-derivation can pick another scale and the round trip is
+lossy (`qdq_main_kv` is not idempotent there). Writes of main KV therefore go through `pack_main_kv_exact`: the
+same record layout, with the scale chosen among the few candidates (amax / c for every E2M1 magnitude c) so the
+record decodes to the input exactly whenever the input is representable, which every QDQ output is.
+
+Quantization off. With `set_quantization(model, False)` the written values are not representable in the packed
+formats and this store rounds them (a lossy cache); the engine uses `DenseCache` for unquantized models. Pass
+`strict=True` to have every write verify its round trip (one host sync per write) and raise ValueError.
+
+Speculative decoding (extension point). SYSTEM.md 3 sizes the ring W + (max_verify - 1) rows so a rejected
+draft never overwrites a row still in the window. The model's window lists address slot p % W today, so the ring
+here has W rows; growing it means a ring of W + extra rows with slot p % (W + extra) in `write_window` and
+`window_ring`, together with the model's `window_indices` (a model change).
+
+Reads of the global store gather a sequence's pages and unpack the whole visible history (the dense interface
+returns [B, N, C]); the unpacked tensor is memoised per view until the next write to that layer, since every
+Reuse layer reads its source's entries again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+
+from dsv41.codecs import (
+    E2M1_MAX,
+    MAIN_KV_AMAX_FLOOR,
+    MAIN_KV_GROUP,
+    float_to_e2m1,
+    float_to_e4m3,
+    index_k_bytes,
+    main_kv_bytes,
+    pack_index_k,
+    pack_nibbles,
+    pack_swa_kv,
+    round_to_e2m1,
+    round_to_e4m3,
+    swa_kv_bytes,
+    unpack_index_k,
+    unpack_main_kv,
+    unpack_swa_kv,
+)
+from dsv41.config import ModelConfig
+from dsv41.model.cache import LayerCacheSpec, cache_spec
+
+__all__ = ["PackedKVPool", "BatchView", "pack_main_kv_exact", "KINDS"]
+
+KINDS = ("main", "index")                   # the two record kinds of a global-store entry
+
+_E2M1_MAGNITUDES = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5)
+
+
+# ------------------------------------------------------------------------------------------ exact main-KV records
+
+def _represents(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[..., G, 1] bool: every value of the group is E2M1(code) * scale exactly (|code| <= 6)."""
+    return (round_to_e2m1((g / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale == g).all(dim=-1, keepdim=True)
+
+
+def pack_main_kv_exact(x: torch.Tensor) -> torch.Tensor:
+    """x[..., d] -> uint8[..., d/2 + d/16], the `pack_main_kv` record layout, decoding to x exactly when x is
+    representable (every `qdq_main_kv` output is).
+
+    The scale is `pack_main_kv`'s (e4m3(max(amax, floor) / 6)) when that reproduces the group; otherwise the first
+    of amax / c, c in the E2M1 magnitudes 6, 4, ..., 0.5, that is an E4M3 value and reproduces it (for a
+    representable group amax = c_max * scale, so one candidate is the group's true scale). Groups matching no
+    candidate (unrepresentable input) keep the codec's scale and round like `pack_main_kv`. No host sync on
+    accelerators (every candidate is evaluated); on CPU the candidates are skipped when the codec's scale fits."""
+    d = x.shape[-1]
+    if d % MAIN_KV_GROUP:
+        raise ValueError(f"main-KV width must be a multiple of {MAIN_KV_GROUP}, got {d}")
+    g = x.float().unflatten(-1, (d // MAIN_KV_GROUP, MAIN_KV_GROUP))
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    floored = amax.clamp_min(MAIN_KV_AMAX_FLOOR)
+    scale = round_to_e4m3(floored / torch.full_like(floored, E2M1_MAX))
+    ok = _represents(g, scale)
+    if not (g.device.type == "cpu" and bool(ok.all())):
+        for c in _E2M1_MAGNITUDES:
+            s = amax / torch.full_like(amax, c)               # tensor divisor: a true division on every device
+            good = (s > 0) & (round_to_e4m3(s) == s) & _represents(g, s)
+            scale = torch.where(ok | ~good, scale, s)
+            ok = ok | good
+    codes = float_to_e2m1((g / scale).clamp(-E2M1_MAX, E2M1_MAX)).flatten(-2)
+    return torch.cat([pack_nibbles(codes), float_to_e4m3(scale.squeeze(-1))], dim=-1)
+
+
+def _pack(kind: str, x: torch.Tensor) -> torch.Tensor:
+    if kind == "main":
+        return pack_main_kv_exact(x)
+    if kind == "index":
+        return pack_index_k(x, check_finite=False)
+    return pack_swa_kv(x, check_finite=False)
+
+
+def _unpack(kind: str, b: torch.Tensor) -> torch.Tensor:
+    if kind == "main":
+        return unpack_main_kv(b)
+    if kind == "index":
+        return unpack_index_k(b)
+    return unpack_swa_kv(b)
+
+
+# ------------------------------------------------------------------------------------------ storage pieces
+
+class _PagedLayer:
+    """One KV-source layer's global store: uint8 pages for main and index records and a free list."""
+
+    def __init__(self, spec: LayerCacheSpec, page_size: int, n_pages: int, device: torch.device):
+        self.spec, self.page_size, self.device = spec, page_size, device
+        self.record_bytes = {"main": main_kv_bytes(spec.width), "index": index_k_bytes(spec.index_width)}
+        self.data = {k: torch.zeros(n_pages, page_size, b, dtype=torch.uint8, device=device)
+                     for k, b in self.record_bytes.items()}
+        self.free: list[int] = list(range(n_pages - 1, -1, -1))       # pop() hands out the lowest id first
+        self.version = 0                                               # bumped on every write (view memos)
+
+    @property
+    def n_pages(self) -> int:
+        return self.data["main"].size(0)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * sum(self.record_bytes.values())
+
+    def alloc(self, k: int) -> list[int]:
+        while len(self.free) < k:
+            self._grow()
+        return [self.free.pop() for _ in range(k)]
+
+    def release(self, pages: list[int]) -> None:
+        self.free.extend(reversed(pages))
+
+    def _grow(self) -> None:
+        """Double the page count (copying the held pages); the new pages join the free list."""
+        old = self.n_pages
+        new = max(1, 2 * old)
+        for k, t in self.data.items():
+            grown = torch.empty(new, self.page_size, t.size(2), dtype=torch.uint8, device=self.device)
+            grown[:old] = t
+            grown[old:].zero_()
+            self.data[k] = grown
+        self.free = list(range(new - 1, old - 1, -1)) + self.free
+
+
+@dataclass
+class _Sequence:
+    slot: int
+    pos: int = 0
+    pages: dict[int, list[int]] = field(default_factory=dict)       # per global layer: page ids in entry order
+    rows: dict[tuple[int, str], int] = field(default_factory=dict)  # (layer, kind) -> entries written
+    engram_history: torch.Tensor | None = None
+    index_k_publisher: int | None = None
+
+
+# ------------------------------------------------------------------------------------------ the pool
+
+class PackedKVPool:
+    """Packed KV storage for many sequences of one model config.
+
+    cfg            the model config (what each layer stores comes from `cache_spec(cfg)`)
+    device         where the bytes live
+    page_size      global-store entries per page (P)
+    dtype          dtype of the values handed to the model (the model casts to its compute dtype; every stored
+                   value is exact in bf16 and fp32)
+    initial_pages  pages per KV-source layer to start with (doubling afterwards)
+    initial_slots  sequence slots (rings, pending state) to start with (doubling afterwards)
+    strict         verify every packed write decodes to the written values (one host sync); ValueError if not
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", page_size: int = 64,
+                 dtype: torch.dtype = torch.float32, initial_pages: int = 4, initial_slots: int = 2,
+                 strict: bool = False):
+        if page_size <= 0 or initial_pages <= 0 or initial_slots <= 0:
+            raise ValueError("page_size, initial_pages and initial_slots must be positive")
+        self.cfg, self.device, self.page_size = cfg, torch.device(device), page_size
+        self.dtype, self.strict = dtype, strict
+        self.specs: dict[int, LayerCacheSpec] = {s.layer: s for s in cache_spec(cfg)}
+        self.global_layers = {L: _PagedLayer(s, page_size, initial_pages, self.device)
+                              for L, s in self.specs.items() if s.ratio > 0}
+        self.swa = {L: torch.zeros(initial_slots, s.window_rows, swa_kv_bytes(s.width), dtype=torch.uint8,
+                                   device=self.device) for L, s in self.specs.items()}
+        f32 = torch.float32
+        self.pending = {L: (torch.zeros(initial_slots, s.pending_rows, s.width, dtype=f32, device=self.device),
+                            torch.full((initial_slots, s.pending_rows, s.width), -torch.inf, dtype=f32,
+                                       device=self.device))
+                        for L, s in self.specs.items() if s.pending_rows > 0}
+        self.free_slots: list[int] = list(range(initial_slots - 1, -1, -1))
+        self.seqs: dict[int, _Sequence] = {}
+        self._next_id = 0
+        self.history_width = cfg.engram_max_ngram_size - 1 if cfg.engram_enabled else 0
+
+    # ---------------------------------------------------------------- sequences
+    @property
+    def n_slots(self) -> int:
+        return next(iter(self.swa.values())).size(0) if self.swa else 0
+
+    def _grow_slots(self) -> None:
+        old = self.n_slots
+        new = 2 * old
+        for L, t in self.swa.items():
+            grown = torch.zeros(new, *t.shape[1:], dtype=t.dtype, device=self.device)
+            grown[:old] = t
+            self.swa[L] = grown
+        for L, (kv, sc) in self.pending.items():
+            gkv = torch.zeros(new, *kv.shape[1:], dtype=kv.dtype, device=self.device)
+            gsc = torch.full((new, *sc.shape[1:]), -torch.inf, dtype=sc.dtype, device=self.device)
+            gkv[:old], gsc[:old] = kv, sc
+            self.pending[L] = (gkv, gsc)
+        self.free_slots = list(range(new - 1, old - 1, -1)) + self.free_slots
+
+    def _take_slot(self) -> int:
+        if not self.free_slots:
+            self._grow_slots()
+        slot = self.free_slots.pop()
+        for t in self.swa.values():
+            t[slot].zero_()
+        for kv, sc in self.pending.values():
+            kv[slot].zero_()
+            sc[slot].fill_(-torch.inf)
+        return slot
+
+    def new_sequence(self) -> int:
+        """A new empty sequence (position 0, no pages); returns its id."""
+        sid = self._next_id
+        self._next_id += 1
+        self.seqs[sid] = _Sequence(self._take_slot(),
+                                   pages={L: [] for L in self.global_layers},
+                                   rows={(L, k): 0 for L in self.global_layers for k in KINDS})
+        return sid
+
+    def _seq(self, sid: int) -> _Sequence:
+        try:
+            return self.seqs[sid]
+        except KeyError:
+            raise ValueError(f"no such sequence: {sid!r}") from None
+
+    def free(self, sid: int) -> None:
+        """Forget a sequence; its pages and slot return to the free lists."""
+        s = self._seq(sid)
+        for L, pages in s.pages.items():
+            self.global_layers[L].release(pages)
+            self.global_layers[L].version += 1
+        self.free_slots.append(s.slot)
+        del self.seqs[sid]
+
+    def fork(self, sid: int) -> int:
+        """A copy of a sequence (pages copied, not shared); returns the new id."""
+        src = self._seq(sid)
+        nid = self.new_sequence()
+        dst = self.seqs[nid]
+        for L, pl in self.global_layers.items():
+            n = len(src.pages[L])
+            if n:
+                dst.pages[L] = pl.alloc(n)
+                a = torch.tensor(src.pages[L], device=self.device)
+                b = torch.tensor(dst.pages[L], device=self.device)
+                for t in pl.data.values():
+                    t[b] = t[a]
+        for t in self.swa.values():
+            t[dst.slot] = t[src.slot]
+        for kv, sc in self.pending.values():
+            kv[dst.slot], sc[dst.slot] = kv[src.slot], sc[src.slot]
+        dst.pos, dst.rows = src.pos, dict(src.rows)
+        dst.engram_history = None if src.engram_history is None else src.engram_history.clone()
+        dst.index_k_publisher = src.index_k_publisher
+        return nid
+
+    def bind(self, seq_ids) -> "BatchView":
+        """The DenseCache interface over these sequences, rows in this order."""
+        return BatchView(self, list(seq_ids))
+
+    def _ensure_pages(self, s: _Sequence, layer: int, entries: int) -> list[int]:
+        pl = self.global_layers[layer]
+        need = -(-entries // self.page_size) - len(s.pages[layer])
+        if need > 0:
+            s.pages[layer].extend(pl.alloc(need))
+        return s.pages[layer]
+
+    # ---------------------------------------------------------------- accounting
+    def seq_bytes(self, sid: int) -> dict[str, int]:
+        """Bytes one sequence holds, by kind.
+
+        global_entries_bytes    packed records actually holding entries (main + index), the figure of SYSTEM.md 1
+        global_allocated_bytes  whole pages handed to the sequence (entries plus the slack of its last pages)
+        swa_bytes               its SWA rings (W packed rows per layer, backbone and DSpark, allocated up front)
+        pending_bytes           its compressor carry (fp32 kv + score, m x C per layer with m > 1)
+        tokens                  its position"""
+        s = self._seq(sid)
+        main = sum(s.rows[(L, "main")] * pl.record_bytes["main"] for L, pl in self.global_layers.items())
+        index = sum(s.rows[(L, "index")] * pl.record_bytes["index"] for L, pl in self.global_layers.items())
+        return {
+            "global_entries_bytes": main + index,
+            "global_main_bytes": main,
+            "global_index_bytes": index,
+            "global_entries": sum(s.rows[(L, "main")] for L in self.global_layers),
+            "global_allocated_bytes": sum(len(s.pages[L]) * pl.page_bytes for L, pl in self.global_layers.items()),
+            "global_pages": sum(len(p) for p in s.pages.values()),
+            "swa_bytes": sum(t[0].numel() for t in self.swa.values()),
+            "pending_bytes": sum(kv[0].numel() * kv.element_size() + sc[0].numel() * sc.element_size()
+                                 for kv, sc in self.pending.values()),
+            "tokens": s.pos,
+        }
+
+    def global_bytes_per_token(self, sid: int) -> Fraction:
+        """Packed global-store bytes per token of one sequence (exact; equals the analytic figure when its length
+        is a multiple of every ratio)."""
+        b = self.seq_bytes(sid)
+        if b["tokens"] == 0:
+            raise ValueError(f"sequence {sid} holds no tokens")
+        return Fraction(b["global_entries_bytes"], b["tokens"])
+
+    def pool_bytes(self) -> dict[str, int]:
+        """Bytes of the pool's storage tensors (capacity) and of what is handed out."""
+        pages_used = sum(pl.n_pages - len(pl.free) for pl in self.global_layers.values())
+        return {
+            "sequences": len(self.seqs),
+            "global_capacity_bytes": sum(pl.n_pages * pl.page_bytes for pl in self.global_layers.values()),
+            "global_allocated_bytes": sum((pl.n_pages - len(pl.free)) * pl.page_bytes
+                                          for pl in self.global_layers.values()),
+            "global_pages_allocated": pages_used,
+            "global_entries_bytes": sum(self.seq_bytes(s)["global_entries_bytes"] for s in self.seqs),
+            "swa_capacity_bytes": sum(t.numel() for t in self.swa.values()),
+            "pending_capacity_bytes": sum(kv.numel() * kv.element_size() + sc.numel() * sc.element_size()
+                                          for kv, sc in self.pending.values()),
+        }
+
+
+# ------------------------------------------------------------------------------------------ the bound batch
+
+class BatchView:
+    """`DenseCache`'s interface over a batch of pool sequences (row b = seq_ids[b]). Cheap: rebind every step."""
+
+    def __init__(self, pool: PackedKVPool, seq_ids: list[int]):
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence may appear once in a batch, got {seq_ids}")
+        if not seq_ids:
+            raise ValueError("bind needs at least one sequence")
+        self.pool, self.seq_ids = pool, seq_ids
+        self.seqs = [pool._seq(s) for s in seq_ids]
+        self.cfg, self.dtype, self.device, self.specs = pool.cfg, pool.dtype, pool.device, pool.specs
+        self.batch = len(seq_ids)
+        self.slots = torch.tensor([s.slot for s in self.seqs], dtype=torch.long, device=pool.device)
+        self._memo: dict[tuple[int, str], tuple[int, tuple[int, ...], torch.Tensor]] = {}
+
+    # ---------------------------------------------------------------- per-sequence scalars
+    @property
+    def pos(self) -> torch.Tensor:
+        return torch.tensor([s.pos for s in self.seqs], dtype=torch.long)
+
+    @pos.setter
+    def pos(self, value) -> None:
+        v = torch.as_tensor(value, dtype=torch.long).expand(self.batch).tolist()
+        for s, p in zip(self.seqs, v):
+            s.pos = int(p)
+
+    @property
+    def engram_history(self) -> torch.Tensor | None:
+        """[B, n-1] (rows of sequences without one yet start all-DEAD, as the hasher's `init_history`)."""
+        hs = [s.engram_history for s in self.seqs]
+        if all(h is None for h in hs):
+            return None
+        from dsv41.model.engram import DEAD
+        ref = next(h for h in hs if h is not None)
+        return torch.stack([torch.full_like(ref, DEAD) if h is None else h for h in hs])
+
+    @engram_history.setter
+    def engram_history(self, value: torch.Tensor | None) -> None:
+        for b, s in enumerate(self.seqs):
+            s.engram_history = None if value is None else value[b].clone()
+
+    @property
+    def index_k_publisher(self) -> int | None:
+        for s in self.seqs:
+            if s.index_k_publisher is not None:
+                return s.index_k_publisher
+        return None
+
+    @index_k_publisher.setter
+    def index_k_publisher(self, layer: int | None) -> None:
+        for s in self.seqs:
+            s.index_k_publisher = layer
+
+    # ---------------------------------------------------------------- checks
+    def _verify(self, kind: str, records: torch.Tensor, x: torch.Tensor) -> None:
+        if self.pool.strict and not torch.equal(_unpack(kind, records), x.float()):
+            raise ValueError(f"packed {kind} store: written values are not representable in the packed format "
+                             "(quantization off?); use DenseCache for unquantized models")
+
+    # ---------------------------------------------------------------- sliding window
+    def window_ring(self, layer: int) -> torch.Tensor:
+        """[B, W, C] unpacked; slot p % W holds position p; never-written slots are 0."""
+        return unpack_swa_kv(self.pool.swa[layer][self.slots]).to(self.dtype)
+
+    def write_window(self, layer: int, start: torch.Tensor, kv: torch.Tensor) -> None:
+        """kv [B,T,C] for positions start_b..start_b+T-1; only the last W of each row survive."""
+        ring = self.pool.swa[layer]
+        W, T = ring.size(1), kv.size(1)
+        first = max(0, T - W)
+        x = kv[:, first:].detach()
+        records = pack_swa_kv(x, check_finite=False)
+        self._verify("swa", records, x)
+        pos = torch.as_tensor(start, dtype=torch.long).cpu().view(-1, 1) + torch.arange(first, T)
+        ring[self.slots.view(-1, 1), (pos % W).to(self.device)] = records.to(self.device)
+
+    # ---------------------------------------------------------------- global KV
+    def write_records(self, layer: int, kind: str, row0, records: torch.Tensor, count) -> None:
+        """Already-packed records [B, n, bytes] of `kind` ('main' or 'index'): row b writes its first count_b at
+        entries row0_b.. (pages allocated as needed)."""
+        pool = self.pool
+        pl = pool.global_layers[layer]
+        P = pool.page_size
+        if records.dtype != torch.uint8 or records.size(-1) != pl.record_bytes[kind]:
+            raise ValueError(f"layer {layer} {kind} records must be uint8 [..., {pl.record_bytes[kind]}], got "
+                             f"{records.dtype} {tuple(records.shape)}")
+        r0 = torch.as_tensor(row0).expand(self.batch).tolist()
+        cnt = torch.as_tensor(count).expand(self.batch).tolist()
+        records = records.to(self.device)
+        for b, s in enumerate(self.seqs):
+            c, r = int(cnt[b]), int(r0[b])
+            if c <= 0:
+                continue
+            pages = torch.tensor(pool._ensure_pages(s, layer, r + c), dtype=torch.long)
+            e = torch.arange(r, r + c)
+            flat = (pages[e // P] * P + e % P).to(self.device)
+            data = pl.data[kind]
+            data.view(-1, data.size(2))[flat] = records[b, :c]
+            s.rows[(layer, kind)] = max(s.rows[(layer, kind)], r + c)
+        pl.version += 1
+
+    def append_compressed(self, layer: int, row0: torch.Tensor, kv: torch.Tensor, count: torch.Tensor) -> None:
+        """Main-KV entries (RoPE'd, FP4 QDQ'd) kv [B,n,C]: row b writes its first count_b at rows row0_b.."""
+        x = kv.detach()
+        records = pack_main_kv_exact(x)
+        self._verify("main", records, x)
+        self.write_records(layer, "main", row0, records, count)
+
+    def append_index_k(self, layer: int, row0: torch.Tensor, k: torch.Tensor, count: torch.Tensor) -> None:
+        x = k.detach()
+        records = pack_index_k(x, check_finite=False)
+        self._verify("index", records, x)
+        self.write_records(layer, "index", row0, records, count)
+
+    def read_records(self, layer: int, kind: str, n) -> tuple[torch.Tensor, torch.Tensor]:
+        """(records uint8 [B, max n, bytes], valid bool [B, max n]): each row's first min(n_b, written) entries,
+        gathered from its pages (invalid rows hold whatever bytes the padding gather met)."""
+        pool = self.pool
+        pl = pool.global_layers[layer]
+        P = pool.page_size
+        n_list = [int(v) for v in torch.as_tensor(n).expand(self.batch).tolist()]
+        have = [min(nb, s.rows[(layer, kind)]) for nb, s in zip(n_list, self.seqs)]
+        nmax = max(n_list)
+        data = pl.data[kind]
+        if nmax == 0:
+            return data.new_zeros(self.batch, 0, data.size(2)), torch.zeros(self.batch, 0, dtype=torch.bool)
+        n_pages = -(-nmax // P)
+        table = torch.zeros(self.batch, n_pages, dtype=torch.long)
+        for b, s in enumerate(self.seqs):
+            pg = s.pages[layer][:n_pages]
+            if pg:
+                table[b, :len(pg)] = torch.tensor(pg, dtype=torch.long)
+        e = torch.arange(nmax)
+        flat = table[:, e // P] * P + e % P                                      # [B, nmax]
+        valid = e < torch.tensor(have).view(-1, 1)
+        flat = torch.where(valid, flat, 0).to(self.device)
+        return data.view(-1, data.size(2))[flat], valid
+
+    def _read(self, layer: int, kind: str, n) -> torch.Tensor:
+        key = (layer, kind)
+        n_key = tuple(int(v) for v in torch.as_tensor(n).expand(self.batch).tolist())
+        version = self.pool.global_layers[layer].version
+        hit = self._memo.get(key)
+        if hit is not None and hit[0] == version and hit[1] == n_key:
+            return hit[2]
+        records, valid = self.read_records(layer, kind, n)
+        vals = _unpack(kind, records).masked_fill(~valid.to(self.device).unsqueeze(-1), 0.0).to(self.dtype)
+        self._memo[key] = (version, n_key, vals)
+        return vals
+
+    def compressed(self, layer: int, n: torch.Tensor) -> torch.Tensor:
+        """[B, max n, C]; entries past a row's n are zeros (never selected)."""
+        return self._read(layer, "main", n)
+
+    def index_k(self, layer: int, n: torch.Tensor) -> torch.Tensor:
+        return self._read(layer, "index", n)
+
+    # ---------------------------------------------------------------- compressor carry
+    def compressor_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv, sc = self.pool.pending[layer]
+        return kv[self.slots], sc[self.slots]
+
+    def set_compressor_state(self, layer: int, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """kv/score [B,m,C] fp32: slots 0..r_b-1 hold the r_b tokens of each row's open group."""
+        st_kv, st_sc = self.pool.pending[layer]
+        st_kv[self.slots] = kv.detach().to(st_kv.dtype)
+        st_sc[self.slots] = score.detach().to(st_sc.dtype)
+
+    # ---------------------------------------------------------------- accounting / batching
+    def global_bytes(self) -> int:
+        """Packed bytes of the global-store entries these sequences hold (main + index records)."""
+        return sum(self.pool.seq_bytes(sid)["global_entries_bytes"] for sid in self.seq_ids)
+
+    @staticmethod
+    def stack(views: list["BatchView"]) -> "BatchView":
+        """One batch from views of one pool (rows keep their own positions): continuous batching."""
+        pool = views[0].pool
+        if any(v.pool is not pool for v in views):
+            raise ValueError("stack: views of different pools")
+        return pool.bind([sid for v in views for sid in v.seq_ids])
