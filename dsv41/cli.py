@@ -10,7 +10,6 @@ import sys
 COMMANDS = [
     "dsv41.analysis.cli",
     "dsv41.model.cli",
-    "dsv41.train.cli",
     "dsv41.engine.cli",
 ]
 
@@ -19,12 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash end to end")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # command module not written yet
-                continue
-            raise
+        mod = importlib.import_module(name)
         mod.register(sub)
     return parser
 

@@ -11,13 +11,17 @@ SPARSE_ATTN_BLOCK = 64
 
 
 def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, query_chunk: int = 1024) -> torch.Tensor:
     """Sparse single-KV-head attention with a per-head sink in the denominator (MODEL.md 3.8).
 
     q [B,T,H,D], kv [B,N,D] (K = V), sink [H] fp32 (not scaled), idx [B,T,K] int (-1 = nothing).
     Online softmax over blocks of 64 indices starting from a running max of -1e30, so a row whose indices
     are all -1 returns exactly 0. In bf16 the probabilities are rounded to bf16 relative to the running max
-    before P@V, as the official kernel; in fp32 they are not (the golden float32 mode)."""
+    before P@V, as the official kernel; in fp32 they are not (the golden float32 mode). Queries are processed
+    `query_chunk` rows at a time to bound the gathered [rows, 64, D] working set on long prompts."""
+    if q.size(1) > query_chunk:
+        return torch.cat([sparse_attn_ref(q[:, i:i + query_chunk], kv, sink, idx[:, i:i + query_chunk], scale,
+                                          query_chunk) for i in range(0, q.size(1), query_chunk)], dim=1)
     B, T, H, D = q.shape
     round_p = q.dtype == torch.bfloat16
     qf = q.float()

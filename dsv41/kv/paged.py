@@ -157,13 +157,13 @@ class _PagedLayer:
         self.free.extend(reversed(pages))
 
     def _grow(self) -> None:
-        """Double the page count (copying the held pages); the new pages join the free list."""
+        """Double the page count (copying the held pages); the new pages join the free list uninitialised (reads
+        mask every entry a sequence has not written)."""
         old = self.n_pages
         new = max(1, 2 * old)
         for k, t in self.data.items():
             grown = torch.empty(new, self.page_size, t.size(2), dtype=torch.uint8, device=self.device)
             grown[:old] = t
-            grown[old:].zero_()
             self.data[k] = grown
         self.free = list(range(new - 1, old - 1, -1)) + self.free
 
@@ -466,9 +466,10 @@ class BatchView:
         self._verify("index", records, x)
         self.write_records(layer, "index", row0, records, count)
 
-    def read_records(self, layer: int, kind: str, n) -> tuple[torch.Tensor, torch.Tensor]:
-        """(records uint8 [B, max n, bytes], valid bool [B, max n]): each row's first min(n_b, written) entries,
-        gathered from its pages (invalid rows hold whatever bytes the padding gather met)."""
+    def read_records(self, layer: int, kind: str, n, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(records uint8 [B, max n - start, bytes], valid bool [B, max n - start]) of entries start..n_b-1 of each
+        row, gathered from its pages; entries at or past a row's n (or never written) are invalid (their bytes are
+        whatever the padding gather met)."""
         pool = self.pool
         pl = pool.global_layers[layer]
         P = pool.page_size
@@ -476,16 +477,16 @@ class BatchView:
         have = [min(nb, s.rows[(layer, kind)]) for nb, s in zip(n_list, self.seqs)]
         nmax = max(n_list)
         data = pl.data[kind]
-        if nmax == 0:
+        if nmax <= start:
             return data.new_zeros(self.batch, 0, data.size(2)), torch.zeros(self.batch, 0, dtype=torch.bool)
-        n_pages = -(-nmax // P)
-        table = torch.zeros(self.batch, n_pages, dtype=torch.long)
+        p0, n_pages = start // P, -(-nmax // P)
+        table = torch.zeros(self.batch, n_pages - p0, dtype=torch.long)
         for b, s in enumerate(self.seqs):
-            pg = s.pages[layer][:n_pages]
+            pg = s.pages[layer][p0:n_pages]
             if pg:
                 table[b, :len(pg)] = torch.tensor(pg, dtype=torch.long)
-        e = torch.arange(nmax)
-        flat = table[:, e // P] * P + e % P                                      # [B, nmax]
+        e = torch.arange(start, nmax)
+        flat = table[:, e // P - p0] * P + e % P                                 # [B, nmax - start]
         valid = e < torch.tensor(have).view(-1, 1)
         flat = torch.where(valid, flat, 0).to(self.device)
         return data.view(-1, data.size(2))[flat], valid

@@ -185,6 +185,7 @@ class Indexer(QuantSite):
     latents into index keys. The candidate source publishes its block pool; Reindex layers mask to it."""
 
     ties: str = "official"          # see `topk_indices`; switched model-wide by `set_tie_break`
+    score_budget: int = 1 << 26     # query rows are scored in blocks of at most this many (row, head, entry) scores
 
     def __init__(self, cfg: ModelConfig, role: LayerRole, dtype: torch.dtype):
         super().__init__()
@@ -217,22 +218,38 @@ class Indexer(QuantSite):
         q = self.qdq(apply_rope(q, freqs))
         src = ctx.cache.index_k_publisher if ctx.official_decode_artifact else role.kv_from
         keys = ctx.cache.index_k(src, n_vis)                                        # [B,N,I]
-        N = keys.size(1)
         w = self.weights_proj(u) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)  # [B,T,J]
-        score = torch.einsum("bthd,bnd->bthn", q, keys.to(q.dtype))
-        score = (score.relu() * w.unsqueeze(-1)).sum(dim=2)                         # [B,T,N]
-        compress_lens = (ctx.positions.to(score.device) + 1).div(m, rounding_mode="floor").unsqueeze(-1)
-        visible = torch.arange(N, device=score.device) < compress_lens             # [B,T,N]
-        score = score.masked_fill(~visible, -torch.inf)
-        if role.is_candidate_source:
-            cand = select_candidate_blocks(score, compress_lens, self.cand_blocks, self.cand_size, self.ties)
-            ctx.published[("cand", role.layer)] = cand
-        elif role.uses_candidates:
+        compress_lens = (ctx.positions.to(u.device) + 1).div(m, rounding_mode="floor").unsqueeze(-1)
+        cand = None
+        if role.uses_candidates:
             cand = ctx.published[("cand", role.candidates_from)][:, -ctx.seqlen:]   # source may have run on more rows
+        rows = max(1, self.score_budget // max(1, keys.size(1) * self.n_heads))    # bound the [rows,J,N] scores
+        parts, cands = [], []
+        for lo in range(0, u.size(1), rows):
+            sl = slice(lo, lo + rows)
+            idx, c = self.select(q[:, sl], keys, w[:, sl], compress_lens[:, sl], None if cand is None else cand[:, sl])
+            parts.append(idx)
+            cands.append(c)
+        if role.is_candidate_source:
+            ctx.published[("cand", role.layer)] = torch.cat(cands, dim=1)
+        return torch.cat(parts, dim=1)
+
+    def select(self, q, keys, w, compress_lens, cand):
+        """Scores and top-k for a block of query rows -> (ids [B,t,K], candidate mask [B,t,N] or None)."""
+        role = self.role
+        N = keys.size(1)
+        score = torch.einsum("bthd,bnd->bthn", q, keys.to(q.dtype))
+        score = (score.relu() * w.unsqueeze(-1)).sum(dim=2)                         # [B,t,N]
+        visible = torch.arange(N, device=score.device) < compress_lens             # [B,t,N]
+        score = score.masked_fill(~visible, -torch.inf)
+        mask = None
+        if role.is_candidate_source:
+            mask = select_candidate_blocks(score, compress_lens, self.cand_blocks, self.cand_size, self.ties)
+        elif cand is not None:
             score = score.masked_fill(~cand, -torch.inf)
         k = min(self.topk, N)
         idx = topk_indices(score, k, self.ties).sort(dim=-1).values
-        return torch.where(idx < compress_lens, idx, -1).int()
+        return torch.where(idx < compress_lens, idx, -1).int(), mask
 
 
 class Attention(QuantSite):

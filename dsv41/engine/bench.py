@@ -1,0 +1,156 @@
+"""`dsv41 bench prefill|decode`: prefill-mode speed ratios and decode speed, measured side by side in one run.
+
+Random weights (speed does not depend on them). Every figure is a measurement of this process on this machine;
+the analytic ratio beside the prefill ratios is the FLOPs-style row count ratio of the CED dataflow:
+  full: N rows on L layers; ced: N rows on `split` encoder layers + R_k rows on each decoder layer k
+  (ced-bounded R = n_win -> ratio -> split/L + n_win/N * D/L, i.e. 0.5 + n_win/(2N) at L = 2 * split).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from dsv41.engine.prefill import check_ced, decoder_rows, prefill
+
+
+def _model(config: str, dtype: torch.dtype, device: str, quant: bool):
+    from dsv41.config import load_config
+    from dsv41.model.common import set_quantization
+    from dsv41.model.init import random_model
+
+    cfg = load_config(config)
+    m = random_model(cfg, dtype=dtype, seed=0).to(device)
+    set_quantization(m, quant)
+    return cfg, m
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def analytic_ratio(cfg, mode: str, n: int) -> float:
+    split = check_ced(cfg)
+    rows = decoder_rows(cfg, mode, n)
+    return (split * n + sum(rows)) / (cfg.n_layers * n)
+
+
+def bench_prefill(config="tiny", lengths=(4096, 16384), dtype=torch.float32, device="cpu", repeats=1,
+                  quant=True, chunk_size=None) -> list[dict]:
+    from dsv41.engine.store import make_pool
+
+    cfg, m = _model(config, dtype, device, quant)
+    rows = []
+    for n in lengths:
+        ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
+        t = {}
+        for mode in ("full", "ced-exact", "ced-bounded"):
+            times = []
+            for _ in range(repeats):
+                pool = make_pool(m, device)
+                sid = pool.new_sequence()
+                view = pool.bind([sid])
+                _sync(device)
+                t0 = time.perf_counter()
+                prefill(m, ids, view, mode, chunk_size)
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            t[mode] = statistics.median(times)
+        rows.append({"tokens": n, "full_s": t["full"], "ced_exact_s": t["ced-exact"],
+                     "ced_bounded_s": t["ced-bounded"], "ratio_bounded": t["ced-bounded"] / t["full"],
+                     "ratio_exact": t["ced-exact"] / t["full"],
+                     "analytic_ratio": analytic_ratio(cfg, "ced-bounded", n),
+                     "analytic_ratio_exact": analytic_ratio(cfg, "ced-exact", n)})
+    return rows
+
+
+def bench_decode(config="tiny", contexts=(1024, 4096), batches=(1, 8), steps=8, dtype=torch.float32,
+                 device="cpu", quant=True) -> list[dict]:
+    """Decode step time vs context (batch 1) and tokens/s at several batch sizes; contexts are filled by a
+    ced-bounded prefill of random tokens."""
+    from dsv41.engine.store import make_pool
+
+    cfg, m = _model(config, dtype, device, quant)
+    out = []
+    for n in contexts:
+        for b in batches:
+            pool = make_pool(m, device)
+            sids = []
+            for i in range(b):
+                sid = pool.new_sequence()
+                ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(i)).to(device)
+                view = pool.bind([sid])
+                prefill(m, ids, view, "ced-bounded")
+                getattr(pool, "release", lambda *a: None)(view, [sid])
+                sids.append(sid)
+            times = []
+            tok = torch.zeros(b, 1, dtype=torch.long, device=device)
+            with torch.no_grad():
+                for _ in range(steps):
+                    view = pool.bind(sids)
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    m(tok, view, last_only=True)
+                    _sync(device)
+                    times.append(time.perf_counter() - t0)
+                    getattr(pool, "release", lambda *a: None)(view, sids)
+            step = statistics.median(times[1:] if len(times) > 1 else times)
+            out.append({"context": n, "batch": b, "step_s": step, "tokens_per_s": b / step})
+    return out
+
+
+def register(bsub) -> None:
+    p = bsub.add_parser("prefill", help="prefill time of ced-bounded / ced-exact vs full")
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--no-quant", action="store_true", help="switch the FP8/FP4 QDQs off")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_prefill_main)
+    d = bsub.add_parser("decode", help="decode step time vs context and tokens/s vs batch")
+    d.add_argument("--config", default="tiny")
+    d.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    d.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    d.add_argument("--steps", type=int, default=8)
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    d.add_argument("--no-quant", action="store_true")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=_decode_main)
+
+
+def _dtype(s: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[s]
+
+
+def _prefill_main(args) -> int:
+    rows = bench_prefill(args.config, args.tokens, _dtype(args.dtype), args.device, args.repeats,
+                         not args.no_quant, args.chunk_size)
+    if not args.json:
+        print(f"prefill, config {args.config}, {args.device}, {args.dtype}")
+        print(f"{'tokens':>8} {'full s':>9} {'exact s':>9} {'bounded s':>10} {'bounded/full':>13} "
+              f"{'exact/full':>11} {'analytic':>9}")
+        for r in rows:
+            print(f"{r['tokens']:>8} {r['full_s']:>9.3f} {r['ced_exact_s']:>9.3f} {r['ced_bounded_s']:>10.3f} "
+                  f"{r['ratio_bounded']:>13.3f} {r['ratio_exact']:>11.3f} {r['analytic_ratio']:>9.3f}")
+    print(json.dumps({"bench": "prefill", "config": args.config, "device": args.device, "rows": rows}))
+    return 0
+
+
+def _decode_main(args) -> int:
+    rows = bench_decode(args.config, args.contexts, args.batches, args.steps, _dtype(args.dtype), args.device,
+                        not args.no_quant)
+    if not args.json:
+        print(f"decode, config {args.config}, {args.device}, {args.dtype}")
+        print(f"{'context':>8} {'batch':>6} {'step ms':>9} {'tokens/s':>9}")
+        for r in rows:
+            print(f"{r['context']:>8} {r['batch']:>6} {r['step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.1f}")
+    print(json.dumps({"bench": "decode", "config": args.config, "device": args.device, "rows": rows}))
+    return 0

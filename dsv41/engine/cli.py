@@ -1,0 +1,61 @@
+"""`dsv41 generate` and `dsv41 bench prefill|decode|kv`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from dsv41.engine.prefill import MODES
+
+
+def register(sub) -> None:
+    g = sub.add_parser("generate", help="generate a completion with the engine")
+    g.add_argument("--checkpoint", required=True)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--prefill-mode", choices=MODES, default="ced-bounded")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    g.add_argument("--max-seq-len", type=int, default=16384)
+    g.add_argument("--chunk-size", type=int, default=None)
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=generate_main)
+
+    b = sub.add_parser("bench", help="benchmarks: prefill modes, decode, KV store")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from dsv41.engine import bench
+    bench.register(bsub)
+    try:
+        from dsv41.kv.cli import register_bench
+    except ModuleNotFoundError:
+        return
+    register_bench(bsub)
+
+
+def generate_main(args) -> int:
+    from dsv41.engine.engine import Engine
+    from dsv41.engine.sampling import SamplingParams
+    from dsv41.engine.tokenizer import load_tokenizer
+    from dsv41.model.loading import load_model
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model, cfg = load_model(args.checkpoint, dtype=dtype)
+    tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
+    eng = Engine(model, tok, prefill_mode=args.prefill_mode, max_seq_len=args.max_seq_len, chunk_size=args.chunk_size)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+    if args.json:
+        c = eng.generate([args.prompt], params)[0]
+        print(json.dumps({"text": c.text, "finish_reason": c.finish_reason, **c.stats}, indent=2))
+        return 0
+    print(args.prompt, end="", flush=True)
+    for out in eng.stream(args.prompt, params):
+        print(out.new_text, end="", flush=True)
+    print()
+    return 0

@@ -1,0 +1,145 @@
+"""Muon and head-wise Muon (SYSTEM.md 6): momentum, then the orthogonal polar factor of the momentum by
+Newton-Schulz iteration, one factor per head block.
+
+Update of a matrix W [R, C] split into `heads` row blocks of [R/heads, C] (heads = 1: plain Muon):
+    M_t   = beta M_{t-1} + (1 - beta) G_t                      (EMA momentum)
+    N_t   = beta M_t + (1 - beta) G_t                          (Nesterov look-ahead)
+    O_h   = NS(N_t[block h])                                   (approximately U V^T of the block's SVD)
+    W    <- W (1 - lr wd) - lr * gamma * sqrt(max(r, c)) * O   (r, c: the block's shape)
+
+Head-wise: the query projection `attn.wq_b` [n_heads * head_dim, q_lora_rank] has one block per head, so each
+head gets its own preconditioner instead of one shared by all heads (the indexer's `wq_b` likewise with its
+heads); the key projections (`attn.wkv`: one shared KV head; `indexer.wk`) are one block each.
+
+Scale: an orthogonal r x c factor has min(r, c) unit singular values, so its RMS is 1 / sqrt(max(r, c));
+gamma * sqrt(max(r, c)) makes the update RMS gamma = 0.18, about AdamW's typical update RMS, so Muon, the
+Sinkhorn optimizer (also gamma = 0.18) and AdamW share one learning rate and one weight decay (the "match the
+AdamW RMS" rule of Moonlight, Liu et al. 2025).
+
+Newton-Schulz: the quintic X <- a X + (b A + c A^2) X, A = X X^T, on X = N / ||N||_F. The hybrid schedule
+follows the DeepSeek-V4 report: 8 steps with (3.4445, -4.7750, 2.0315), which push every singular value into
+about [0.7, 1.2] fast, then 2 steps with (2, -1.5, 0.5) (f(1) = 1, f'(1) = 0), which pull them onto 1, so the
+update is orthogonal to ~1e-3 rather than only roughly (SYSTEM.md 6 names Newton-Schulz without constants).
+The iteration runs in fp32, batched over all blocks of one shape.
+
+FSDP2: a sharded parameter (DTensor) is updated from its full gradient (`full_tensor()`); every rank computes
+the same full update and keeps its own row shard (`torch.chunk` rows, the layout of FSDP2's Shard(0)). The
+momentum is then a full-size replicated buffer: simple and exact, not the memory-optimal distributed Muon.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NS_STEPS = ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
+GAMMA = 0.18
+
+
+def newton_schulz(g: torch.Tensor, steps=NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate orthogonal polar factor of every matrix in g [..., r, c], fp32."""
+    x = g.float()
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
+    for a, b, c in steps:
+        A = x @ x.mT
+        x = a * x + (b * A + c * (A @ A)) @ x
+    return x.mT if tall else x
+
+
+def muon_scale(rows: int, cols: int, gamma: float = GAMMA) -> float:
+    """Multiplier that gives an r x c orthogonal factor the update RMS gamma."""
+    return gamma * math.sqrt(max(rows, cols))
+
+
+def orthogonalize_heads(n: torch.Tensor, heads: int, gamma: float = GAMMA) -> torch.Tensor:
+    """N [R, C] -> scaled orthogonal factor of each of its `heads` row blocks, [R, C] fp32."""
+    R, C = n.shape
+    if R % heads:
+        raise ValueError(f"a [{R}, {C}] matrix cannot be split into {heads} head blocks")
+    blocks = newton_schulz(n.reshape(heads, R // heads, C))
+    return (blocks * muon_scale(R // heads, C, gamma)).reshape(R, C)
+
+
+def muon_momentum(grad: torch.Tensor, momentum: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new momentum M_t, Nesterov direction N_t) of the module docstring."""
+    m = beta * momentum + (1 - beta) * grad.float()
+    return m, beta * m + (1 - beta) * grad.float()
+
+
+def muon_update(grad: torch.Tensor, momentum: torch.Tensor, beta: float, heads: int = 1,
+                gamma: float = GAMMA) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure head-wise Muon step for one matrix: (update to subtract after multiplying by lr, new momentum)."""
+    m, n = muon_momentum(grad, momentum, beta)
+    return orthogonalize_heads(n, heads, gamma), m
+
+
+# ------------------------------------------------------------------------------------------------ DTensor helpers
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a no-op for ordinary tensors)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local_rows(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's row shard of `full` for parameter `p` (FSDP2 Shard(0) splits rows like torch.chunk)."""
+    if not hasattr(p, "to_local"):
+        return full
+    mesh = p.device_mesh
+    parts = torch.chunk(full, mesh.size(), dim=0)
+    r = mesh.get_local_rank()
+    return parts[r] if r < len(parts) else full[:0]
+
+
+def apply_update(p: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float = 0.0) -> None:
+    """p <- p (1 - lr wd) - lr update, in place, on the local shard of a DTensor."""
+    data = p.to_local() if hasattr(p, "to_local") else p.data
+    u = local_rows(p, update).to(data.dtype)
+    if weight_decay:
+        data.mul_(1 - lr * weight_decay)
+    data.sub_(lr * u)
+
+
+class Muon(torch.optim.Optimizer):
+    """Head-wise Muon for 2-D parameters. Each param group has `heads` (row blocks per matrix); matrices of a
+    group whose blocks share a shape are orthogonalised in one batched Newton-Schulz call. A parameter without
+    a gradient in a step is skipped (its momentum is left as it was)."""
+
+    def __init__(self, params, lr: float = 1e-3, beta: float = 0.95, weight_decay: float = 0.0, heads: int = 1,
+                 gamma: float = GAMMA):
+        if lr < 0 or not 0 <= beta < 1 or weight_decay < 0:
+            raise ValueError(f"Muon: lr {lr}, beta {beta}, weight_decay {weight_decay} out of range")
+        super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay, heads=heads, gamma=gamma))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon takes matrices; got a parameter of shape {tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            heads, beta = group["heads"], group["beta"]
+            buckets: dict[tuple[int, int], list] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = full_tensor(p.grad)
+                state = self.state[p]
+                if "momentum" not in state:
+                    state["momentum"] = torch.zeros(g.shape, dtype=torch.float32, device=g.device)
+                m, n = muon_momentum(g, state["momentum"], beta)
+                state["momentum"] = m
+                R, C = n.shape
+                if R % heads:
+                    raise ValueError(f"a [{R}, {C}] matrix cannot be split into {heads} head blocks")
+                buckets.setdefault((R // heads, C), []).append((p, n))
+            for (r, c), items in buckets.items():
+                blocks = newton_schulz(torch.cat([n.reshape(-1, r, c) for _, n in items])) * muon_scale(r, c,
+                                                                                                     group["gamma"])
+                for (p, n), upd in zip(items, blocks.split([n.numel() // (r * c) for _, n in items])):
+                    apply_update(p, upd.reshape(n.shape), group["lr"], group["weight_decay"])
+        return loss
