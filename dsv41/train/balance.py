@@ -1,0 +1,100 @@
+"""Aux-loss-free MoE load balancing (SYSTEM.md 6, DeepSeek-V3 section 2.1.2), one bias vector per modality.
+
+Each gate adds a per-expert bias to its scores for expert *selection* only (the routing weights use the raw
+scores, `dsv41.model.moe.Gate`). After every optimizer step, each bias moves toward balance by a fixed amount:
+    b_e <- b_e + u * sign(mean_e' load_e' - load_e)
+an overloaded expert (load above the mean) loses u, an underloaded one gains u. Text tokens select with
+`gate.bias` and image-span tokens with `gate.bias_vl`, so each vector is updated from its own modality's load
+only (a step without image tokens leaves `bias_vl` untouched). Loads are counted over all micro-batches of the
+step and, in data-parallel runs, summed over ranks, so every rank applies the same update.
+
+The balance report is MaxVio = max_e load_e / mean_e load_e - 1 (0 = perfectly balanced; the DeepSeek
+"maximal violation"), averaged over layers and also given for the worst layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv41.model.moe import MoE
+
+DEFAULT_RATE = 1e-3
+
+
+def expert_load(indices: torch.Tensor, n_experts: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens routed to each expert: indices [..., K] (selected experts), mask [...] bool (tokens to count).
+    Returns [E] float64."""
+    idx = indices.reshape(-1, indices.size(-1))
+    if mask is not None:
+        idx = idx[mask.reshape(-1).to(idx.device)]
+    return torch.bincount(idx.reshape(-1), minlength=n_experts).double().cpu()
+
+
+def bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """b + rate * sign(mean(load) - load) (pure). A modality with no tokens (all-zero load) is unchanged."""
+    step = torch.sign(load.mean() - load).to(bias)
+    return bias + rate * step
+
+
+def max_violation(load: torch.Tensor) -> float:
+    """max load / mean load - 1 (0 when there is no load)."""
+    mean = float(load.mean())
+    return float(load.max()) / mean - 1.0 if mean > 0 else 0.0
+
+
+class LoadBalancer:
+    """Accumulates expert loads from `MoE.last_route` after each forward and updates the gate biases once per
+    optimizer step. `prefix` restricts it to MoEs whose module name starts with it (the DSpark stage balances
+    only the drafter's MoEs; the frozen backbone's biases must not move)."""
+
+    def __init__(self, model: nn.Module, rate: float = DEFAULT_RATE, prefix: str = ""):
+        if rate < 0:
+            raise ValueError(f"balance rate must be >= 0, got {rate}")
+        self.rate = rate
+        self.moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) and name.startswith(prefix)]
+        self.reset()
+
+    def reset(self) -> None:
+        self.loads = {name: {"text": torch.zeros(m.n_experts, dtype=torch.float64),
+                             "image": torch.zeros(m.n_experts, dtype=torch.float64)} for name, m in self.moes}
+
+    def observe(self, image_mask: torch.Tensor | None = None) -> None:
+        """Count the routes of the forward that just ran; image_mask [B,T] marks image-span tokens."""
+        for name, m in self.moes:
+            if m.last_route is None:
+                continue
+            indices = m.last_route[0]
+            if image_mask is None:
+                self.loads[name]["text"] += expert_load(indices, m.n_experts)
+            else:
+                mask = image_mask.reshape(indices.shape[:-1])
+                self.loads[name]["text"] += expert_load(indices, m.n_experts, ~mask)
+                self.loads[name]["image"] += expert_load(indices, m.n_experts, mask)
+            m.last_route = None
+
+    @torch.no_grad()
+    def step(self, all_reduce=None) -> dict[str, float]:
+        """Apply the bias updates from the loads seen since the last step, then reset. `all_reduce(t)` sums a
+        tensor over data-parallel ranks in place. Returns the balance report of the text loads."""
+        if all_reduce is not None and self.moes:
+            flat = torch.cat([torch.cat([v["text"], v["image"]]) for v in self.loads.values()])
+            all_reduce(flat)
+            off = 0
+            for v in self.loads.values():
+                n = v["text"].numel()
+                v["text"].copy_(flat[off:off + n])
+                v["image"].copy_(flat[off + n:off + 2 * n])
+                off += 2 * n
+        vios = []
+        for name, m in self.moes:
+            text, image = self.loads[name]["text"], self.loads[name]["image"]
+            if text.sum() > 0:
+                m.gate.bias.copy_(bias_update(m.gate.bias, text, self.rate))
+                vios.append(max_violation(text))
+            if image.sum() > 0 and m.gate.bias_vl is not None:
+                m.gate.bias_vl.copy_(bias_update(m.gate.bias_vl, image, self.rate))
+        self.reset()
+        if not vios:
+            return {}
+        return {"maxvio": sum(vios) / len(vios), "maxvio_worst": max(vios)}

@@ -1,0 +1,56 @@
+"""Quantization-aware training of the FP4 main KV (SYSTEM.md 6) and the training cache it runs through.
+
+Training runs with the model's QDQ sites switched off (`set_quantization(model, False)`): the FP8/FP4 quantizers
+are piecewise constant, so their true gradient is zero almost everywhere. QAT puts back the one quantizer that
+the inference cache applies to what it stores for the long context, the main-KV record (E2M1 codes with one
+E4M3 scale per 16 channels, `dsv41.codecs.qdq_main_kv`), with a straight-through estimator:
+    forward  y = qdq(x)                      (the values attention will read at inference)
+    backward dy/dx = I                       (the gradient passes as if the quantizer were the identity)
+written y = x + (qdq(x) - x).detach().
+
+Where: the compressed entries reach the store through `cache.append_compressed(layer, row0, kv, ...)`, exactly
+where the model applies `qdq_main_kv` when its QDQ is on (after RoPE, MODEL.md 3.4). `TrainCache` (a
+`DenseCache`) applies the STE there when `kv_qat` is set, so QAT needs no change to the model.
+
+Bounded-replay simulation (design; needs a model hook, not implemented yet). At inference the decoder runs only
+the last n_win prompt tokens, with its sliding window truncated at the replay start s (SYSTEM.md 2); on a prefix
+hit the encoder replays the last n_win cached tokens the same way (SYSTEM.md 4). To let the model adapt, a
+training step would draw one replay start s per sequence (uniform over [W, T - 1]) and, for the decoder layers
+(and, in encoder-replay mode, the encoder layers), mask every window key at a position < s for queries at
+positions >= s; global (compressed) KV stays complete, as it is in the cache. Queries before s are unchanged.
+The mask lives in the window index lists that `Attention.forward` builds (`window_indices`), so the model needs
+a per-layer window floor: a `swa_floor` tensor [B] (or None) on `StepContext`, applied by the layers the mode
+names, turning indices of positions < swa_floor into -1 for queries at positions >= swa_floor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.codecs import qdq_main_kv
+from dsv41.model.cache import DenseCache
+
+
+def straight_through(x: torch.Tensor, fn) -> torch.Tensor:
+    """fn(x) in the forward pass, the identity in the backward pass."""
+    return x + (fn(x) - x).detach()
+
+
+def qdq_main_kv_ste(x: torch.Tensor) -> torch.Tensor:
+    """The FP4 main-KV fake quantizer with a straight-through gradient."""
+    return straight_through(x, qdq_main_kv)
+
+
+class TrainCache(DenseCache):
+    """The dense reference store for a training prefill (autograd flows through its slice writes and reads),
+    with the main-KV QAT switch of the module docstring."""
+
+    def __init__(self, cfg, batch: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 kv_qat: bool = False):
+        super().__init__(cfg, batch, dtype, device)
+        self.kv_qat = kv_qat
+
+    def append_compressed(self, layer: int, row0, kv: torch.Tensor, *args, **kwargs) -> None:
+        if self.kv_qat:
+            kv = qdq_main_kv_ste(kv)
+        super().append_compressed(layer, row0, kv, *args, **kwargs)
