@@ -143,6 +143,8 @@ def fill_random(pool: PackedKVPool, sid: int, tokens: int, chunk: int = 1 << 16,
             sc[:, :r] = torch.randn(1, r, C, generator=gen)
             view.set_compressor_state(L, kv.to(pool.device), sc.to(pool.device))
     view.pos = torch.tensor([tokens])
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize(pool.device)
     return {"seconds": time.perf_counter() - t0, "checked_entries": checked}
 
 
@@ -169,4 +171,6 @@ def bench_kv(config: str | ModelConfig, tokens: int, page_size: int = 64, device
         "peak_rss_mb": round(_peak_rss_mb(), 1),
         "device": str(pool.device),
     })
+    if pool.device.type == "cuda":
+        out["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(pool.device) / 2**20, 1)
     return out

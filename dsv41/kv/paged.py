@@ -310,11 +310,15 @@ class PackedKVPool:
         global_allocated_bytes  whole pages handed to the sequence (entries plus the slack of its last pages)
         swa_bytes               its SWA rings (W packed rows per layer, backbone and DSpark, allocated up front)
         pending_bytes           its compressor carry (fp32 kv + score, m x C per layer with m > 1)
-        tokens                  its position"""
+        tokens                  its position
+        (also global_main_bytes / global_index_bytes, global_entries, global_pages; global_bytes repeats
+        global_entries_bytes under the key the engine's dense store uses)"""
         s = self._seq(sid)
         main = sum(s.rows[(L, "main")] * pl.record_bytes["main"] for L, pl in self.global_layers.items())
         index = sum(s.rows[(L, "index")] * pl.record_bytes["index"] for L, pl in self.global_layers.items())
         return {
+            "packed": True,
+            "global_bytes": main + index,                      # the same figure under DensePool's key
             "global_entries_bytes": main + index,
             "global_main_bytes": main,
             "global_index_bytes": index,

@@ -94,6 +94,7 @@ class DenseCache:
             store[layer] = grown
 
     def _append(self, store: dict, layer: int, row0: torch.Tensor, x: torch.Tensor, count: torch.Tensor) -> None:
+        row0, count = row0.cpu(), count.cpu()
         self._ensure(layer, int((row0 + count).max()))
         for b in range(x.size(0)):
             n = int(count[b])
@@ -104,7 +105,7 @@ class DenseCache:
     def append_compressed(self, layer: int, row0: torch.Tensor, kv: torch.Tensor, count: torch.Tensor) -> None:
         """Main-KV entries (RoPE'd, FP4 QDQ'd) kv [B,n,C]: row b writes its first count_b at rows row0_b.."""
         self._append(self.ckv, layer, row0, kv, count)
-        self.rows[layer] = torch.maximum(self.rows[layer], (row0 + count).cpu())
+        self.rows[layer] = torch.maximum(self.rows[layer], row0.cpu() + count.cpu())
 
     def append_index_k(self, layer: int, row0: torch.Tensor, k: torch.Tensor, count: torch.Tensor) -> None:
         self._append(self.kidx, layer, row0, k, count)

@@ -1,0 +1,211 @@
+"""Chat templates: messages -> one prompt string.
+
+Two encodings:
+
+* `OfficialTemplate` — the DeepSeek-V4.1 chat encoding, for official checkpoints (tokenizers that know the
+  `<｜User｜>` / `<｜Assistant｜>` special tokens). The structure, as published with the V4.1 release
+  (encoding_dsv41, also served by SGLang):
+
+      <｜begin▁of▁sentence｜>[<｜System｜>[{effort}]{system}]<｜User｜>{user}<｜Assistant｜>{</think>|<think>}...
+
+  - the BOS token is added by the server as an id (the engine convention), not spelled in the text;
+  - `<｜System｜>` opens the first message when it is a system message or when an effort line is rendered; a later
+    system message carries its own `<｜System｜>` and, like a user turn, is followed by the assistant header;
+  - after the last user-like turn: `<｜Assistant｜><think>` in thinking mode, `<｜Assistant｜></think>` in chat mode;
+    earlier turns always get `</think>` (their reasoning is dropped), earlier assistant answers end with
+    `<｜end▁of▁sentence｜>`;
+  - tool results become `<tool_result>...</tool_result>` blocks inside a user turn (V4.1 has no tool role);
+  - reasoning effort, thinking mode only, first message only:
+    `Reasoning Effort: {b} (range 1-100, the higher the value, the more thorough the reasoning)\\n\\n`.
+
+* `SimpleTemplate` — ours, for the checkpoints we train (byte-level BPE with only <|bos|>/<|eos|>/<|pad|>, no chat
+  special tokens): plain text turns
+
+      Reasoning Effort: 75
+      {system}
+
+      User: {user}
+
+      Assistant:
+
+Reasoning effort (SYSTEM.md 7): the API's `low` / `high` / `max` map to b = 50 / 75 / 100 and b is written as a
+line `Reasoning Effort: {b}` before the system prompt; an integer 1..100 is accepted as an extension. Anything else
+is an error (the server answers 400). Note: the released V4.1 encoder maps low/high/xhigh/max to 25/50/75/100 and
+renders a default of 50 in thinking mode; this project follows SYSTEM.md (50/75/100, no line unless asked for).
+
+A final assistant message is continued (no end-of-sentence, no new header), like DeepSeek's prefix completion.
+"""
+
+from __future__ import annotations
+
+EFFORT_LEVELS = {"low": 50, "high": 75, "max": 100}
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+SYSTEM = "<｜System｜>"
+THINK_START, THINK_END = "<think>", "</think>"
+OFFICIAL_EFFORT = "Reasoning Effort: {b} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def effort_budget(effort) -> int | None:
+    """reasoning_effort -> b in 1..100 (None when not given). Raises ValueError for anything else."""
+    if effort is None:
+        return None
+    if isinstance(effort, str):
+        if effort in EFFORT_LEVELS:
+            return EFFORT_LEVELS[effort]
+        raise ValueError(f"invalid reasoning_effort {effort!r}: use one of {', '.join(EFFORT_LEVELS)} "
+                         f"or an integer in [1, 100]")
+    if isinstance(effort, int) and not isinstance(effort, bool) and 1 <= effort <= 100:
+        return effort
+    raise ValueError(f"invalid reasoning_effort {effort!r}: use one of {', '.join(EFFORT_LEVELS)} "
+                     f"or an integer in [1, 100]")
+
+
+def effort_line(b: int) -> str:
+    return f"Reasoning Effort: {b}"
+
+
+def _check(messages: list[dict]) -> None:
+    if not messages:
+        raise ValueError("messages must not be empty")
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}]: unknown role {m.get('role')!r}")
+        if not isinstance(m.get("content") or "", str):
+            raise ValueError(f"messages[{i}]: content must be text")
+    if all(m["role"] == "assistant" for m in messages):
+        raise ValueError("messages need at least one system, developer, user or tool message")
+
+
+class SimpleTemplate:
+    """Our plain-text template (see the module docstring)."""
+
+    name = "simple"
+    stop_strings: tuple[str, ...] = ()
+
+    def render(self, messages: list[dict], effort: int | None = None, thinking: bool | None = None) -> str:
+        _check(messages)
+        head = []
+        if effort is not None:
+            head.append(effort_line(effort) + "\n")
+        parts = []
+        rest = messages
+        if messages[0]["role"] in ("system", "developer"):
+            head.append((messages[0].get("content") or "") + "\n")
+            rest = messages[1:]
+        if head:
+            parts.append("".join(head))
+        for i, m in enumerate(rest):
+            content = m.get("content") or ""
+            role = m["role"]
+            last = i == len(rest) - 1
+            if role == "assistant":
+                parts.append("Assistant:" + (" " + content if content else "") + ("" if last else "\n"))
+                continue
+            label = {"user": "User", "tool": "Tool", "system": "System", "developer": "System"}[role]
+            parts.append(f"{label}: {content}\n")
+            if last:
+                parts.append("Assistant:")
+        return "\n".join(parts)
+
+
+class OfficialTemplate:
+    """The DeepSeek-V4.1 chat encoding, text-only (see the module docstring)."""
+
+    name = "deepseek-v4.1"
+    stop_strings: tuple[str, ...] = ()
+
+    def render(self, messages: list[dict], effort: int | None = None, thinking: bool | None = None) -> str:
+        _check(messages)
+        thinking = effort is not None if thinking is None else bool(thinking)
+        msgs = _merge_tools(messages)
+        last_user = max((i for i, m in enumerate(msgs) if _user_like(m, i)), default=-1)
+        out = []
+        for i, m in enumerate(msgs):
+            role, content = m["role"], m.get("content") or ""
+            s = ""
+            eff = OFFICIAL_EFFORT.format(b=effort) if (i == 0 and thinking and effort is not None) else ""
+            if i == 0 and (eff or role == "system"):
+                s += SYSTEM + eff
+            if role == "system":
+                s += (SYSTEM if i > 0 else "") + content
+            elif role in ("user", "developer"):
+                s += USER + content
+            elif role == "tool_results":
+                s += USER + "\n\n".join(f"<tool_result>{c}</tool_result>" for c in m["results"])
+            elif role == "assistant":
+                final = i == len(msgs) - 1
+                if thinking and i > last_user:
+                    s += (m.get("reasoning_content") or "") + THINK_END
+                s += content + ("" if final else EOS)
+            nxt = msgs[i + 1]["role"] if i + 1 < len(msgs) else None
+            if _user_like(m, i) and nxt in (None, "assistant"):
+                s += ASSISTANT + (THINK_START if thinking and i >= last_user else THINK_END)
+            out.append(s)
+        return "".join(out)
+
+
+def _user_like(m: dict, i: int) -> bool:
+    return m["role"] in ("user", "developer", "tool_results") or (m["role"] == "system" and i > 0)
+
+
+def _merge_tools(messages: list[dict]) -> list[dict]:
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "tool":
+            if out and out[-1]["role"] == "tool_results":
+                out[-1]["results"].append(m.get("content") or "")
+            else:
+                out.append({"role": "tool_results", "results": [m.get("content") or ""]})
+        else:
+            out.append(dict(m))
+    return out
+
+
+def pick_template(tokenizer, which: str = "auto"):
+    """`official` / `simple` / `auto` (official when the tokenizer knows the V4.1 chat special tokens)."""
+    if which == "official":
+        return OfficialTemplate()
+    if which == "simple":
+        return SimpleTemplate()
+    if which != "auto":
+        raise ValueError(f"unknown chat template {which!r}: use auto, official or simple")
+    tok = getattr(tokenizer, "tok", None)
+    if tok is not None and all(tok.token_to_id(t) is not None for t in (USER, ASSISTANT)):
+        return OfficialTemplate()
+    return SimpleTemplate()
+
+
+class ReasoningSplitter:
+    """Splits streamed official-template output into reasoning (before `</think>`) and answer text, holding back a
+    tail that could still become `</think>`."""
+
+    def __init__(self, thinking: bool):
+        self.in_reasoning = thinking
+        self.buf = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """-> (reasoning delta, content delta)."""
+        if not self.in_reasoning:
+            return "", text
+        self.buf += text
+        i = self.buf.find(THINK_END)
+        if i >= 0:
+            reasoning, content = self.buf[:i], self.buf[i + len(THINK_END):]
+            self.buf, self.in_reasoning = "", False
+            return reasoning, content
+        if final:
+            out, self.buf = self.buf, ""
+            return out, ""
+        hold = 0
+        for k in range(min(len(THINK_END) - 1, len(self.buf)), 0, -1):
+            if self.buf.endswith(THINK_END[:k]):
+                hold = k
+                break
+        out, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
+        return out, ""

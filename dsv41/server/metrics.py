@@ -1,0 +1,102 @@
+"""Prometheus metrics (prometheus-client, one registry per app so several servers can live in one process).
+
+    dsv41_requests_total{endpoint,status}          HTTP API requests by endpoint and status code
+    dsv41_request_latency_seconds{endpoint}        end-to-end latency of answered requests
+    dsv41_time_to_first_token_seconds              engine arrival -> first token, per sequence
+    dsv41_prompt_tokens_total / dsv41_generation_tokens_total
+    dsv41_batch_size                               sequences per engine step (histogram)
+    dsv41_running_sequences / dsv41_waiting_sequences
+    dsv41_finished_sequences_total{reason}         stop / length
+    dsv41_aborted_sequences_total                  client went away (slot freed)
+    dsv41_prefix_cache_queries_total               prompt tokens looked up in the prefix cache
+    dsv41_prefix_cache_hits_total{tier}            prompt tokens served from the cache, by tier
+    dsv41_prefix_cache_requests_total{path}        sequences by cache path (cold / swa-hit / replay)
+    dsv41_prefix_cache_replays_total               sequences that took Encoder SWA Bounded Replay
+    dsv41_kv_bytes_in_use{kind}                    KV bytes held by live sequences (global / swa / pending /
+                                                   global_allocated pages)
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+from dsv41.server.protocol import usage_from_stats
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+disable_created_metrics()          # no *_created series: they double the exposition and nobody reads them
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter("dsv41_requests", "HTTP API requests", ["endpoint", "status"], registry=r)
+        self.latency = Histogram("dsv41_request_latency_seconds", "End-to-end request latency", ["endpoint"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("dsv41_time_to_first_token_seconds", "Engine arrival to first token per sequence",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("dsv41_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("dsv41_generation_tokens", "Tokens generated", registry=r)
+        self.batch_size = Histogram("dsv41_batch_size", "Sequences per engine step", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.running = Gauge("dsv41_running_sequences", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge("dsv41_waiting_sequences", "Sequences waiting for admission", registry=r)
+        self.finished = Counter("dsv41_finished_sequences", "Finished sequences by reason", ["reason"], registry=r)
+        self.aborted = Counter("dsv41_aborted_sequences", "Sequences aborted because their client went away",
+                               registry=r)
+        self.cache_queries = Counter("dsv41_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                     registry=r)
+        self.cache_hits = Counter("dsv41_prefix_cache_hits", "Prompt tokens served from the prefix cache by tier",
+                                  ["tier"], registry=r)
+        self.cache_paths = Counter("dsv41_prefix_cache_requests", "Sequences by prefix-cache path", ["path"],
+                                   registry=r)
+        self.replays = Counter("dsv41_prefix_cache_replays", "Sequences that took Encoder SWA Bounded Replay",
+                               registry=r)
+        self.kv_bytes = Gauge("dsv41_kv_bytes_in_use", "KV bytes held by live sequences", ["kind"], registry=r)
+        for kind in ("global", "swa", "pending"):
+            self.kv_bytes.labels(kind).set(0)
+        for path in ("cold", "swa-hit", "replay"):
+            self.cache_paths.labels(path)
+
+    # called from the HTTP handlers
+    def observe_request(self, endpoint: str, status: int, seconds: float | None = None) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        if seconds is not None and status < 400:
+            self.latency.labels(endpoint).observe(seconds)
+
+    # called from the engine loop thread
+    def observe_step(self, batch: int) -> None:
+        if batch:
+            self.batch_size.observe(batch)
+
+    def observe_engine(self, running: int, waiting: int, kv: dict[str, int]) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        for k, v in kv.items():
+            self.kv_bytes.labels(k).set(v)
+
+    def observe_completion(self, comp) -> None:
+        st = comp.stats
+        u = usage_from_stats(st)
+        self.prompt_tokens.inc(u["prompt_tokens"])
+        self.generation_tokens.inc(u["completion_tokens"])
+        if st.get("ttft_s") is not None:
+            self.ttft.observe(max(0.0, float(st["ttft_s"])))
+        self.finished.labels(str(comp.finish_reason)).inc()
+        d = u["prompt_tokens_details"]
+        self.cache_queries.inc(u["prompt_tokens"])
+        for tier, n in d["cached_tokens_by_tier"].items():
+            if n:
+                self.cache_hits.labels(tier).inc(n)
+        if d["cached_tokens"] and not d["cached_tokens_by_tier"]:
+            self.cache_hits.labels("all").inc(d["cached_tokens"])
+        self.cache_paths.labels(d["cache_path"]).inc()
+        if d["cache_path"] == "replay":
+            self.replays.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

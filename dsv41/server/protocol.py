@@ -1,0 +1,330 @@
+"""The OpenAI wire format the server speaks: request models (pydantic, strict), the error shape, and the
+response/chunk builders.
+
+Requests are validated strictly: a string where a number belongs, a float where an integer belongs, or a bool
+where either belongs is a 400, as OpenAI does (pydantic's lax coercion would accept "5" for 5). Unknown fields are
+ignored, as vLLM and SGLang do. Fields we cannot honour (tools, logit_bias, non-zero penalties, structured
+output) are rejected with a 400 naming the field instead of being silently dropped.
+
+Every error body has OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_N = 16                       # choices per request
+MAX_STOP = 16                    # stop strings per request
+MAX_TOP_LOGPROBS = 20            # the engine's limit
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _default_type(status)
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def _default_type(status: int) -> str:
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the offending field (dotted path, list indices included)."""
+    errs = e.errors(include_url=False)
+    if not errs:
+        return bad_request("invalid request")
+    first = errs[0]
+    loc = [str(x) for x in first.get("loc", ()) if not _is_union_tag(x)]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errs) - 1} more error{'s' if len(errs) > 2 else ''})" if len(errs) > 1 else ""
+    return bad_request(f"{param}: {msg}{more}" if param else f"{msg}{more}", param, "invalid_type"
+                       if "type" in first.get("type", "") else "invalid_value")
+
+
+def _is_union_tag(x) -> bool:
+    # pydantic names union members in the location ("str", "list[str]", "function-after[...]"): hide them
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "list[str]", "list[int]",
+                                         "list[list[int]]", "list[TextPart]", "none")
+                                   or x.startswith(("function-", "list[", "literal[")))
+
+
+# ------------------------------------------------------------------------------------------------ requests
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _finite(v):
+    if v is not None and isinstance(v, float) and not math.isfinite(v):
+        raise ValueError("must be a finite number")
+    return v
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class _Sampling(_Strict):
+    """Fields chat and completions share."""
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)                      # extension (vLLM): -1 or 0 = off
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: Union[str, list[str], None] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+    ignore_eos: bool = False                                    # extension (vLLM)
+    stop_token_ids: list[int] | None = None                     # extension (vLLM)
+    return_prompt: bool = False                                 # extension: echo the rendered prompt back
+
+    _finite_t = field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty")(_finite)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return v
+        lst = [v] if isinstance(v, str) else v
+        if len(lst) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(s == "" for s in lst):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported by this server (use 0 or leave it out)", name,
+                                  "unsupported_parameter")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    reasoning_effort: Union[str, int, None] = None
+    chat_template_kwargs: dict[str, Any] | None = None           # extension (vLLM): {"thinking": bool}
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise bad_request("tools are not supported by this server", "tools", "unsupported_parameter")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice is not supported by this server", "tool_choice", "unsupported_parameter")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
+                              "unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        for i, m in enumerate(self.messages):
+            if m.tool_calls:
+                raise bad_request("assistant tool_calls are not supported by this server",
+                                  f"messages.{i}.tool_calls", "unsupported_parameter")
+
+    def max_new_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix", "unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported by this server", "best_of",
+                              "unsupported_parameter")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo together with logprobs (prompt log-probabilities) is not supported",
+                              "echo", "unsupported_parameter")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: a string, a list of strings, a list of token ids, or a list of such lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        if len(p) > MAX_N:
+            raise bad_request(f"at most {MAX_N} prompts per request", "prompt")
+        return list(p)
+
+
+def parse(model: type[_Strict], body: Any) -> _Strict:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+# ------------------------------------------------------------------------------------------------ usage
+
+def usage_from_stats(stats: dict, prompt_tokens: int | None = None, completion_tokens: int | None = None) -> dict:
+    """OpenAI `usage` for one sequence from the engine's `Completion.stats`.
+
+    The prefix-cache figures are read from the stats when the engine reports them (issue 6): `cached_tokens` (int),
+    `cache_path` ("cold" / "swa-hit" / "replay") and the tokens per tier, either as a dict `cached_tokens_by_tier`
+    (or `cached_by_tier`) or as flat keys `cached_<tier>_tokens`. Until then they read 0 / "cold"."""
+    p = int(stats.get("prompt_tokens", 0) if prompt_tokens is None else prompt_tokens)
+    c = int(stats.get("generated_tokens", 0) if completion_tokens is None else completion_tokens)
+    tiers: dict[str, int] = {}
+    for key in ("cached_tokens_by_tier", "cached_by_tier"):
+        if isinstance(stats.get(key), dict):
+            tiers.update({str(k): int(v) for k, v in stats[key].items()})
+    for k, v in stats.items():
+        if k.startswith("cached_") and k.endswith("_tokens") and k != "cached_tokens" and isinstance(v, int):
+            tiers.setdefault(k[len("cached_"):-len("_tokens")], int(v))
+    cached = stats.get("cached_tokens")
+    cached = int(cached) if isinstance(cached, int) else sum(tiers.values()) if tiers else 0
+    path = stats.get("cache_path") or ("cold" if cached == 0 else "hit")
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": min(cached, p), "cached_tokens_by_tier": tiers,
+                                  "cache_path": str(path)},
+    }
+
+
+def merge_usage(per_choice: list[dict], prompt_tokens_once: list[int]) -> dict:
+    """Usage of a request with several choices (and prompts): each distinct prompt counts once (as OpenAI does
+    for n > 1), completion tokens add up; cached tokens: the best-served choice of each prompt."""
+    if not per_choice:
+        return usage_from_stats({}, 0, 0)
+    p = sum(prompt_tokens_once)
+    c = sum(u["completion_tokens"] for u in per_choice)
+    by_prompt: dict[int, dict] = {}
+    for u in per_choice:
+        k = u.get("_prompt_index", 0)
+        if k not in by_prompt or u["prompt_tokens_details"]["cached_tokens"] > \
+                by_prompt[k]["prompt_tokens_details"]["cached_tokens"]:
+            by_prompt[k] = u
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in by_prompt.values())
+    tiers: dict[str, int] = {}
+    for u in by_prompt.values():
+        for t, v in u["prompt_tokens_details"]["cached_tokens_by_tier"].items():
+            tiers[t] = tiers.get(t, 0) + v
+    paths = sorted({u["prompt_tokens_details"]["cache_path"] for u in per_choice})
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached, "cached_tokens_by_tier": tiers,
+                                      "cache_path": paths[0] if len(paths) == 1 else ",".join(paths)}}
+
+
+def public_usage(u: dict) -> dict:
+    return {k: v for k, v in u.items() if not k.startswith("_")}
+
+
+# ------------------------------------------------------------------------------------------------ logprobs
+
+def chat_logprob_entry(entry: dict, token_str, token_bytes) -> dict:
+    """One engine logprobs entry {token, logprob, top: [(id, logprob)]} in the chat format."""
+    return {
+        "token": token_str(entry["token"]),
+        "logprob": _clean(entry["logprob"]),
+        "bytes": token_bytes(entry["token"]),
+        "top_logprobs": [{"token": token_str(i), "logprob": _clean(lp), "bytes": token_bytes(i)}
+                         for i, lp in entry["top"]],
+    }
+
+
+def completion_logprobs(entries: list[dict], token_str, text_offset0: int = 0) -> dict:
+    """The legacy completions logprobs block: tokens, token_logprobs, top_logprobs (dict per position), text_offset."""
+    tokens, lps, tops, offs = [], [], [], []
+    off = text_offset0
+    for e in entries:
+        s = token_str(e["token"])
+        tokens.append(s)
+        lps.append(_clean(e["logprob"]))
+        top: dict[str, float] = {}
+        for i, lp in e["top"]:
+            top.setdefault(token_str(i), _clean(lp))
+        tops.append(top)
+        offs.append(off)
+        off += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+
+def _clean(x: float) -> float:
+    # JSON has no -inf: clamp like vLLM does (-9999.0)
+    return float(x) if math.isfinite(x) else -9999.0

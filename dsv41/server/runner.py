@@ -1,0 +1,291 @@
+"""The engine loop: one thread owns the (not thread-safe) engine.
+
+HTTP handlers never touch the engine. They call `submit` / `abort`, which put commands on a thread-safe queue; the
+loop thread drains the queue between steps (admitting requests with `add_request`, aborting), runs `engine.step()`
+while anything is unfinished, and hands every event to the request's sink — a callable the handler supplied,
+which typically does `loop.call_soon_threadsafe(queue.put_nowait, event)` onto an asyncio queue.
+
+Events a sink receives, in order:
+    Accepted(request_id)                         the engine took the request (add_request succeeded)
+    Delta(request_id, token_ids, text, logprobs) every step that produced something for it
+    Done(request_id, completion)                 it finished (the engine's Completion, stats included)
+or a single Failed(request_id, status, message) instead (bad input rejected by the engine: 400; anything else: 500).
+
+A request whose sink raises or whose client is gone is aborted; an exception inside `engine.step()` fails every
+request in flight with a 500 and the loop carries on, so no request can stop the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger("dsv41.server")
+
+
+@dataclass
+class Accepted:
+    request_id: str
+
+
+@dataclass
+class Delta:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Done:
+    request_id: str
+    completion: Any
+
+
+@dataclass
+class Failed:
+    request_id: str
+    status: int
+    message: str
+
+
+class EngineRunner:
+    def __init__(self, engine, metrics=None, idle_poll_s: float = 0.05, kv_refresh_s: float = 0.25):
+        self.engine = engine
+        self.metrics = metrics
+        self.idle_poll_s, self.kv_refresh_s = idle_poll_s, kv_refresh_s
+        self._cmds: queue.Queue = queue.Queue()
+        self._sinks: dict[str, Callable[[Any], None]] = {}
+        self._want_logprobs: dict[str, int] = {}          # request id -> logprob entries already delivered
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._last_kv = 0.0
+        # read by other threads (plain ints: atomic enough for monitoring)
+        self.n_running = 0
+        self.n_waiting = 0
+        self.n_steps = 0
+        self.n_aborted = 0
+        self.n_step_failures = 0
+        self.last_error: str | None = None
+
+    # ---------------------------------------------------------------- any thread
+    def start(self) -> "EngineRunner":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="dsv41-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._cmds.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def submit(self, prompt, params, request_id: str, sink: Callable[[Any], None]) -> None:
+        self._cmds.put(("add", prompt, params, request_id, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    def call(self, fn: Callable[[Any], Any], timeout: float = 30.0):
+        """Run `fn(engine)` on the loop thread and return its result (for inspection in tests and tools)."""
+        box: dict = {}
+        done = threading.Event()
+        self._cmds.put(("call", fn, box, done))
+        if not done.wait(timeout):
+            raise TimeoutError("engine loop did not answer")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def in_flight(self) -> int:
+        return len(self._sinks)
+
+    # ---------------------------------------------------------------- loop thread
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain(block=not self.engine.has_unfinished())
+                if self._stop.is_set():
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+                self._gauges()
+            except Exception:                                   # never let the loop die
+                self.last_error = traceback.format_exc()
+                log.error("engine loop error:\n%s", self.last_error)
+                time.sleep(0.01)
+        self._shutdown()
+
+    def _drain(self, block: bool) -> None:
+        first = True
+        while True:
+            try:
+                cmd = self._cmds.get(timeout=self.idle_poll_s) if (block and first) else self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            first = False
+            kind = cmd[0]
+            if kind == "add":
+                self._add(*cmd[1:])
+            elif kind == "abort":
+                self._abort(cmd[1])
+            elif kind == "call":
+                _, fn, box, done = cmd
+                try:
+                    box["value"] = fn(self.engine)
+                except Exception as e:                          # reported to the caller
+                    box["error"] = e
+                done.set()
+
+    def _add(self, prompt, params, rid: str, sink) -> None:
+        try:
+            self.engine.add_request(prompt, params, request_id=rid)
+        except ValueError as e:
+            self._send(sink, Failed(rid, 400, str(e)))
+            return
+        except Exception as e:
+            log.error("add_request failed:\n%s", traceback.format_exc())
+            self._send(sink, Failed(rid, 500, f"internal error while admitting the request: {type(e).__name__}"))
+            return
+        self._sinks[rid] = sink
+        if params.logprobs is not None:
+            self._want_logprobs[rid] = 0
+        if not self._send(sink, Accepted(rid)):
+            self._abort(rid)
+
+    def _abort(self, rid: str) -> None:
+        if rid in self._sinks:
+            self.engine.abort(rid)
+            self._sinks.pop(rid, None)
+            self._want_logprobs.pop(rid, None)
+            self.n_aborted += 1
+            if self.metrics is not None:
+                self.metrics.aborted.inc()
+        self.engine.finished.pop(rid, None)
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:
+            self.n_step_failures += 1
+            self.last_error = traceback.format_exc()
+            log.error("engine step failed; failing every request in flight:\n%s", self.last_error)
+            for rid, sink in list(self._sinks.items()):
+                try:
+                    self.engine.abort(rid)
+                except Exception:
+                    pass
+                self.engine.finished.pop(rid, None)
+                self._send(sink, Failed(rid, 500, f"internal engine error: {type(e).__name__}: {e}"))
+            self._sinks.clear()
+            self._want_logprobs.clear()
+            return
+        self.n_steps += 1
+        if self.metrics is not None:
+            self.metrics.observe_step(len(self.engine.running) + sum(1 for o in outs if o.finished))
+        live = None
+        for o in outs:
+            rid = o.request_id
+            sink = self._sinks.get(rid)
+            if sink is None:                                    # aborted meanwhile
+                if o.finished:
+                    self.engine.finished.pop(rid, None)
+                continue
+            lps: list[dict] = []
+            if rid in self._want_logprobs and o.new_token_ids:
+                if live is None:
+                    live = {s.request_id: s for s in self.engine.running}
+                seq = live.get(rid) or self.engine.finished.get(rid)
+                got = self._want_logprobs[rid]
+                if seq is not None:
+                    lps = list(seq.logprobs[got:got + len(o.new_token_ids)])
+                    self._want_logprobs[rid] = got + len(lps)
+            ok = self._send(sink, Delta(rid, list(o.new_token_ids), o.new_text, lps, o.finished, o.finish_reason))
+            if o.finished:
+                comp = None
+                try:
+                    comp = self.engine.completion(rid)
+                except Exception:
+                    log.error("completion(%s) failed:\n%s", rid, traceback.format_exc())
+                self.engine.finished.pop(rid, None)
+                self._sinks.pop(rid, None)
+                self._want_logprobs.pop(rid, None)
+                if comp is None:
+                    self._send(sink, Failed(rid, 500, "internal error while finishing the request"))
+                    continue
+                if self.metrics is not None:
+                    self.metrics.observe_completion(comp)
+                self._send(sink, Done(rid, comp))
+            elif not ok:
+                self._abort(rid)
+
+    def _gauges(self) -> None:
+        self.n_running = len(self.engine.running)
+        self.n_waiting = len(self.engine.waiting)
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        if now - self._last_kv < self.kv_refresh_s and self.engine.has_unfinished():
+            return
+        self._last_kv = now
+        self.metrics.observe_engine(self.n_running, self.n_waiting, kv_in_use(self.engine))
+
+    def _send(self, sink, event) -> bool:
+        try:
+            sink(event)
+            return True
+        except Exception:
+            return False
+
+    def _shutdown(self) -> None:
+        for rid, sink in list(self._sinks.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                pass
+            self._send(sink, Failed(rid, 503, "the server is shutting down"))
+        self._sinks.clear()
+        while True:                                             # answer whatever is still queued
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                self._send(cmd[4], Failed(cmd[3], 503, "the server is shutting down"))
+            elif cmd[0] == "call":
+                cmd[2]["error"] = RuntimeError("the server is shutting down")
+                cmd[3].set()
+
+
+def kv_in_use(engine) -> dict[str, int]:
+    """KV bytes the live sequences hold, by kind (global entries, SWA rings, compressor carry), plus the pool's
+    allocated global pages when the pool reports them."""
+    out = {"global": 0, "swa": 0, "pending": 0}
+    pool = engine.pool
+    for s in engine.running:
+        if s.sid is None:
+            continue
+        try:
+            b = pool.seq_bytes(s.sid)
+        except Exception:
+            continue
+        out["global"] += int(b.get("global_entries_bytes", b.get("global_bytes", 0)))
+        out["swa"] += int(b.get("swa_bytes", 0))
+        out["pending"] += int(b.get("pending_bytes", 0))
+    if hasattr(pool, "pool_bytes"):
+        try:
+            out["global_allocated"] = int(pool.pool_bytes().get("global_allocated_bytes", 0))
+        except Exception:
+            pass
+    return out

@@ -1,0 +1,104 @@
+"""Training checkpoints: the model in our safetensors format (`dsv41.model.loading.save_checkpoint`: config.json,
+model.safetensors, tokenizer.json) plus `train_state.pt` (optimizer state, data position, step, RNG, history,
+the run's settings), so that a resumed run continues bit for bit.
+
+The run's output directory is itself the checkpoint directory (`dsv41 generate --checkpoint runs/train-tiny`
+loads it). A save writes everything into `.partial/` first and then moves each file into place, the train
+state last; the step is recorded in both the safetensors metadata and the train state, and resuming refuses a
+directory where they disagree (a save interrupted between the moves).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from dsv41.model.loading import save_checkpoint
+
+TRAIN_STATE = "train_state.pt"
+MODEL_FILE = "model.safetensors"
+PROVENANCE = "tokenizer_provenance.json"
+
+
+def unwrap_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A full (unsharded) CPU state dict, also for FSDP2 models (DTensor parameters)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if hasattr(v, "full_tensor"):
+            v = v.full_tensor()
+        out[k] = v.detach().cpu()
+    return out
+
+
+class _StateView(torch.nn.Module):
+    """Hands a ready state dict to `save_checkpoint`, which asks the model for `state_dict()`."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        super().__init__()
+        self._state = state
+
+    def state_dict(self, *args, **kwargs):
+        return self._state
+
+
+def save_training_checkpoint(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg,
+                             tokenizer_json: str | Path | None, train_state: dict, step: int,
+                             extra_meta: dict | None = None, provenance: dict | None = None) -> Path:
+    """Write the checkpoint of the module docstring; `state_dict` is `unwrap_state_dict(model)`."""
+    out = Path(out_dir)
+    tmp = out / ".partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    meta = {"step": step, **(extra_meta or {})}
+    save_checkpoint(_StateView(state_dict), cfg, tmp, extra_meta=meta, tokenizer_json=tokenizer_json)
+    if provenance is not None:
+        (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+    torch.save({**train_state, "step": step}, tmp / TRAIN_STATE)
+    names = [n for n in ("config.json", MODEL_FILE, "tokenizer.json", PROVENANCE) if (tmp / n).exists()]
+    for n in names + [TRAIN_STATE]:
+        os.replace(tmp / n, out / n)
+    shutil.rmtree(tmp)
+    return out
+
+
+def checkpoint_step(out_dir: str | Path) -> int | None:
+    """The step of the model file in `out_dir` (None when there is none)."""
+    path = Path(out_dir) / MODEL_FILE
+    if not path.is_file():
+        return None
+    with safe_open(str(path), "pt") as f:
+        step = (f.metadata() or {}).get("step")
+    return int(step) if step is not None else None
+
+
+def load_training_checkpoint(out_dir: str | Path, model: torch.nn.Module) -> dict:
+    """Load the model weights from `out_dir` into `model` (strict) and return the train state."""
+    out = Path(out_dir)
+    state_path = out / TRAIN_STATE
+    if not state_path.is_file():
+        raise ValueError(f"--resume: {out} holds no {TRAIN_STATE} (nothing to resume)")
+    state = torch.load(state_path, map_location="cpu", weights_only=True)
+    step = checkpoint_step(out)
+    if step != state["step"]:
+        raise ValueError(f"--resume: {out} has model step {step} but train state step {state['step']} "
+                         f"(an interrupted save); remove the directory or restore a complete checkpoint")
+    tensors = load_file(str(out / MODEL_FILE))
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"--resume: {out}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for k, v in own.items():
+            src = tensors[k].to(v.dtype)
+            if hasattr(v, "to_local"):
+                from dsv41.train.optim.muon import local_rows
+                v.to_local().copy_(local_rows(v, src).to(v.device))
+            else:
+                v.copy_(src.to(v.device))
+    return state

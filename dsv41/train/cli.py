@@ -1,0 +1,71 @@
+"""`dsv41 train`: pretrain a model from scratch, or train its DSpark drafter on a frozen pretrained backbone.
+
+Examples
+    dsv41 train --preset tiny                           # ~5 minutes on 2 CPU cores, Python stdlib as data
+    dsv41 train --preset tiny --steps 400 --out runs/t  # a fixed step budget
+    dsv41 train --preset tiny --resume --out runs/t     # continue exactly where a run stopped
+    dsv41 train --stage dspark --init runs/train-tiny --out runs/train-tiny-dspark --minutes 3
+    torchrun --nproc_per_node 2 -m dsv41.cli train --preset tiny --steps 200 --batch-size 4      # CPU, gloo
+    torchrun --nproc_per_node 8 -m dsv41.cli train --preset tiny --fsdp --device cuda ...       # one GPU node
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dsv41.train.trainer import DEFAULT_MINUTES, TrainConfig, train
+
+
+def register(subparsers) -> None:
+    d = TrainConfig()
+    p = subparsers.add_parser("train", help="train a model (pretraining or the DSpark drafter stage)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default=d.preset, help="model preset (tiny, debug, ...) or config.json")
+    p.add_argument("--stage", choices=("pretrain", "dspark"), default=d.stage)
+    p.add_argument("--init", default=None, help="dspark stage: the pretrained checkpoint directory")
+    p.add_argument("--data", default=None,
+                   help="text file, directory or JSONL ('text' field); default: the Python standard library")
+    p.add_argument("--out", default=None, help="output / checkpoint directory (default runs/train-<preset>"
+                                               "[-dspark])")
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help="share of documents (by name hash) held out for validation")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, default=None, help="optimizer steps")
+    budget.add_argument("--minutes", type=float, default=None,
+                        help=f"wall-time budget of the whole command (default {DEFAULT_MINUTES:g} when --steps "
+                             f"is not given)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per process and micro-batch")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (shared by all routes)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of the run)")
+    p.add_argument("--clip", type=float, default=d.clip, help="gradient-norm clip (0: off)")
+    p.add_argument("--optimizer", choices=("muon", "adamw"), default=d.optimizer,
+                   help="muon: head-wise Muon + Muon + Sinkhorn + AdamW by route; adamw: AdamW for everything")
+    p.add_argument("--qat", action="store_true", help="fake-quantize the FP4 main KV (straight-through)")
+    p.add_argument("--balance-rate", type=float, default=d.balance_rate, help="aux-loss-free bias step u")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="validation windows per evaluation")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadier on a busy machine)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP (GPUs under torchrun)")
+    p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="greedy sample length at the end")
+    p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    out = args.out or f"runs/train-{args.preset}" + ("-dspark" if args.stage == "dspark" else "")
+    cfg = TrainConfig(preset=args.preset, stage=args.stage, data=args.data, out=out, init=args.init,
+                      steps=args.steps, minutes=args.minutes, seq_len=args.seq_len, batch_size=args.batch_size,
+                      grad_accum=args.grad_accum, lr=args.lr, weight_decay=args.weight_decay, warmup=args.warmup,
+                      clip=args.clip, optimizer=args.optimizer, qat=args.qat, balance_rate=args.balance_rate,
+                      seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows, val_fraction=args.val_fraction,
+                      threads=args.threads, device=args.device, fsdp=args.fsdp, sample_tokens=args.sample_tokens,
+                      quiet=args.quiet)
+    train(cfg, resume=args.resume, stop_at=args.stop_at)
+    return 0

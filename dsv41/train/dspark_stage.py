@@ -1,0 +1,234 @@
+"""The DSpark drafter stage (SYSTEM.md 5): train only the drafter (`mtp.*`) on a frozen backbone, and measure
+its per-position acceptance rate.
+
+What the drafter computes at inference (MODEL.md 7, `dsv41.model.dspark.forward_spec`): after the target has
+processed the token at position p, the drafter's window ring holds `main_x` (stage 0's projection of the
+target's taps) for positions <= p; its block input is [token p+1 (just sampled by the target), noise x (G-1)]
+at positions p+1..p+G, attending bidirectionally within the block and to the ring rows p-W+1..p; the logits of
+block slot i, plus the Markov bias of the token in slot i (the sampled token for i = 0, the previous draft
+after), propose the token at position p+2+i. G = `dspark_block_size`.
+
+Training forward (`draft_forward`), every anchor p of a sequence at once: anchors become batch rows
+[B*A, G]; the window part of each stage's attention is computed against all main-KV rows with a band mask
+(keys p-W+1..p of anchor p) plus the anchor's own G draft keys and the sink, which is the same softmax as the
+inference kernel's index list. The Markov input of slot i is teacher-forced with the real token at position
+p+1+i: when drafts 1..i were accepted they equal the target's tokens, which is the condition under which
+draft i+1 is ever verified. The stage's Block composition (mHC mixes, norms, MoE) is the model's own
+`Block.forward` with this attention in place of the ring attention; `test_train_dspark.py` checks it against
+`forward_spec` anchor by anchor.
+
+Loss: the target's distribution at position p+1+i (the frozen backbone's softmax, which is what verification
+compares against) as a soft target for draft slot i (cross-entropy = KL + const), averaged over the valid
+(anchor, slot) pairs; plus a binary cross-entropy that trains the confidence head to predict the conditional
+acceptance (slot i's greedy draft equals the target's greedy token, counted only where slots < i matched; its
+inputs are detached so this loss trains the confidence head alone). Nothing reaches the backbone: its forward
+runs under `no_grad` and its parameters (the tied embedding and LM head included) are frozen.
+
+Acceptance (greedy verification: draft i is accepted iff it equals the target's argmax, given drafts < i
+accepted): a_i = #(slots 1..i all match) / #(slots 1..i-1 all match). Measured two ways:
+  `teacher_forced`: on validation windows (ground-truth context);
+  `greedy`: on sequences the backbone generated greedily from validation prompts, where the context is the
+            target's own greedy output, i.e. exactly what speculative greedy decoding sees.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv41.model.mhc import hc_post, hc_pre, identity_pre_mix
+from dsv41.train.qat import TrainCache
+
+CONFIDENCE_WEIGHT = 0.1
+
+
+# ------------------------------------------------------------------------------------------------ forward
+
+def _draft_attention(attn, u: torch.Tensor, main_x: torch.Tensor, A: int) -> torch.Tensor:
+    """DSparkAttention for all anchors. u [B*A,G,D] block inputs (anchor p = row % A at positions p+1..p+G),
+    main_x [B,T,D]. Returns [B*A,G,D]."""
+    BA, G, _ = u.shape
+    B, T = main_x.shape[:2]
+    W, H = attn.window, attn.n_heads
+    dev = u.device
+    p = torch.arange(A, device=dev)
+    main_freqs = attn.rope.freqs(torch.arange(T).unsqueeze(0)).to(dev)                    # [1,T,R/2]
+    main_kv = attn.window_kv(main_x, main_freqs)                                            # [B,T,C]
+    draft_pos = (p.view(A, 1) + 1 + torch.arange(G, device=dev)).repeat(B, 1)              # [B*A,G]
+    freqs = attn.rope.freqs(draft_pos.cpu()).to(dev)
+    _, q = attn.queries(u, freqs)                                                           # [B*A,G,H,C]
+    kv = attn.window_kv(u, freqs)                                                           # [B*A,G,C]
+    C = kv.size(-1)
+    qf = q.float().view(B, A, G, H, C)
+    kvf = kv.float().view(B, A, G, C)
+    mf = main_kv.float()
+    s_main = torch.einsum("baghc,btc->baght", qf, mf) * attn.softmax_scale                  # [B,A,G,H,T]
+    t = torch.arange(T, device=dev)
+    band = (t.view(1, T) <= p.view(A, 1)) & (t.view(1, T) > p.view(A, 1) - W)               # [A,T]
+    s_main = s_main.masked_fill(~band.view(1, A, 1, 1, T), -torch.inf)
+    s_draft = torch.einsum("baghc,bakc->baghk", qf, kvf) * attn.softmax_scale               # [B,A,G,H,G]
+    sink = attn.attn_sink.float().view(1, 1, 1, H, 1).expand(B, A, G, H, 1)
+    probs = torch.softmax(torch.cat([s_main, s_draft, sink], dim=-1), dim=-1)
+    o = (torch.einsum("baght,btc->baghc", probs[..., :T], mf)
+         + torch.einsum("baghk,bakc->baghc", probs[..., T:T + G], kvf))
+    return attn.output(o.reshape(BA, G, H, C).to(q.dtype), freqs)
+
+
+def _stage(st, x: torch.Tensor, pre_mix: torch.Tensor, main_x: torch.Tensor, A: int):
+    """`Block.forward` of one drafter stage with the all-anchor attention."""
+    residual = x
+    a_pre, a_post, a_comb = st.mixes(x, "attn")
+    h = st.attn_norm(hc_pre(x, pre_mix))
+    x = hc_post(_draft_attention(st.attn, h, main_x, A), residual, a_post, a_comb)
+    residual = x
+    f_pre, f_post, f_comb = st.mixes(x, "ffn")
+    h = st.ffn_norm(hc_pre(x, a_pre))
+    x = hc_post(st.ffn(h, None), residual, f_post, f_comb)
+    return x, f_pre
+
+
+def anchor_ids(ids: torch.Tensor, G: int, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For anchors p = 0..T-2: the tokens at p+1..p+G [B,A,G] (`fill` past the end) and their validity."""
+    B, T = ids.shape
+    A = T - 1
+    pos = torch.arange(A).view(A, 1) + 1 + torch.arange(G)                                   # [A,G]
+    valid = pos <= T - 1
+    out = ids[:, pos.clamp(max=T - 1)]
+    return torch.where(valid, out, torch.full_like(out, fill)), valid.expand(B, A, G)
+
+
+def draft_forward(model, main_hidden: torch.Tensor, markov_ids: torch.Tensor, detach_confidence: bool = True):
+    """The drafter at every anchor p = 0..A-1 of a sequence.
+
+    main_hidden [B,T,taps*D]: the target's taps of positions 0..T-1 (T >= A); markov_ids [B,A,G]: slot i's
+    Markov input (slot 0: the token at p+1, which is also the block's first input). Returns (logits
+    [B,A,G,V] for the tokens at p+2..p+G+1, confidence logits [B,A,G])."""
+    cfg, stages = model.cfg, model.mtp
+    first, last = stages[0], stages[-1]
+    B, A, G = markov_ids.shape
+    S = cfg.hc_mult
+    main_x = first.main_norm(first.main_proj(main_hidden))                                  # [B,T,D]
+    block = torch.full((B * A, G), cfg.dspark_noise_token_id, dtype=torch.long, device=markov_ids.device)
+    block[:, 0] = markov_ids[:, :, 0].reshape(-1)
+    h = model.embed(block).unsqueeze(2).repeat(1, 1, S, 1)                                   # [B*A,G,S,D]
+    pre_mix = identity_pre_mix(B * A, G, S, h.device)
+    for st in stages:
+        h, pre_mix = _stage(st, h, pre_mix, main_x, A)
+    x = hc_pre(h, pre_mix)                                                                   # [B*A,G,D]
+    logits = model.head(last.norm(x).float())                                                # [B*A,G,V]
+    bias, e = last.markov_head(markov_ids.reshape(B * A, G))
+    logits = logits + bias
+    if detach_confidence:
+        x, e = x.detach(), e.detach()
+    confidence = last.confidence_head(x, e)
+    return logits.view(B, A, G, -1), confidence.view(B, A, G)
+
+
+# ------------------------------------------------------------------------------------------------ targets
+
+def target_rows(target_logits: torch.Tensor, G: int) -> torch.Tensor:
+    """The target's logits for slot i of anchor p: row p+1+i (clamped at the end; masked by the caller).
+    [B,T,V] -> [B,A,G,V]."""
+    T = target_logits.size(1)
+    pos = (torch.arange(T - 1).view(-1, 1) + 1 + torch.arange(G)).clamp(max=T - 1)
+    return target_logits[:, pos.to(target_logits.device)]
+
+
+def acceptance_counts(draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Greedy verification of [B,A,G] drafts against target tokens: counts[i] = anchors whose slots 0..i all
+    match (anchors whose slots are all valid only). Returns [G+1] with counts[0] the number of anchors first."""
+    full = valid.all(dim=-1)
+    prefix = torch.cumprod((draft == target).long(), dim=-1)[full]                          # [N,G]
+    return torch.cat([torch.tensor([prefix.size(0)]), prefix.sum(dim=0).cpu()])
+
+
+def acceptance_rates(counts: torch.Tensor) -> dict:
+    """Conditional acceptance a_i, prefix survival S_i and expected tokens per verification step
+    (1 + sum_i S_i) from `acceptance_counts` summed over batches."""
+    c = counts.double()
+    n = float(c[0])
+    rates = [float(c[i] / c[i - 1]) if c[i - 1] > 0 else 0.0 for i in range(1, len(c))]
+    survival = [float(c[i] / n) if n else 0.0 for i in range(1, len(c))]
+    return {"anchors": int(n), "acceptance": rates, "survival": survival, "tokens_per_step": 1 + sum(survival)}
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+class DSparkTrainModule(nn.Module):
+    """forward(ids [B,T], _) -> (loss, metrics): frozen backbone forward, then the drafter loss."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def backbone(self, ids: torch.Tensor):
+        m = self.model
+        with torch.no_grad():
+            out = m(ids, TrainCache(m.cfg, ids.size(0), m.dtype, ids.device), 0)
+        return out.logits.float(), out.main_hidden
+
+    def forward(self, ids: torch.Tensor, _targets: torch.Tensor | None = None):
+        cfg = self.model.cfg
+        G = cfg.dspark_block_size
+        target_logits, main_hidden = self.backbone(ids)
+        markov, valid = anchor_ids(ids, G, cfg.engram_pad_id)
+        logits, conf = draft_forward(self.model, main_hidden, markov.to(ids.device))
+        tl = target_rows(target_logits, G)                                                  # [B,A,G,V]
+        valid = valid.to(ids.device)
+        ce = -(torch.softmax(tl, -1) * torch.log_softmax(logits.float(), -1)).sum(-1)        # [B,A,G]
+        n = valid.sum().clamp(min=1)
+        loss = (ce * valid).sum() / n
+        match = (logits.argmax(-1) == tl.argmax(-1)) & valid
+        before = torch.cumprod(torch.cat([torch.ones_like(match[..., :1]), match[..., :-1]], -1).long(), -1)
+        w = before.bool() & valid
+        bce = F.binary_cross_entropy_with_logits(conf, match.float(), reduction="none")
+        conf_loss = (bce * w).sum() / w.sum().clamp(min=1)
+        metrics = {"draft_ce": float(loss.detach()), "conf_bce": float(conf_loss.detach()),
+                   "match": float((match.sum() / n).detach())}
+        return loss + CONFIDENCE_WEIGHT * conf_loss, metrics
+
+
+@torch.no_grad()
+def evaluate_drafter(model, windows: torch.Tensor, batch_size: int) -> dict:
+    """Teacher-forced drafter loss and acceptance on validation windows [N, T+1] (their first T tokens)."""
+    mod = DSparkTrainModule(model)
+    G = model.cfg.dspark_block_size
+    counts = torch.zeros(G + 1, dtype=torch.long)
+    losses = []
+    dev = next(model.parameters()).device
+    for i in range(0, windows.size(0), batch_size):
+        ids = windows[i:i + batch_size, :-1].to(dev)
+        tl, hidden = mod.backbone(ids)
+        markov, valid = anchor_ids(ids, G, model.cfg.engram_pad_id)
+        logits, _ = draft_forward(model, hidden, markov.to(dev))
+        tgt = target_rows(tl, G)
+        valid = valid.to(dev)
+        ce = -(torch.softmax(tgt, -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
+        losses.append(float((ce * valid).sum() / valid.sum()))
+        counts += acceptance_counts(logits.argmax(-1), tgt.argmax(-1), valid)
+    out = acceptance_rates(counts)
+    out["draft_ce"] = sum(losses) / len(losses)
+    return out
+
+
+@torch.no_grad()
+def greedy_acceptance(model, prompts: torch.Tensor, n_new: int) -> dict:
+    """Acceptance on the backbone's own greedy continuations of `prompts` [B,P]: anchors whose drafted tokens
+    all lie in the generated part, target = the backbone's argmax on the whole sequence (what a verification
+    forward computes)."""
+    from dsv41.train.trainer import greedy_continue
+
+    G = model.cfg.dspark_block_size
+    seq = greedy_continue(model, prompts, n_new)
+    mod = DSparkTrainModule(model)
+    tl, hidden = mod.backbone(seq)
+    markov, valid = anchor_ids(seq, G, model.cfg.engram_pad_id)
+    logits, _ = draft_forward(model, hidden, markov.to(seq.device))
+    A = seq.size(1) - 1
+    in_gen = (torch.arange(A) >= prompts.size(1) - 1).view(1, A, 1).to(valid.device)
+    counts = acceptance_counts(logits.argmax(-1), target_rows(tl, G).argmax(-1), valid & in_gen)
+    out = acceptance_rates(counts)
+    agree = (tl[:, prompts.size(1) - 1:-1].argmax(-1) == seq[:, prompts.size(1):]).float().mean()
+    out["target_agrees_with_decode"] = float(agree)
+    return out

@@ -1,0 +1,640 @@
+"""The trainer: pretraining of a V4.1-architecture model from scratch, and the DSpark drafter stage, on one CPU,
+one GPU or many processes under `torchrun` (issue 7; SYSTEM.md 5 and 6).
+
+One step: `grad_accum` micro-batches of [batch_size, seq_len] tokens (per process) -> forward (a training
+prefill at position 0 through `TrainCache`, FP8/FP4 QDQ off, bf16 autocast on GPU, fp32 on CPU) -> mean
+cross-entropy -> backward -> gradient clipping -> the routed optimizers at the scheduled learning rate ->
+aux-loss-free bias update from the step's expert loads.
+
+Parallelism, applied from outside the model: under `torchrun` with more than one process, data parallelism with
+`DistributedDataParallel` (gloo on CPU, NCCL on GPU; each rank takes its slice of every global batch, so W
+processes with batch B follow the data of one process with batch W*B), or with `fsdp=True` on GPUs FSDP2
+(`fully_shard` per block, then the root; Muon and the Sinkhorn optimizer gather full gradients, see muon.py).
+
+Budget: `steps`, or `minutes` of wall time for the whole command (the default, 5): a probe forward/backward
+measures the step time and fixes the step count, which then stays fixed (the schedule and a resumed run need it).
+
+Outputs in `out`: the checkpoint (see checkpoint.py), `log.jsonl` (one line per step and per evaluation),
+`loss_curve.png`, `summary.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv41.config import load_config
+from dsv41.model.common import set_quantization
+from dsv41.model.init import init_weights
+from dsv41.train import data as D
+from dsv41.train.balance import LoadBalancer
+from dsv41.train.checkpoint import load_training_checkpoint, save_training_checkpoint, unwrap_state_dict
+from dsv41.train.optim.routing import build_optimizers, format_routing, route_parameters
+from dsv41.train.qat import TrainCache
+from dsv41.train.schedule import default_warmup, lr_factor
+
+DEFAULT_MINUTES = 5.0
+STAGES = ("pretrain", "dspark")
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    stage: str = "pretrain"
+    data: str | None = None                # None: the Python standard library (data.py)
+    out: str = "runs/train-tiny"
+    init: str | None = None                # dspark stage: the pretrained checkpoint directory
+    steps: int | None = None
+    minutes: float | None = None           # wall-time budget of the whole command (default when steps is None)
+    seq_len: int = 128
+    batch_size: int = 8                    # per process and micro-batch
+    grad_accum: int = 1
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup: int | None = None              # steps; default 5% of the run
+    clip: float = 1.0
+    optimizer: str = "muon"                # muon: the routed recipe; adamw: AdamW for everything
+    qat: bool = False
+    balance_rate: float = 1e-3
+    seed: int = 0
+    eval_every: int | None = None          # default: 8 evaluations per run
+    eval_windows: int = 32
+    val_fraction: float = D.DEFAULT_VAL_FRACTION
+    threads: int | None = None
+    device: str = "auto"
+    fsdp: bool = False
+    sample_tokens: int = 64
+    save_every: int | None = None          # default: at every evaluation
+    quiet: bool = False
+
+    def validate(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"--stage must be one of {STAGES}, got {self.stage!r}")
+        if self.optimizer not in ("muon", "adamw"):
+            raise ValueError(f"--optimizer must be 'muon' or 'adamw', got {self.optimizer!r}")
+        for name in ("seq_len", "batch_size", "grad_accum", "eval_windows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.minutes is not None and self.minutes <= 0:
+            raise ValueError(f"--minutes must be > 0, got {self.minutes}")
+        if self.steps is not None and self.minutes is not None:
+            raise ValueError("give --steps or --minutes, not both")
+        if self.lr <= 0 or self.clip < 0 or self.weight_decay < 0:
+            raise ValueError(f"--lr {self.lr}, --clip {self.clip}, --weight-decay {self.weight_decay}: out of range")
+        if self.stage == "dspark" and not self.init:
+            raise ValueError("--stage dspark needs --init CHECKPOINT (a pretrained model directory)")
+
+
+# ------------------------------------------------------------------------------------------------ distributed
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (moved through the device for NCCL)."""
+        if self.world > 1:
+            import torch.distributed as dist
+            if self.device.type == "cuda" and t.device.type != "cuda":
+                tmp = t.to(self.device)
+                dist.all_reduce(tmp)
+                t.copy_(tmp.cpu())
+            else:
+                dist.all_reduce(t)
+        return t
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+            dist.barrier()
+
+    def broadcast(self, obj):
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def setup_distributed(device: str) -> Dist:
+    """torchrun sets WORLD_SIZE / RANK / LOCAL_RANK; one process otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    if world == 1:
+        return Dist(device=torch.device("cuda" if use_cuda else "cpu"))
+    import torch.distributed as dist
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return Dist(rank, world, local, torch.device(f"cuda:{local}" if use_cuda else "cpu"))
+
+
+# ------------------------------------------------------------------------------------------------ objectives
+
+class LMTrainModule(nn.Module):
+    """forward(ids [B,T], targets [B,T]) -> (mean cross-entropy, {}): a training prefill at position 0."""
+
+    def __init__(self, model, kv_qat: bool = False):
+        super().__init__()
+        self.model, self.kv_qat = model, kv_qat
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor):
+        m = self.model
+        out = m(ids, TrainCache(m.cfg, ids.size(0), m.dtype, ids.device, kv_qat=self.kv_qat), 0)
+        loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
+        return loss, {}
+
+
+@torch.no_grad()
+def evaluate_lm(model, windows: torch.Tensor, batch_size: int, token_bytes: torch.Tensor, dist: Dist,
+                autocast=contextlib.nullcontext) -> dict:
+    """Validation loss (nats per token, all targets) and bits per byte (targets that stand for bytes: special
+    tokens excluded from both sums) over fixed windows [N, T+1]; ranks take windows i % world == rank."""
+    sums = torch.zeros(4, dtype=torch.float64)                  # loss sum, tokens, byte-token loss sum, bytes
+    mine = windows[dist.rank::dist.world]
+    for i in range(0, mine.size(0), batch_size):
+        w = mine[i:i + batch_size].to(dist.device)
+        with autocast():
+            out = model(w[:, :-1], TrainCache(model.cfg, w.size(0), model.dtype, w.device), 0)
+        ce = F.cross_entropy(out.logits.float().flatten(0, 1), w[:, 1:].flatten(), reduction="none").double()
+        nbytes = token_bytes.to(w.device)[w[:, 1:].flatten()].double()
+        sums += torch.stack([ce.sum(), torch.tensor(float(ce.numel()), device=ce.device),
+                             (ce * (nbytes > 0)).sum(), nbytes.sum()]).cpu()
+    dist.all_reduce(sums)
+    return {"val_loss": float(sums[0] / sums[1]), "val_bpb": float(sums[2] / sums[3] / math.log(2))}
+
+
+@torch.no_grad()
+def greedy_continue(model, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
+    """Greedy continuation of prompts [B,P] by `n_new` tokens: one prefill, then one-token decode steps."""
+    cache = TrainCache(model.cfg, prompts.size(0), model.dtype, prompts.device)
+    out = model(prompts, cache, 0, last_only=True)
+    seq = [prompts]
+    for k in range(n_new):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        seq.append(nxt)
+        if k + 1 < n_new:
+            out = model(nxt, cache)
+    return torch.cat(seq, dim=1)
+
+
+# ------------------------------------------------------------------------------------------------ trainer
+
+class Trainer:
+    """Builds everything from a TrainConfig; `run(stop_at)` trains (to `stop_at` steps if given: tests of exact
+    resume stop halfway), `finish()` evaluates, saves and reports."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool = False):
+        self.t0 = time.time()
+        cfg.validate()
+        self.dist = setup_distributed(cfg.device)
+        self.out = Path(cfg.out)
+        saved = None
+        if resume:
+            state_path = self.out / "train_state.pt"
+            if not state_path.is_file():
+                raise ValueError(f"--resume: {self.out} holds no train_state.pt (nothing to resume)")
+            saved = torch.load(state_path, map_location="cpu", weights_only=True)
+            cfg = self._merge_saved_config(cfg, saved["config"])
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.out / "log.jsonl"
+        torch.manual_seed(cfg.seed)
+        self._build_data_and_model()
+        self._build_training()
+        self.step, self.history, self.total_steps = 0, [], None
+        if saved is not None:
+            self._resume()
+        elif self.dist.main and self.log_path.exists():
+            self.log_path.unlink()
+        self._fix_budget()
+
+    # ---------------------------------------------------------------- set-up
+    def say(self, *args) -> None:
+        if self.dist.main and not self.cfg.quiet:
+            print(*args, flush=True)
+
+    @staticmethod
+    def _merge_saved_config(cfg: TrainConfig, saved: dict) -> TrainConfig:
+        """A resumed run keeps the saved settings; only the output location and verbosity come from now."""
+        merged = TrainConfig(**{**saved, "out": cfg.out, "quiet": cfg.quiet, "threads": cfg.threads})
+        return merged
+
+    def _build_data_and_model(self) -> None:
+        from tokenizers import Tokenizer
+
+        from dsv41.model.engram import build_compressed_token_map
+        from dsv41.model.transformer import Transformer
+
+        cfg, dist = self.cfg, self.dist
+        self.corpus = D.load_corpus(cfg.data, cfg.val_fraction)
+        if cfg.stage == "dspark":
+            tok_path = Path(cfg.init) / "tokenizer.json"
+            if not tok_path.is_file():
+                raise ValueError(f"--init {cfg.init}: no tokenizer.json (train with `dsv41 train` first)")
+            prov_path = Path(cfg.init) / "tokenizer_provenance.json"
+            self.provenance = json.loads(prov_path.read_text()) if prov_path.is_file() else None
+        else:
+            tok_path = self.out / "tokenizer.json"
+            prov_path = self.out / "tokenizer_provenance.json"
+            want = {**self.corpus.provenance, "vocab_size": load_config(cfg.preset).vocab_size}
+            fresh = not (tok_path.is_file() and prov_path.is_file()
+                         and json.loads(prov_path.read_text()).get("tokenizer_of") == want)
+            if fresh and dist.main:
+                t = time.time()
+                tok = D.train_tokenizer(self.corpus.train, want["vocab_size"])
+                tok.save(str(tok_path))
+                prov_path.write_text(json.dumps({"tokenizer_of": want}, indent=2) + "\n")
+                self.say(f"tokenizer: byte-level BPE, {tok.get_vocab_size()} ids, trained on "
+                         f"{len(self.corpus.train)} documents in {time.time() - t:.1f}s -> {tok_path}")
+            dist.barrier()
+            self.provenance = {"tokenizer_of": want}
+        self.tokenizer_path = tok_path
+        self.tokenizer = Tokenizer.from_file(str(tok_path))
+        token_map, n_comp = build_compressed_token_map(self.tokenizer)
+        ids = D.special_ids(self.tokenizer)
+        if cfg.stage == "dspark":
+            mcfg = load_config(cfg.init)
+        else:
+            mcfg = load_config(cfg.preset)
+            if self.tokenizer.get_vocab_size() > mcfg.vocab_size:
+                raise ValueError(f"tokenizer has {self.tokenizer.get_vocab_size()} ids, the model {mcfg.vocab_size}")
+            mcfg = mcfg.replace(engram_compressed_vocab_size=n_comp, engram_pad_id=D.PAD_ID,
+                                image_token_id=ids["<|image|>"], dspark_noise_token_id=ids["<|draft|>"])
+        self.model_cfg = mcfg
+        model = Transformer(mcfg, dtype=torch.float32, token_map=(token_map, n_comp) if mcfg.engram_enabled else None)
+        if cfg.stage == "dspark":
+            from safetensors.torch import load_file
+            model.load_state_dict(load_file(str(Path(cfg.init) / "model.safetensors")))
+        else:
+            init_weights(model, cfg.seed)
+            with torch.no_grad():                      # aux-loss-free balancing starts from unbiased selection
+                for name, p in model.named_parameters():
+                    if name.endswith(("gate.bias", "gate.bias_vl")):
+                        p.zero_()
+        set_quantization(model, False)
+        self.model = model.to(dist.device).train()
+        t = time.time()
+        self.train_tokens = D.encode_documents(self.tokenizer, self.corpus.train)
+        self.val_tokens = D.encode_documents(self.tokenizer, self.corpus.val)
+        self.token_bytes = torch.from_numpy(D.token_byte_lengths(self.tokenizer))
+        self.say(f"data: {self.corpus.name}: {len(self.corpus.train)} train / {len(self.corpus.val)} val documents, "
+                 f"{len(self.train_tokens):,} / {len(self.val_tokens):,} tokens "
+                 f"({self.corpus.provenance['train_bytes'] / max(len(self.train_tokens), 1):.2f} bytes/token), "
+                 f"encoded in {time.time() - t:.1f}s")
+        self.loader = D.PackedLoader(self.train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed, dist.rank, dist.world)
+        self.val_windows = D.eval_windows(self.val_tokens, cfg.seq_len, cfg.eval_windows)
+
+    def _autocast(self):
+        if self.dist.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _build_training(self) -> None:
+        cfg, model, dist = self.cfg, self.model, self.dist
+        if cfg.stage == "dspark":
+            from dsv41.train.dspark_stage import DSparkTrainModule
+            module = DSparkTrainModule(model)
+            trainable = {n for n, _ in model.named_parameters() if n.startswith("mtp.")}
+            prefix = "mtp."
+        else:
+            module = LMTrainModule(model, kv_qat=cfg.qat)
+            trainable = None
+            prefix = ""
+        for name, p in model.named_parameters():
+            p.requires_grad_(trainable is None or name in trainable)
+        no_grad = self._probe(module)
+        self.routes = route_parameters(model, self.model_cfg, cfg.optimizer, trainable, no_grad)
+        kinds = {r.name: r.kind for r in self.routes}
+        for name, p in model.named_parameters():
+            p.requires_grad_(kinds[name] not in ("excluded", "frozen"))
+        self.trainable = [p for n, p in model.named_parameters() if p.requires_grad]
+        n_params = sum(p.numel() for p in model.parameters())
+        self.say(f"model: {cfg.preset if cfg.stage == 'pretrain' else cfg.init}, {n_params:,} parameters, "
+                 f"{sum(p.numel() for p in self.trainable):,} trained ({cfg.stage}); device {dist.device}, "
+                 f"world {dist.world}, threads {torch.get_num_threads()}")
+        self.say("optimizer routing (--optimizer " + cfg.optimizer + "):\n" + format_routing(self.routes))
+        if cfg.fsdp:
+            if dist.device.type != "cuda":
+                raise ValueError("--fsdp needs CUDA devices (use plain data parallelism on CPU)")
+            from torch.distributed.fsdp import fully_shard
+            for block in list(model.layers) + list(model.mtp):
+                fully_shard(block)
+            fully_shard(model)
+            self.module = module
+        elif dist.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            self.module = DDP(module, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
+                              find_unused_parameters=True, broadcast_buffers=False)
+        else:
+            self.module = module
+        self.opt = build_optimizers(model, self.routes, cfg.lr, cfg.weight_decay)
+        self.balancer = LoadBalancer(model, cfg.balance_rate, prefix=prefix)
+
+    def _probe(self, module) -> set[str]:
+        """One forward/backward on the first batch (data position untouched): parameters that get no gradient
+        have no gradient path and are frozen (routed experts excepted: a batch may just not pick them).
+        Rank 0 decides for everyone. Also measures the step time for a minutes budget."""
+        x, y = (t.to(self.dist.device) for t in self.loader.peek())
+        times = []
+        for _ in range(2 if self.cfg.steps is None else 1):
+            t = time.time()
+            with self._autocast():
+                loss, _ = module(x, y)
+            loss.backward()
+            times.append(time.time() - t)
+        names = {n for n, p in self.model.named_parameters()
+                 if p.requires_grad and p.grad is None and ".ffn.experts." not in n}
+        self.model.zero_grad(set_to_none=True)
+        for m in self.model.modules():
+            if hasattr(m, "last_route"):
+                m.last_route = None
+        self.probe_step_time = times[-1]
+        return set(self.dist.broadcast(sorted(names)))
+
+    def _fix_budget(self) -> None:
+        cfg = self.cfg
+        if self.total_steps is not None:
+            pass
+        elif cfg.steps is not None:
+            self.total_steps = cfg.steps
+        else:
+            minutes = cfg.minutes or DEFAULT_MINUTES
+            step_time = self.dist.broadcast(self.probe_step_time * cfg.grad_accum * 1.1)
+            left = minutes * 60 - (time.time() - self.t0)
+            # evaluations (8 + final, forward only ~ 1/3 of a step each batch), checkpoints and the sample
+            eval_time = 9 * math.ceil(cfg.eval_windows / cfg.batch_size / self.dist.world) * step_time / 3
+            self.total_steps = max(1, int((left - eval_time - 15) / step_time))
+            self.say(f"budget: {minutes:g} min; probe step {step_time:.2f}s -> {self.total_steps} steps")
+        self.warmup = cfg.warmup if cfg.warmup is not None else default_warmup(self.total_steps)
+        self.eval_every = cfg.eval_every or max(1, self.total_steps // 8)
+        self.save_every = cfg.save_every or self.eval_every
+
+    # ---------------------------------------------------------------- state
+    def train_state(self) -> dict:
+        return {"config": dataclasses.asdict(self.cfg), "optimizer": self.opt.state_dict(),
+                "loader": self.loader.state_dict(), "history": self.history, "total_steps": self.total_steps,
+                "rng": torch.get_rng_state(), "model_config": self.model_cfg.to_dict()}
+
+    def save(self) -> None:
+        """Rank 0 writes the checkpoint. Under FSDP2 every rank takes part in gathering the full weights and
+        writes its own optimizer state (AdamW's moments are sharded) to optimizer.rank{r}.pt."""
+        weights = unwrap_state_dict(self.model)            # a collective under FSDP2
+        state = self.train_state()
+        if self.cfg.fsdp:
+            torch.save(self.opt.state_dict(), self.out / f"optimizer.rank{self.dist.rank}.pt")
+            state["optimizer"] = None
+        if self.dist.main:
+            save_training_checkpoint(self.out, weights, self.model_cfg, self.tokenizer_path, state, self.step,
+                                     {"stage": self.cfg.stage}, self.provenance)
+        self.dist.barrier()
+
+    def _resume(self) -> None:
+        state = load_training_checkpoint(self.out, self.model)
+        if self.cfg.fsdp:
+            state["optimizer"] = torch.load(self.out / f"optimizer.rank{self.dist.rank}.pt", weights_only=True)
+        self.opt.load_state_dict(state["optimizer"])
+        self.loader.load_state_dict(state["loader"])
+        self.history = list(state["history"])
+        self.total_steps = int(state["total_steps"])
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng"])
+        self.say(f"resumed {self.out} at step {self.step} of {self.total_steps}")
+
+    def log(self, rec: dict) -> None:
+        self.history.append(rec)
+        if self.dist.main:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    # ---------------------------------------------------------------- loop
+    def evaluate(self) -> dict:
+        self.model.eval()
+        try:
+            if self.cfg.stage == "dspark":
+                from dsv41.train.dspark_stage import evaluate_drafter
+                res = evaluate_drafter(self.model, self.val_windows, self.cfg.batch_size) if self.dist.main else {}
+                res = self.dist.broadcast(res)
+                return {"val_draft_ce": res["draft_ce"], "val_acceptance": res["acceptance"],
+                        "val_tokens_per_step": res["tokens_per_step"]}
+            return evaluate_lm(self.model, self.val_windows, self.cfg.batch_size, self.token_bytes, self.dist,
+                               self._autocast)
+        finally:
+            self.model.train()
+
+    def train_step(self) -> dict:
+        cfg, dist = self.cfg, self.dist
+        total = torch.zeros(1, dtype=torch.float64)
+        metrics: dict[str, float] = {}
+        for micro in range(cfg.grad_accum):
+            x, y = (t.to(dist.device) for t in self.loader.next())
+            sync = micro == cfg.grad_accum - 1 or not hasattr(self.module, "no_sync")
+            with (contextlib.nullcontext() if sync else self.module.no_sync()):
+                with self._autocast():
+                    loss, m = self.module(x, y)
+                (loss / cfg.grad_accum).backward()
+            self.balancer.observe()
+            total += float(loss.detach())
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + v / cfg.grad_accum
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, cfg.clip if cfg.clip > 0 else float("inf")))
+        lr_f = lr_factor(self.step, self.total_steps, self.warmup)
+        self.opt.set_lr_factor(lr_f)
+        self.opt.step()
+        self.opt.zero_grad()
+        bal = self.balancer.step(dist.all_reduce if dist.world > 1 else None)
+        dist.all_reduce(total)
+        self.step += 1
+        tokens = self.step * cfg.batch_size * cfg.seq_len * cfg.grad_accum * dist.world
+        return {"step": self.step, "loss": float(total) / cfg.grad_accum / dist.world, "lr": cfg.lr * lr_f,
+                "grad_norm": grad_norm, "tokens": tokens, **bal, **metrics}
+
+    def run(self, stop_at: int | None = None) -> None:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        end = self.total_steps if stop_at is None else min(stop_at, self.total_steps)
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=cfg.stage, unit="step", dynamic_ncols=True,
+                   disable=not self.dist.main or cfg.quiet, mininterval=1.0)
+        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world
+        train_time, steps_run, smooth = 0.0, 0, None
+        while self.step < end:
+            t = time.time()
+            rec = self.train_step()
+            train_time += time.time() - t
+            steps_run += 1
+            rec["elapsed"] = time.time() - self.t0
+            rec["tok_per_s"] = steps_run * tokens_per_step / train_time
+            self.log(rec)
+            smooth = rec["loss"] if smooth is None else 0.9 * smooth + 0.1 * rec["loss"]
+            post = f"loss {smooth:.3f} | {rec['tok_per_s']:.0f} tok/s | lr {rec['lr']:.2e}"
+            if "maxvio" in rec:
+                post += f" | maxvio {rec['maxvio']:.2f}"
+            bar.set_postfix_str(post, refresh=False)
+            bar.update(1)
+            if self.step % self.eval_every == 0 or self.step == self.total_steps:
+                ev = self.evaluate()
+                self.log({"step": self.step, "tokens": rec["tokens"], **ev})
+                if self.dist.main and not cfg.quiet:
+                    bar.write(self._format_eval(ev))
+            if self.step % self.save_every == 0 and self.step < self.total_steps:
+                self.save()
+        bar.close()
+        self.tok_per_s = steps_run * tokens_per_step / train_time if steps_run else None
+        if self.step < self.total_steps:                   # stopped early on purpose: leave a checkpoint
+            self.save()
+
+    def _format_eval(self, ev: dict) -> str:
+        if "val_loss" in ev:
+            return f"step {self.step}: val loss {ev['val_loss']:.4f}, {ev['val_bpb']:.4f} bits/byte"
+        acc = ", ".join(f"{a:.2f}" for a in ev["val_acceptance"])
+        return (f"step {self.step}: drafter val CE {ev['val_draft_ce']:.4f}, acceptance [{acc}], "
+                f"{ev['val_tokens_per_step']:.2f} tokens/step")
+
+    # ---------------------------------------------------------------- end
+    def finish(self) -> dict:
+        cfg = self.cfg
+        self.save()
+        summary = {"out": str(self.out), "stage": cfg.stage, "steps": self.step, "total_steps": self.total_steps,
+                   "tokens": self.step * cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world,
+                   "tok_per_s": getattr(self, "tok_per_s", None), "wall_s": time.time() - self.t0,
+                   "optimizer": cfg.optimizer, "qat": cfg.qat, "world": self.dist.world}
+        evals = [h for h in self.history if any(k.startswith("val_") for k in h)]
+        if evals:
+            summary.update({k: v for k, v in evals[-1].items() if k.startswith("val_")})
+        if self.dist.main:
+            if cfg.stage == "pretrain":
+                summary.update(self._finish_pretrain())
+            else:
+                summary.update(self._finish_dspark())
+            summary["loss_curve"] = str(plot_history(self.history, self.out / "loss_curve.png",
+                                                     f"{cfg.preset} {cfg.stage} ({cfg.optimizer})"))
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self.say(format_summary(summary))
+        self.dist.barrier()
+        return summary
+
+    def _finish_pretrain(self) -> dict:
+        """The validation loss with the inference numerics (FP8/FP4 QDQ on) and a greedy sample."""
+        model, out = self.model, {}
+        if self.dist.world == 1:
+            set_quantization(model, True)
+            try:
+                model.eval()
+                out["val_loss_qdq"] = evaluate_lm(model, self.val_windows, self.cfg.batch_size, self.token_bytes,
+                                                  self.dist, self._autocast)["val_loss"]
+            finally:
+                set_quantization(model, False)
+                model.train()
+        if self.cfg.sample_tokens > 0:
+            doc = self.corpus.val[0].text
+            prompt = doc[:doc.find("\n", 80) + 1 or 120]
+            ids = torch.tensor([[D.BOS_ID] + self.tokenizer.encode(prompt).ids], device=self.dist.device)
+            model.eval()
+            seq = greedy_continue(model, ids, self.cfg.sample_tokens)
+            model.train()
+            out["sample_prompt"] = prompt
+            out["sample"] = self.tokenizer.decode(seq[0, ids.size(1):].tolist())
+        return out
+
+    def _finish_dspark(self) -> dict:
+        """Acceptance on the backbone's own greedy continuations of validation prompts."""
+        from dsv41.train.dspark_stage import greedy_acceptance
+        P, n_new = 32, min(96, self.cfg.seq_len)
+        starts = self.val_windows[:8, :P].to(self.dist.device)
+        self.model.eval()
+        res = greedy_acceptance(self.model, starts, n_new)
+        self.model.train()
+        return {"greedy_acceptance": res["acceptance"], "greedy_survival": res["survival"],
+                "greedy_tokens_per_step": res["tokens_per_step"], "greedy_anchors": res["anchors"],
+                "target_agrees_with_decode": res["target_agrees_with_decode"]}
+
+
+# ------------------------------------------------------------------------------------------------ reporting
+
+def plot_history(history: list[dict], path: Path, title: str) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h for h in history if "loss" in h]
+    evals = [h for h in history if "val_loss" in h or "val_draft_ce" in h]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if steps:
+        x = [h["tokens"] for h in steps]
+        y = [h["loss"] for h in steps]
+        ax.plot(x, y, lw=0.8, alpha=0.45, label="train loss (step)")
+        ema, sm = None, []
+        for v in y:
+            ema = v if ema is None else 0.9 * ema + 0.1 * v
+            sm.append(ema)
+        ax.plot(x, sm, lw=1.6, label="train loss (EMA 0.9)")
+    if evals:
+        key = "val_loss" if "val_loss" in evals[0] else "val_draft_ce"
+        ax.plot([h["tokens"] for h in evals], [h[key] for h in evals], "o-", lw=1.4, label=key.replace("_", " "))
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("nats / token")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"done: {s['steps']} steps, {s['tokens']:,} tokens in {s['wall_s'] / 60:.1f} min"
+             + (f", {s['tok_per_s']:.0f} tokens/s while training" if s.get("tok_per_s") else "")]
+    if "val_loss" in s:
+        lines.append(f"validation: loss {s['val_loss']:.4f} nats/token, {s['val_bpb']:.4f} bits/byte"
+                     + (f"; with FP8/FP4 QDQ on: loss {s['val_loss_qdq']:.4f}" if "val_loss_qdq" in s else ""))
+    if "val_acceptance" in s:
+        lines.append("drafter (teacher-forced validation): acceptance per position "
+                     + ", ".join(f"{a:.3f}" for a in s["val_acceptance"])
+                     + f"; {s['val_tokens_per_step']:.2f} tokens per verification step")
+    if "greedy_acceptance" in s:
+        lines.append("drafter (greedy self-generated): acceptance per position "
+                     + ", ".join(f"{a:.3f}" for a in s["greedy_acceptance"])
+                     + f"; {s['greedy_tokens_per_step']:.2f} tokens per verification step")
+    lines.append(f"loss curve: {s['loss_curve']}; checkpoint: {s['out']}")
+    if "sample" in s:
+        lines.append("sample (greedy):\n" + s["sample_prompt"] + s["sample"])
+    return "\n".join(lines)
+
+
+def train(cfg: TrainConfig, resume: bool = False, stop_at: int | None = None) -> dict:
+    """Build, train and report (the `dsv41 train` command)."""
+    t = Trainer(cfg, resume=resume)
+    t.run(stop_at)
+    if stop_at is not None and t.step < t.total_steps:
+        return {"out": str(t.out), "steps": t.step, "total_steps": t.total_steps, "stopped": True}
+    return t.finish()
