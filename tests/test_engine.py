@@ -150,3 +150,19 @@ def test_engine_rejects_unknown_mode():
     cfg, m = continuous_model()
     with pytest.raises(ValueError, match="prefill mode"):
         Engine(m, prefill_mode="fast")
+
+
+@pytest.mark.parametrize("split_at", [5, 40])
+def test_ced_exact_continuation_equals_full(split_at):
+    """A prefill that continues a stored sequence (multi-turn, or an exact swa-hit resume) uses the decoder's
+    valid windows: in ced-exact it still equals the full computation."""
+    cfg, m = continuous_model()
+    ids = torch.randint(0, cfg.vocab_size, (1, 50), generator=torch.Generator().manual_seed(4))
+    full, _ = run(m, ids, "full", decode=1)
+    pool = DensePool(cfg, torch.float32)
+    c = pool.bind([pool.new_sequence()])
+    prefill(m, ids[:, :split_at], c, "ced-exact")
+    out = prefill(m, ids[:, split_at:49], c, "ced-exact")
+    with torch.no_grad():
+        last = m(ids[:, 49:50], c).logits[:, -1]
+    assert rel(torch.stack([out.logits, last], 1), full) < 1e-5

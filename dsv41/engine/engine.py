@@ -140,14 +140,18 @@ class Engine:
         return outs
 
     def _prefill(self, seq: Sequence) -> None:
+        """Prefill all prompt tokens but the last in the configured mode, then run the last one as the first
+        decode step (all layers), which yields the first sampled token. The state after N-1 tokens is the
+        end-of-prompt unit that prefix caching stores, so a repeated prompt resumes exactly there."""
         t0 = time.perf_counter()
         seq.sid = self.pool.new_sequence()
         view = self.pool.bind([seq.sid])
-        ids = torch.tensor([seq.prompt_ids])
-        out = prefill(self.model, ids, view, self.prefill_mode, self.chunk_size)
+        body = seq.prompt_ids[:-1]
+        if body:
+            prefill(self.model, torch.tensor([body]), view, self.prefill_mode, self.chunk_size)
+        logits = self.model(torch.tensor([seq.prompt_ids[-1:]]), view, last_only=True).logits[0, -1]
         getattr(self.pool, "release", lambda *a: None)(view, [seq.sid])
-        tok = self._sample(seq, out.logits[0])
-        seq.pending = tok
+        seq.pending = self._sample(seq, logits)
         seq.prefill_s = time.perf_counter() - t0
         seq.t_first_token = time.perf_counter()
 

@@ -13,6 +13,12 @@ Legend: B batch, N prompt tokens of this call, S streams, D width, R rows a deco
 Chunked prefill: the encoder (and the split layer's KV production) runs chunk by chunk; the encoder output of
 the tail rows the decoder needs is buffered and the decoder runs once at the end, so every chunking gives the
 one-shot result of the same mode.
+
+Continuation and replay (prefix caching, SYSTEM.md 4): a prefill may start where a restored store stands.
+With the SWA state restored too (an exact resume) the windows of earlier positions are valid and are used.
+Without it, `replay` tokens before the restored position are run again through the layers to regenerate
+window KV only (their global KV is reused, never recomputed or overwritten) and every sliding window is
+truncated at the replay start: Encoder SWA Bounded Replay.
 """
 
 from __future__ import annotations
@@ -69,8 +75,11 @@ def _taps(model, L: int, h: torch.Tensor, taps: dict) -> None:
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, cache, mode: str = "ced-bounded", chunk_size: int | None = None,
-            official_decode_artifact: bool = False) -> PrefillOut:
-    """Prefill `input_ids` [B,N] from where `cache` stands, in `mode`, optionally in chunks."""
+            official_decode_artifact: bool = False, replay: int = 0) -> PrefillOut:
+    """Prefill `input_ids` [B,N] from where `cache` stands, in `mode`, optionally in chunks.
+
+    replay > 0: the first `replay` tokens of input_ids are the last tokens of the restored prefix (positions
+    cache.pos - replay ..): re-run for window KV only, with every window truncated at their start."""
     if mode not in MODES:
         raise ValueError(f"unknown prefill mode {mode!r}; choose one of {', '.join(MODES)}")
     B, N = input_ids.shape
@@ -79,19 +88,36 @@ def prefill(model, input_ids: torch.Tensor, cache, mode: str = "ced-bounded", ch
     chunk = chunk_size or N
     if chunk <= 0:
         raise ValueError(f"chunk size must be positive, got {chunk_size}")
+    if not 0 <= replay < N or replay > int(cache.pos.min()):
+        raise ValueError(f"replay of {replay} tokens needs a restored prefix at least that long and new tokens after it")
+    floor = None
+    if replay:
+        cache.pos = cache.pos - replay
+        floor = cache.pos.clone()
+    rings_valid = replay == 0 and int(cache.pos.min()) > 0
     if mode == "full":
-        return _prefill_full(model, input_ids, cache, chunk, official_decode_artifact)
-    return _prefill_ced(model, input_ids, cache, mode, chunk, official_decode_artifact)
+        return _prefill_full(model, input_ids, cache, chunk, official_decode_artifact, replay, floor)
+    return _prefill_ced(model, input_ids, cache, mode, chunk, official_decode_artifact, replay, floor, rings_valid)
 
 
-def _prefill_full(model, ids, cache, chunk, artifact) -> PrefillOut:
+def _chunks(N: int, chunk: int, replay: int) -> list[tuple[int, int, bool]]:
+    """(lo, hi, produce_kv) pieces: replayed rows never produce global KV, so they form their own chunks."""
+    out = []
+    for a, b, produce in ((0, replay, False), (replay, N, True)):
+        for lo in range(a, b, chunk):
+            out.append((lo, min(b, lo + chunk), produce))
+    return out
+
+
+def _prefill_full(model, ids, cache, chunk, artifact, replay=0, floor=None) -> PrefillOut:
     cfg = model.cfg
     N = ids.size(1)
     taps, tap_start, out = [], None, None
     W = cfg.window_size
-    for lo in range(0, N, chunk):
+    for lo, hi, produce in _chunks(N, chunk, replay):
         start = cache.pos.clone()
-        out = model(ids[:, lo:lo + chunk], cache, last_only=True, official_decode_artifact=artifact)
+        out = model(ids[:, lo:hi], cache, last_only=True, official_decode_artifact=artifact, window_floor=floor,
+                    produce_kv=produce)
         if out.main_hidden is not None:
             taps.append(out.main_hidden)
             tap_start = start if tap_start is None else tap_start
@@ -103,7 +129,7 @@ def _prefill_full(model, ids, cache, chunk, artifact) -> PrefillOut:
     return PrefillOut(out.logits[:, -1], main_hidden, tap_start, rows)
 
 
-def _prefill_ced(model, ids, cache, mode, chunk, artifact) -> PrefillOut:
+def _prefill_ced(model, ids, cache, mode, chunk, artifact, replay=0, floor=None, rings_valid=False) -> PrefillOut:
     cfg = model.cfg
     split = check_ced(cfg)
     B, N = ids.size(0), ids.size(1)
@@ -112,12 +138,12 @@ def _prefill_ced(model, ids, cache, mode, chunk, artifact) -> PrefillOut:
     rows = {L: N for L in range(split)}
     tail: dict[str, list[torch.Tensor]] = {"x": [], "pre": [], "hash": []}
     enc_taps: dict[int, list[torch.Tensor]] = {}
-    for lo in range(0, N, chunk):
-        part = ids[:, lo:lo + chunk]
+    for lo, hi, produce in _chunks(N, chunk, replay):
+        part = ids[:, lo:hi]
         T = part.size(1)
         start = cache.pos.clone()
         hashes = model.engram_hashes(part, cache, None)
-        ctx = StepContext(start, T, cache, artifact)
+        ctx = StepContext(start, T, cache, artifact, window_floor=floor, produce_kv=produce)
         h = model.embed_tokens(part).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
         pre = identity_pre_mix(B, T, cfg.hc_mult, h.device)
         chunk_taps: dict[int, torch.Tensor] = {}
@@ -132,9 +158,9 @@ def _prefill_ced(model, ids, cache, mode, chunk, artifact) -> PrefillOut:
         if model.layers[split].engram is not None:
             h = model.apply_engram(split, h, hashes, None)
         _taps(model, split, h, chunk_taps)
-        split_attn = model.layers[split].attn
-        u = model.layers[split].attn_norm(hc_pre(h, pre))
-        split_attn.produce_global_kv(u, ctx)
+        if produce:
+            u = model.layers[split].attn_norm(hc_pre(h, pre))
+            model.layers[split].attn.produce_global_kv(u, ctx)
         cache.pos = start + T
         keep = min(T, max(0, R0 - (N - lo - T)))                             # rows of this chunk the decoder needs
         if keep:
@@ -154,7 +180,9 @@ def _prefill_ced(model, ids, cache, mode, chunk, artifact) -> PrefillOut:
         R = seg_rows[k]
         x, pre = x[:, -R:], pre[:, -R:]
         seg_start = end - R
-        ctx = StepContext(seg_start, R, cache, artifact, published=published, window_floor=seg_start,
+        # earlier positions' windows are valid only on an exact continuation whose rows all run here
+        seg_floor = None if (rings_valid and R == N) else seg_start
+        ctx = StepContext(seg_start, R, cache, artifact, published=published, window_floor=seg_floor,
                           produce_kv=False)
         layer = model.layers[L]
         if L > split:                                      # the split layer's input was completed above

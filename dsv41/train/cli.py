@@ -5,8 +5,8 @@ Examples
     dsv41 train --preset tiny --steps 400 --out runs/t  # a fixed step budget
     dsv41 train --preset tiny --resume --out runs/t     # continue exactly where a run stopped
     dsv41 train --stage dspark --init runs/train-tiny --out runs/train-tiny-dspark --minutes 3
-    torchrun --nproc_per_node 2 -m dsv41.cli train --preset tiny --steps 200 --batch-size 4      # CPU, gloo
-    torchrun --nproc_per_node 8 -m dsv41.cli train --preset tiny --fsdp --device cuda ...       # one GPU node
+    torchrun --nproc_per_node 2 -m dsv41.train.cli train --preset tiny --steps 200 --batch-size 4  # CPU, gloo
+    torchrun --nproc_per_node 8 -m dsv41.train.cli train --preset tiny --fsdp --device cuda ...   # GPU node
 """
 
 from __future__ import annotations
@@ -69,3 +69,21 @@ def run(args) -> int:
                       quiet=args.quiet)
     train(cfg, resume=args.resume, stop_at=args.stop_at)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dsv41.train.cli train ...` (what `torchrun -m` needs: a module with a main)."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog="dsv41")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"dsv41 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

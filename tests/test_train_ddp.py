@@ -1,0 +1,40 @@
+"""Guards data parallelism: a 2-process `torchrun` run on CPU (gloo) with batch B per process follows the loss
+curve of one process with batch 2B (same data, averaged gradients, identical updates on both ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv41.train.data import stdlib_root
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (out / "log.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+@pytest.mark.slow
+def test_two_process_gloo_matches_single_process(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for p in sorted(stdlib_root().glob("*.py"))[:40]:
+        shutil.copy(p, d / p.name)
+    common = ["train", "--preset", "debug", "--data", str(d), "--seq-len", "32", "--steps", "6", "--lr", "1e-2",
+              "--eval-windows", "8", "--val-fraction", "0.15", "--sample-tokens", "0", "--quiet", "--threads", "1"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    single = subprocess.run([sys.executable, "-m", "dsv41.train.cli", *common, "--batch-size", "4", "--out",
+                             str(tmp_path / "one")], env=env, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-2000:]
+    multi = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            "-m", "dsv41.train.cli", *common, "--batch-size", "2", "--out", str(tmp_path / "two")],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert multi.returncode == 0, multi.stderr[-2000:]
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(a) == len(b) == 6
+    assert max(abs(x - y) for x, y in zip(a, b)) < 2e-3, (a, b)

@@ -1,0 +1,75 @@
+"""Guards the DSpark drafter stage (SYSTEM.md 5): the all-anchor training forward equals the model's own
+drafter (`forward_spec`, decode path) anchor by anchor, acceptance is counted as greedy verification does, and a
+drafter-stage run trains `mtp.*` while leaving every backbone tensor bit-identical."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from dsv41.config import load_config
+from dsv41.model.cache import DenseCache
+from dsv41.model.common import set_quantization
+from dsv41.model.init import random_model
+from dsv41.train.data import stdlib_root
+from dsv41.train.dspark_stage import acceptance_counts, acceptance_rates, anchor_ids, draft_forward
+from dsv41.train.trainer import TrainConfig, train
+
+
+def test_training_forward_equals_forward_spec():
+    torch.manual_seed(0)
+    cfg = load_config("debug")
+    m = random_model(cfg)
+    set_quantization(m, False)
+    B, T, G = 2, 20, cfg.dspark_block_size
+    ids = torch.randint(3, cfg.vocab_size - 2, (B, T))
+    out = m(ids, DenseCache(cfg, B, torch.float32), 0)
+    markov, _ = anchor_ids(ids, G, 2)
+    for p in (0, 3, cfg.window_size + 1, T - 2 - G):            # before, at and past a full window
+        cache = DenseCache(cfg, B, torch.float32)
+        if p > 0:
+            m.draft(None, out.main_hidden[:, :p], cache, 0)
+        toks, logits, conf = m.draft(ids[:, p + 1], out.main_hidden[:, p:p + 1], cache, p)
+        mk = markov.clone()
+        mk[:, p] = toks[:, :G]                                   # the drafts forward_spec fed its Markov head
+        got, got_conf = draft_forward(m, out.main_hidden, mk)
+        torch.testing.assert_close(got[:, p], logits, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got_conf[:, p], conf, atol=2e-5, rtol=1e-5)
+
+
+def test_acceptance_counting():
+    target = torch.tensor([[[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]]])
+    draft = torch.tensor([[[1, 2, 3], [1, 0, 3], [0, 2, 3], [1, 2, 0]]])
+    valid = torch.ones(1, 4, 3, dtype=torch.bool)
+    c = acceptance_counts(draft, target, valid)
+    assert c.tolist() == [4, 3, 2, 1]
+    r = acceptance_rates(c)
+    assert r["acceptance"] == [0.75, 2 / 3, 0.5] and r["survival"] == [0.75, 0.5, 0.25]
+    assert r["tokens_per_step"] == 2.5
+    valid[0, 3, 2] = False                                       # incomplete anchors are not counted
+    assert acceptance_counts(draft, target, valid).tolist() == [3, 3, 2, 1]
+
+
+def test_dspark_stage_freezes_backbone(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for p in sorted(stdlib_root().glob("*.py"))[:40]:
+        shutil.copy(p, d / p.name)
+    common = dict(preset="debug", data=str(d), seq_len=32, batch_size=4, eval_windows=4, val_fraction=0.15,
+                  quiet=True, sample_tokens=0)
+    train(TrainConfig(out=str(tmp_path / "base"), steps=2, **common))
+    s = train(TrainConfig(out=str(tmp_path / "draft"), stage="dspark", init=str(tmp_path / "base"), steps=3,
+                          lr=1e-2, **common))
+    from safetensors.torch import load_file
+    a = load_file(str(tmp_path / "base" / "model.safetensors"))
+    b = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    backbone = [k for k in a if not k.startswith("mtp.")]
+    assert all(torch.equal(a[k], b[k]) for k in backbone)
+    changed = [k for k in a if k.startswith("mtp.") and not torch.equal(a[k], b[k])]
+    assert any("main_proj" in k for k in changed) and any("markov_head" in k for k in changed)
+    assert any(k.endswith("gate.bias") for k in changed)          # the drafter's own balancing ran
+    assert len(s["val_acceptance"]) == load_config("debug").dspark_block_size
+    assert len(s["greedy_acceptance"]) == load_config("debug").dspark_block_size
