@@ -25,7 +25,7 @@ def test_two_process_gloo_matches_single_process(tmp_path):
     d.mkdir()
     for p in sorted(stdlib_root().glob("*.py"))[:40]:
         shutil.copy(p, d / p.name)
-    common = ["train", "--preset", "debug", "--data", str(d), "--seq-len", "32", "--steps", "6", "--lr", "1e-2",
+    common = ["train", "--preset", "debug", "--data", str(d), "--seq-len", "32", "--steps", "6", "--lr", "2e-3",
               "--eval-windows", "8", "--val-fraction", "0.15", "--sample-tokens", "0", "--quiet", "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     single = subprocess.run([sys.executable, "-m", "dsv41.train.cli", *common, "--batch-size", "4", "--out",

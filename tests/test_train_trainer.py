@@ -8,10 +8,19 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from dsv41.train.data import stdlib_root
 from dsv41.train.trainer import TrainConfig, Trainer, train
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The trainer runs with one thread here (steadier on a shared 2-core machine); give the rest back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 def small_corpus(tmp_path: Path, n: int = 40) -> Path:
@@ -27,7 +36,7 @@ def _cfg(tmp_path: Path, out: str, **kw) -> TrainConfig:
     base = dict(preset="debug", data=str(small_corpus(tmp_path) if not (tmp_path / "corpus").exists()
                                          else tmp_path / "corpus"),
                 out=str(tmp_path / out), seq_len=32, batch_size=4, lr=1e-2, eval_windows=8, val_fraction=0.15,
-                sample_tokens=8, quiet=True, seed=0)
+                sample_tokens=8, quiet=True, seed=0, threads=1)
     base.update(kw)
     return TrainConfig(**base)
 

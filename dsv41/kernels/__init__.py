@@ -1,7 +1,75 @@
-"""Kernels: torch references (`ref`) and, on GPUs, Triton fast paths chosen once by `backend`."""
+"""Kernels: torch references (`*_ref`) and their Triton twins (same signatures), one backend switch.
 
+  ref.py         sparse_attn_ref: the model's sparse attention with sinks on dense KV (MODEL.md 3.8)
+  packed_ref.py  references over the engine's packed store: sparse_attn_packed_ref (decode: FP8 ring + FP4 pages),
+                 indexer_scores_packed_ref / indexer_topk_packed_ref (decode indexer, MXFP4 keys, candidate pool)
+  backend.py     set_backend("auto" | "torch" | "triton"), chosen once; auto = Triton on CUDA bf16 inputs without
+                 gradients, the reference otherwise (logged once per op and choice); a requested backend that
+                 cannot run raises
+  triton/        the Triton kernels, imported lazily (CPU installs never need Triton)
+
+The public ops below dispatch through the switch; the model imports `sparse_attn`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.kernels.backend import BACKENDS, get_backend, resolve, set_backend, triton_available
+from dsv41.kernels.packed_ref import (
+    candidate_pool,
+    decode_window_rows,
+    indexer_scores_packed_ref,
+    indexer_select,
+    indexer_topk_packed_ref,
+    page_table_of,
+    pool_entries,
+    sparse_attn_packed_ref,
+)
 from dsv41.kernels.ref import sparse_attn_ref
 
-sparse_attn = sparse_attn_ref
+__all__ = [
+    "BACKENDS", "set_backend", "get_backend", "triton_available",
+    "sparse_attn", "sparse_attn_ref",
+    "sparse_attn_packed", "sparse_attn_packed_ref",
+    "indexer_scores_packed", "indexer_scores_packed_ref",
+    "indexer_topk_packed", "indexer_topk_packed_ref",
+    "decode_window_rows", "page_table_of", "pool_entries", "candidate_pool", "indexer_select",
+]
 
-__all__ = ["sparse_attn", "sparse_attn_ref"]
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                query_chunk: int = 1024) -> torch.Tensor:
+    """Sparse attention with sinks on dense KV; see `sparse_attn_ref`."""
+    if resolve("sparse_attn", [q, kv, sink, idx], bf16=q) == "triton":
+        from dsv41.kernels.triton import sparse_attn_triton
+        return sparse_attn_triton(q, kv, sink, idx, scale, query_chunk)
+    return sparse_attn_ref(q, kv, sink, idx, scale, query_chunk)
+
+
+def sparse_attn_packed(q, swa_ring, ring_slots, win_idx, main_pages, page_table, topk_idx, sink, scale):
+    """Decode sparse attention over the packed store; see `sparse_attn_packed_ref`."""
+    args = (q, swa_ring, ring_slots, win_idx, main_pages, page_table, topk_idx, sink, scale)
+    if resolve("sparse_attn_packed", [q, swa_ring, main_pages, sink], bf16=q) == "triton":
+        from dsv41.kernels.triton import sparse_attn_packed_triton
+        return sparse_attn_packed_triton(*args)
+    return sparse_attn_packed_ref(*args)
+
+
+def indexer_scores_packed(q, w, index_pages, page_table, n_vis, entries=None, n_entries=None):
+    """Decode indexer scores over packed keys; see `indexer_scores_packed_ref`."""
+    args = (q, w, index_pages, page_table, n_vis, entries, n_entries)
+    if resolve("indexer_scores_packed", [q, w, index_pages], bf16=q) == "triton":
+        from dsv41.kernels.triton import indexer_scores_packed_triton
+        return indexer_scores_packed_triton(*args)
+    return indexer_scores_packed_ref(*args)
+
+
+def indexer_topk_packed(q, w, index_pages, page_table, n_vis, topk, cand_blocks=None, pool_blocks=0,
+                        block_size=8, ties="official", n_max=None):
+    """Decode indexer top-k (and candidate pool) over packed keys; see `indexer_topk_packed_ref`."""
+    args = (q, w, index_pages, page_table, n_vis, topk, cand_blocks, pool_blocks, block_size, ties, n_max)
+    if resolve("indexer_topk_packed", [q, w, index_pages], bf16=q) == "triton":
+        from dsv41.kernels.triton import indexer_topk_packed_triton
+        return indexer_topk_packed_triton(*args)
+    return indexer_topk_packed_ref(*args)

@@ -19,6 +19,13 @@ width, m compression ratio, P page size in entries):
                  score (score starts at -inf). Uncompressed and not part of the global bytes.
   per sequence   position `pos`, the Engram history (opaque LongTensor) and the index-key publisher.
 
+Export / import (prefix caching, SYSTEM.md 4; `dsv41.kv.manager` persists them). `export_global(sid, upto)`
+returns a `GlobalState` (the packed records of positions < upto per KV-source layer, the compressor carry at upto,
+the Engram history, the index-key publisher) and `import_global` loads one into a fresh sequence; `export_swa` /
+`import_swa` do the same for every SWA ring (`SwaState`). Both states serialise to a documented little-endian
+layout (`to_bytes` / `from_bytes`, at the end of this module; no pickle). A sequence restored from both continues
+bit-identically to the one exported.
+
 Exactness. The model writes values that are already quantize-dequantized in the three formats (`qdq_fp8`,
 `qdq_main_kv`, `qdq_index_k`), so the stored bytes decode to exactly the values `DenseCache` would hold.
 The SWA and index-key formats use power-of-two scales and `pack(qdq(x))` reproduces `qdq(x)`. The main-KV format
@@ -44,9 +51,11 @@ Reuse layer reads its source's entries again.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+import numpy as np
 import torch
 
 from dsv41.codecs import (
@@ -70,7 +79,8 @@ from dsv41.codecs import (
 from dsv41.config import ModelConfig
 from dsv41.model.cache import LayerCacheSpec, cache_spec
 
-__all__ = ["PackedKVPool", "BatchView", "pack_main_kv_exact", "KINDS"]
+__all__ = ["PackedKVPool", "BatchView", "pack_main_kv_exact", "KINDS", "GlobalState", "GlobalLayerState", "SwaState",
+           "GLOBAL_LAYOUT_VERSION", "SWA_LAYOUT_VERSION"]
 
 KINDS = ("main", "index")                   # the two record kinds of a global-store entry
 
@@ -301,6 +311,171 @@ class PackedKVPool:
         if need > 0:
             s.pages[layer].extend(pl.alloc(need))
         return s.pages[layer]
+
+    # ---------------------------------------------------------------- export / import (prefix caching, SYSTEM.md 4)
+    def _gather_entries(self, s: _Sequence, layer: int, kind: str, e0: int, e1: int) -> torch.Tensor:
+        """uint8 [e1 - e0, bytes] on the CPU: the sequence's records e0..e1-1 of one layer and kind."""
+        pl = self.global_layers[layer]
+        if e1 <= e0:
+            return torch.zeros(0, pl.record_bytes[kind], dtype=torch.uint8)
+        P = self.page_size
+        pages = torch.tensor(s.pages[layer], dtype=torch.long)
+        e = torch.arange(e0, e1)
+        flat = (pages[e // P] * P + e % P).to(self.device)
+        data = pl.data[kind]
+        return data.view(-1, data.size(2))[flat].cpu()
+
+    def export_global(self, sid: int, upto: int, start: int = 0,
+                      engram_history: torch.Tensor | None = None) -> "GlobalState":
+        """The persistent part of sequence `sid` for its first `upto` positions (SYSTEM.md 4): per KV-source layer
+        the packed records of entries start//m .. upto//m - 1, the compressor carry of the open group at `upto`
+        (ratio > 1 layers with upto % m != 0: the m-slot fp32 kv and score slab, see `GlobalLayerState`), the
+        Engram history at `upto` and the index-key publisher.
+
+        upto == pos    any upto; the carry and the Engram history are the sequence's current ones.
+        upto <  pos    upto must be a multiple of every ratio (the carry is empty; the global store is append-only,
+                       so its first upto // m entries are those the sequence held when it stood at upto). The
+                       Engram history at upto is not in the pool: pass `engram_history` (see
+                       `dsv41.kv.prefix.engram_history_at`) or the state carries none.
+        start          0, or a multiple of every ratio: export only entries from that position on (a segment, for
+                       a store that already holds the rest; `GlobalState.join` puts segments back together).
+        ValueError for anything else (upto > pos, misaligned positions, a sequence lacking entries)."""
+        s = self._seq(sid)
+        upto, start = int(upto), int(start)
+        if not 0 <= start <= upto <= s.pos:
+            raise ValueError(f"export_global: need 0 <= start ({start}) <= upto ({upto}) <= pos ({s.pos}) "
+                             f"of sequence {sid}")
+        ratios = sorted({pl.spec.ratio for pl in self.global_layers.values()})
+        if any(start % m for m in ratios):
+            raise ValueError(f"export_global: start {start} is not a multiple of every compression ratio {ratios}")
+        if upto < s.pos and any(upto % m for m in ratios):
+            raise ValueError(f"export_global: upto {upto} < pos {s.pos} must be a multiple of every compression "
+                             f"ratio {ratios} (the compressor carry exists only at the current position)")
+        layers = []
+        for L, pl in self.global_layers.items():
+            m, C = pl.spec.ratio, pl.spec.width
+            e0, e1 = start // m, upto // m
+            for k in KINDS:
+                if s.rows[(L, k)] < e1:
+                    raise ValueError(f"export_global: sequence {sid} layer {L} holds {s.rows[(L, k)]} {k} "
+                                     f"entries, fewer than the {e1} of {upto} positions")
+            if m > 1 and upto % m:
+                kv, sc = self.pending[L]                      # all m slots, exactly as held (see GlobalLayerState)
+                ckv, csc = kv[s.slot].cpu().clone(), sc[s.slot].cpu().clone()
+            else:
+                ckv = csc = torch.zeros(0, C, dtype=torch.float32)
+            layers.append(GlobalLayerState(L, m, self._gather_entries(s, L, "main", e0, e1),
+                                           self._gather_entries(s, L, "index", e0, e1), ckv, csc))
+        history = None
+        if self.history_width:
+            if engram_history is not None:
+                history = torch.as_tensor(engram_history, dtype=torch.long).cpu().reshape(-1).clone()
+                if history.numel() != self.history_width:
+                    raise ValueError(f"export_global: engram_history must hold {self.history_width} ids, got "
+                                     f"{history.numel()}")
+            elif upto == s.pos and s.engram_history is not None:
+                history = s.engram_history.detach().cpu().reshape(-1).clone()
+        return GlobalState(start, upto, layers, history, s.index_k_publisher)
+
+    def check_global_state(self, state: "GlobalState") -> None:
+        """ValueError unless `state` fits this pool's config (layers, ratios, record sizes, widths, carry rows)."""
+        if state.layout_version != GLOBAL_LAYOUT_VERSION:
+            raise ValueError(f"global state layout version {state.layout_version}, this pool reads "
+                             f"{GLOBAL_LAYOUT_VERSION}")
+        want = sorted(self.global_layers)
+        got = sorted(ls.layer for ls in state.layers)
+        if got != want:
+            raise ValueError(f"global state holds layers {got}, this pool's KV-source layers are {want}")
+        for ls in state.layers:
+            pl = self.global_layers[ls.layer]
+            m = pl.spec.ratio
+            n = state.upto // m - state.start // m
+            r = m if m > 1 and state.upto % m else 0
+            shapes = {"main": (n, pl.record_bytes["main"]), "index": (n, pl.record_bytes["index"]),
+                      "carry_kv": (r, pl.spec.width), "carry_score": (r, pl.spec.width)}
+            if ls.ratio != m:
+                raise ValueError(f"global state layer {ls.layer}: ratio {ls.ratio}, the pool's is {m}")
+            for name, shape in shapes.items():
+                t = getattr(ls, name)
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"global state layer {ls.layer} {name}: shape {tuple(t.shape)}, expected "
+                                     f"{shape} for positions {state.start}..{state.upto}")
+        if state.engram_history is not None and state.engram_history.numel() != self.history_width:
+            raise ValueError(f"global state Engram history holds {state.engram_history.numel()} ids, this pool's "
+                             f"config {self.history_width}")
+
+    def import_global(self, sid: int, state: "GlobalState", engram_history: torch.Tensor | None = None) -> None:
+        """Load an exported global state (start 0) into a fresh sequence: pages allocated and filled, carry
+        restored, pos = state.upto, Engram history and index-key publisher set. The SWA rings stay empty (restore
+        them with `import_swa`, or regenerate them by replay). `engram_history` overrides the state's; a config
+        with Engram needs one of the two when upto > 0 (ValueError otherwise, rather than a silently wrong
+        resume)."""
+        s = self._seq(sid)
+        if s.pos != 0 or any(s.rows.values()):
+            raise ValueError(f"import_global: sequence {sid} is not fresh (pos {s.pos})")
+        if state.start != 0:
+            raise ValueError(f"import_global: the state starts at position {state.start}: join it onto the "
+                             "segments before it (GlobalState.join) first")
+        self.check_global_state(state)
+        history = state.engram_history if engram_history is None else \
+            torch.as_tensor(engram_history, dtype=torch.long).cpu().reshape(-1)
+        if self.history_width:
+            if history is None and state.upto > 0:
+                raise ValueError("import_global: this config has Engram and the state carries no Engram history: "
+                                 "pass engram_history (dsv41.kv.prefix.engram_history_at)")
+            if history is not None and history.numel() != self.history_width:
+                raise ValueError(f"import_global: engram_history must hold {self.history_width} ids")
+        P = self.page_size
+        for ls in state.layers:
+            L, pl = ls.layer, self.global_layers[ls.layer]
+            n = ls.main.size(0)
+            if n:
+                pages = torch.tensor(self._ensure_pages(s, L, n), dtype=torch.long)
+                e = torch.arange(n)
+                flat = (pages[e // P] * P + e % P).to(self.device)
+                for kind, rec in (("main", ls.main), ("index", ls.index)):
+                    data = pl.data[kind]
+                    data.view(-1, data.size(2))[flat] = rec.to(self.device)
+            for kind in KINDS:
+                s.rows[(L, kind)] = n
+            pl.version += 1
+            if L in self.pending:
+                kv, sc = self.pending[L]
+                kv[s.slot].zero_()
+                sc[s.slot].fill_(-torch.inf)
+                r = ls.carry_kv.size(0)
+                if r:
+                    kv[s.slot, :r] = ls.carry_kv.to(self.device)
+                    sc[s.slot, :r] = ls.carry_score.to(self.device)
+        s.pos = state.upto
+        s.engram_history = None if history is None or not self.history_width else \
+            history.to(torch.long).clone().to(self.device)
+        s.index_k_publisher = state.index_k_publisher
+
+    def export_swa(self, sid: int, extras: dict[str, torch.Tensor] | None = None) -> "SwaState":
+        """Every layer's SWA ring bytes (backbone and DSpark stages) of sequence `sid` at its current position.
+        `extras`: named fp32 / int64 tensors the engine wants back with the snapshot (e.g. the last position's
+        logits, so that a hit covering the whole prompt needs no recomputation)."""
+        s = self._seq(sid)
+        rings = {L: t[s.slot].cpu().clone() for L, t in self.swa.items()}
+        return SwaState(s.pos, rings, {k: v.detach().cpu().clone() for k, v in (extras or {}).items()})
+
+    def import_swa(self, sid: int, state: "SwaState") -> None:
+        """Restore the SWA rings of sequence `sid`, which must stand at the snapshot's position (import the global
+        state first). ValueError on a position or layout mismatch."""
+        s = self._seq(sid)
+        if state.layout_version != SWA_LAYOUT_VERSION:
+            raise ValueError(f"SWA state layout version {state.layout_version}, this pool reads {SWA_LAYOUT_VERSION}")
+        if state.pos != s.pos:
+            raise ValueError(f"import_swa: the snapshot is at position {state.pos}, sequence {sid} at {s.pos}")
+        if sorted(state.rings) != sorted(self.swa):
+            raise ValueError(f"SWA state holds layers {sorted(state.rings)}, the pool {sorted(self.swa)}")
+        for L, ring in state.rings.items():
+            if tuple(ring.shape) != tuple(self.swa[L].shape[1:]) or ring.dtype != torch.uint8:
+                raise ValueError(f"SWA state layer {L}: {ring.dtype} {tuple(ring.shape)}, the pool's rings are "
+                                 f"uint8 {tuple(self.swa[L].shape[1:])}")
+        for L, ring in state.rings.items():
+            self.swa[L][s.slot] = ring.to(self.device)
 
     # ---------------------------------------------------------------- accounting
     def seq_bytes(self, sid: int) -> dict[str, int]:
@@ -537,3 +712,262 @@ class BatchView:
         if any(v.pool is not pool for v in views):
             raise ValueError("stack: views of different pools")
         return pool.bind([sid for v in views for sid in v.seq_ids])
+
+
+# ------------------------------------------------------------------------------------------ exported states
+#
+# Binary layouts (little-endian throughout, no padding, no pickle). Readers reject a wrong magic, an unknown
+# layout version, a length that does not add up or trailing bytes (ValueError).
+#
+# GlobalState, layout version 1:
+#   offset size  field
+#   0      4     magic b"DSGK"
+#   4      2     layout version (u16) = 1
+#   6      2     flags (u16): bit 0 Engram history present, bit 1 index-key publisher present
+#   8      8     start (u64): first position covered (0 for a whole prefix, a multiple of every ratio otherwise)
+#   16     8     upto (u64): positions covered end here (exclusive)
+#   24     4     index-key publisher layer (i32, -1 when absent)
+#   28     4     number of layer blocks (u32)
+#   32     4     Engram history length h (u32; 0 when absent)
+#   36     4     reserved (0)
+#   40     8h    Engram history (i64 [h]): compressed ids of positions upto-h..upto-1, -1 = DEAD
+#   then per KV-source layer, in ascending layer order, a 32-byte block header
+#          4     layer (u32)      4 ratio m (u32)       4 entries n (u32) = upto//m - start//m
+#          4     main record bytes b_m (u32)            4 index record bytes b_i (u32)
+#          4     carry rows r (u32) = m when m > 1 and upto % m != 0, else 0   4 width C (u32)   4 reserved (0)
+#   followed by main records (u8 [n, b_m]), index records (u8 [n, b_i]), carry kv (f32 [r, C]), carry score
+#   (f32 [r, C]).
+#
+# SwaState, layout version 1:
+#   0      4     magic b"DSSW"
+#   4      2     layout version (u16) = 1
+#   6      2     reserved (0)
+#   8      8     pos (u64): the position the rings stand at
+#   16     4     number of rings (u32)
+#   20     4     number of extras (u32)
+#   then per layer (ascending): layer (u32), rows W (u32), row bytes (u32), reserved (u32), ring bytes u8 [W, row]
+#   then per extra (sorted by name): name length k (u16), dtype code (u8: 0 f32, 1 i64), ndim d (u8), name (utf-8,
+#   k bytes), d dims (u64 each), data (element size * prod(dims) bytes).
+
+GLOBAL_LAYOUT_VERSION = 1
+SWA_LAYOUT_VERSION = 1
+_GLOBAL_MAGIC = b"DSGK"
+_SWA_MAGIC = b"DSSW"
+_G_HEAD = struct.Struct("<4sHHQQiIII")
+_G_LAYER = struct.Struct("<IIIIIIII")
+_S_HEAD = struct.Struct("<4sHHQII")
+_S_LAYER = struct.Struct("<IIII")
+_S_EXTRA = struct.Struct("<HBB")
+_EXTRA_DTYPES = {0: (torch.float32, np.dtype("<f4")), 1: (torch.int64, np.dtype("<i8"))}
+
+
+class _Reader:
+    """Bounds-checked cursor over a byte buffer (every overrun is a ValueError)."""
+
+    def __init__(self, data, what: str):
+        self.buf, self.off, self.what = memoryview(data).cast("B"), 0, what
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.off + n > len(self.buf):
+            raise ValueError(f"{self.what}: truncated (need {n} bytes at offset {self.off}, have {len(self.buf)})")
+        v = self.buf[self.off:self.off + n]
+        self.off += n
+        return v
+
+    def unpack(self, st: struct.Struct) -> tuple:
+        return st.unpack(self.take(st.size))
+
+    def array(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        raw = self.take(count * dtype.itemsize)
+        return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape).copy()
+
+    def done(self) -> None:
+        if self.off != len(self.buf):
+            raise ValueError(f"{self.what}: {len(self.buf) - self.off} trailing bytes")
+
+
+def _le_bytes(t: torch.Tensor, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(t.detach().cpu().numpy(), dtype=dtype).tobytes()
+
+
+@dataclass(eq=False)
+class GlobalLayerState:
+    """One KV-source layer's part of a `GlobalState` (CPU tensors)."""
+    layer: int
+    ratio: int
+    main: torch.Tensor           # uint8 [n, main record bytes]
+    index: torch.Tensor          # uint8 [n, index record bytes]
+    carry_kv: torch.Tensor       # fp32 [r, C]: the compressor carry at `upto` (see below)
+    carry_score: torch.Tensor    # fp32 [r, C]
+
+    # The carry is the pool's whole pending slab of the layer, r = m rows, when upto % m != 0 (slots 0..upto%m-1
+    # hold the open group's tokens; the Compressor reads its carry through an alignment that also touches the other
+    # slots, which hold what it left there, so all m are kept to make a resume bit-identical), and 0 rows when the
+    # group is closed (then the carry is never read).
+
+
+@dataclass(eq=False)
+class GlobalState:
+    """The persistent tier's unit of state (SYSTEM.md 4): global-KV records of positions start..upto-1 plus what
+    resuming at `upto` needs (compressor carry, Engram history, index-key publisher). Binary layout above."""
+    start: int
+    upto: int
+    layers: list[GlobalLayerState]
+    engram_history: torch.Tensor | None = None      # int64 [n-1] at `upto`, or None (not known)
+    index_k_publisher: int | None = None
+    layout_version: int = GLOBAL_LAYOUT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed records (main + index) the state holds."""
+        return sum(ls.main.numel() + ls.index.numel() for ls in self.layers)
+
+    def to_bytes(self) -> bytes:
+        hist = self.engram_history
+        flags = (1 if hist is not None else 0) | (2 if self.index_k_publisher is not None else 0)
+        layers = sorted(self.layers, key=lambda ls: ls.layer)
+        parts = [_G_HEAD.pack(_GLOBAL_MAGIC, self.layout_version, flags, self.start, self.upto,
+                              -1 if self.index_k_publisher is None else self.index_k_publisher, len(layers),
+                              0 if hist is None else hist.numel(), 0)]
+        if hist is not None:
+            parts.append(_le_bytes(hist.reshape(-1).to(torch.int64), np.dtype("<i8")))
+        for ls in layers:
+            n, r = ls.main.size(0), ls.carry_kv.size(0)
+            if ls.index.size(0) != n or ls.carry_score.shape != ls.carry_kv.shape:
+                raise ValueError(f"global state layer {ls.layer}: inconsistent record / carry shapes")
+            parts.append(_G_LAYER.pack(ls.layer, ls.ratio, n, ls.main.size(1), ls.index.size(1), r,
+                                       ls.carry_kv.size(1), 0))
+            parts += [_le_bytes(ls.main, np.dtype("u1")), _le_bytes(ls.index, np.dtype("u1")),
+                      _le_bytes(ls.carry_kv, np.dtype("<f4")), _le_bytes(ls.carry_score, np.dtype("<f4"))]
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data) -> "GlobalState":
+        rd = _Reader(data, "global state")
+        magic, version, flags, start, upto, publisher, n_layers, h, _ = rd.unpack(_G_HEAD)
+        if magic != _GLOBAL_MAGIC:
+            raise ValueError(f"global state: bad magic {bytes(magic)!r}")
+        if version != GLOBAL_LAYOUT_VERSION:
+            raise ValueError(f"global state: layout version {version}, this reader knows {GLOBAL_LAYOUT_VERSION}")
+        if start > upto or (not flags & 1 and h):
+            raise ValueError("global state: inconsistent header")
+        hist = torch.from_numpy(rd.array(np.dtype("<i8"), (h,))) if flags & 1 else None
+        layers = []
+        for _ in range(n_layers):
+            layer, m, n, bm, bi, r, C, _ = rd.unpack(_G_LAYER)
+            if m == 0 or n != upto // m - start // m or r != (m if m > 1 and upto % m else 0):
+                raise ValueError(f"global state layer {layer}: entry/carry counts do not match positions "
+                                 f"{start}..{upto} at ratio {m}")
+            layers.append(GlobalLayerState(
+                layer, m, torch.from_numpy(rd.array(np.dtype("u1"), (n, bm))),
+                torch.from_numpy(rd.array(np.dtype("u1"), (n, bi))),
+                torch.from_numpy(rd.array(np.dtype("<f4"), (r, C))),
+                torch.from_numpy(rd.array(np.dtype("<f4"), (r, C)))))
+        rd.done()
+        return cls(start, upto, layers, hist, publisher if flags & 2 else None, version)
+
+    # ---------------------------------------------------------------- segments
+    def slice(self, start: int, upto: int) -> "GlobalState":
+        """The segment of positions start..upto-1 (self.start <= start <= upto <= self.upto). `start` must be a
+        multiple of every ratio; so must `upto` unless it is self.upto. The carry and the Engram history belong
+        to self.upto and are kept only when upto == self.upto."""
+        if not self.start <= start <= upto <= self.upto:
+            raise ValueError(f"slice {start}..{upto} outside {self.start}..{self.upto}")
+        ratios = {ls.ratio for ls in self.layers}
+        if any(start % m for m in ratios) or (upto != self.upto and any(upto % m for m in ratios)):
+            raise ValueError(f"slice {start}..{upto}: positions must be multiples of every ratio {sorted(ratios)}")
+        layers = []
+        for ls in self.layers:
+            m, base = ls.ratio, self.start // ls.ratio
+            e0, e1 = start // m - base, upto // m - base
+            end = upto == self.upto
+            layers.append(GlobalLayerState(ls.layer, m, ls.main[e0:e1].clone(), ls.index[e0:e1].clone(),
+                                           ls.carry_kv.clone() if end else ls.carry_kv[:0].clone(),
+                                           ls.carry_score.clone() if end else ls.carry_score[:0].clone()))
+        end = upto == self.upto
+        return GlobalState(start, upto, layers, self.engram_history if end else None,
+                           self.index_k_publisher, self.layout_version)
+
+    @staticmethod
+    def join(parts: list["GlobalState"]) -> "GlobalState":
+        """Consecutive segments (each starting where the previous ends, every carry but the last empty) as one
+        state; carry, Engram history and publisher come from the last."""
+        if not parts:
+            raise ValueError("join: no segments")
+        for a, b in zip(parts, parts[1:]):
+            if a.upto != b.start:
+                raise ValueError(f"join: segment ending at {a.upto} followed by one starting at {b.start}")
+            if any(ls.carry_kv.size(0) for ls in a.layers):
+                raise ValueError(f"join: a segment ending at {a.upto} that is not the last carries compressor state")
+        order = [sorted(ls.layer for ls in p.layers) for p in parts]
+        if any(o != order[0] for o in order):
+            raise ValueError("join: segments hold different layers")
+        last = parts[-1]
+        by_layer = [{ls.layer: ls for ls in p.layers} for p in parts]
+        layers = []
+        for L in order[0]:
+            pieces = [d[L] for d in by_layer]
+            if len({p.ratio for p in pieces}) != 1:
+                raise ValueError(f"join: layer {L} ratios differ between segments")
+            layers.append(GlobalLayerState(L, pieces[0].ratio, torch.cat([p.main for p in pieces]),
+                                           torch.cat([p.index for p in pieces]), pieces[-1].carry_kv.clone(),
+                                           pieces[-1].carry_score.clone()))
+        return GlobalState(parts[0].start, last.upto, layers, last.engram_history, last.index_k_publisher,
+                           last.layout_version)
+
+
+@dataclass(eq=False)
+class SwaState:
+    """Every layer's SWA ring (packed FP8 bytes, backbone and DSpark stages) at position `pos`, plus named extras
+    (fp32 / int64 tensors the engine stores with it). Binary layout above."""
+    pos: int
+    rings: dict[int, torch.Tensor]                   # layer -> uint8 [W, row bytes]
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    layout_version: int = SWA_LAYOUT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.numel() for r in self.rings.values())
+
+    def to_bytes(self) -> bytes:
+        parts = [_S_HEAD.pack(_SWA_MAGIC, self.layout_version, 0, self.pos, len(self.rings), len(self.extras))]
+        for L in sorted(self.rings):
+            ring = self.rings[L]
+            if ring.dtype != torch.uint8 or ring.dim() != 2:
+                raise ValueError(f"SWA ring {L} must be uint8 [W, row bytes]")
+            parts += [_S_LAYER.pack(L, ring.size(0), ring.size(1), 0), _le_bytes(ring, np.dtype("u1"))]
+        for name in sorted(self.extras):
+            t = self.extras[name]
+            code = next((c for c, (td, _) in _EXTRA_DTYPES.items() if td == t.dtype), None)
+            if code is None:
+                t, code = t.float(), 0                # bf16 / fp16 values are exact in fp32
+            raw = name.encode("utf-8")
+            if len(raw) > 0xFFFF or t.dim() > 255:
+                raise ValueError(f"SWA extra {name!r}: name or rank too large")
+            parts += [_S_EXTRA.pack(len(raw), code, t.dim()), raw,
+                      struct.pack(f"<{t.dim()}Q", *t.shape), _le_bytes(t, _EXTRA_DTYPES[code][1])]
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data) -> "SwaState":
+        rd = _Reader(data, "SWA state")
+        magic, version, _, pos, n_rings, n_extras = rd.unpack(_S_HEAD)
+        if magic != _SWA_MAGIC:
+            raise ValueError(f"SWA state: bad magic {bytes(magic)!r}")
+        if version != SWA_LAYOUT_VERSION:
+            raise ValueError(f"SWA state: layout version {version}, this reader knows {SWA_LAYOUT_VERSION}")
+        rings = {}
+        for _ in range(n_rings):
+            L, W, row, _ = rd.unpack(_S_LAYER)
+            rings[L] = torch.from_numpy(rd.array(np.dtype("u1"), (W, row)))
+        extras = {}
+        for _ in range(n_extras):
+            k, code, d = rd.unpack(_S_EXTRA)
+            if code not in _EXTRA_DTYPES:
+                raise ValueError(f"SWA state: unknown extra dtype code {code}")
+            name = bytes(rd.take(k)).decode("utf-8")
+            shape = struct.unpack(f"<{d}Q", rd.take(8 * d))
+            extras[name] = torch.from_numpy(rd.array(_EXTRA_DTYPES[code][1], tuple(shape)))
+        rd.done()
+        return cls(pos, rings, extras, version)

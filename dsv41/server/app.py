@@ -31,11 +31,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dsv41.engine.sampling import SamplingParams
 from dsv41.server.chat import ReasoningSplitter, effort_budget, pick_template
 from dsv41.server.metrics import ServerMetrics
-from dsv41.server.protocol import (MAX_N, APIError, ChatCompletionRequest, CompletionRequest, bad_request,
+from dsv41.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request,
                                    chat_logprob_entry, completion_logprobs, error_body, merge_usage, parse,
                                    public_usage, usage_from_stats)
 from dsv41.server.runner import Accepted, Delta, Done, EngineRunner, Failed
@@ -166,6 +167,7 @@ class _Job:
         self.early: list = []
         self._get: asyncio.Task | None = None
         self._counted = 0
+        self._checked = time.monotonic()
 
     def _sink(self, rid: str):
         loop, q = self.loop, self.q
@@ -208,21 +210,25 @@ class _Job:
                            code="invalid_request" if failure.status == 400 else None)
 
     async def _next(self, request: Request | None):
-        """The next event; with a request, watch for the client going away while waiting."""
+        """The next event; with a request, check every `disconnect_poll_s` (events flowing or not) whether the
+        client went away."""
+        poll = self.state.settings.disconnect_poll_s
         while True:
+            if request is not None and time.monotonic() - self._checked >= poll:
+                self._checked = time.monotonic()
+                if await request.is_disconnected():
+                    raise ClientGone()
             if self._get is None:
                 self._get = asyncio.ensure_future(self.q.get())
             if request is None:
                 ev = await self._get
                 self._get = None
                 return ev
-            done, _ = await asyncio.wait({self._get}, timeout=self.state.settings.disconnect_poll_s)
+            done, _ = await asyncio.wait({self._get}, timeout=poll)
             if done:
                 ev = self._get.result()
                 self._get = None
                 return ev
-            if await request.is_disconnected():
-                raise ClientGone()
 
     async def events(self, request: Request | None):
         """Events until every sequence is done (or one fails)."""
@@ -271,6 +277,7 @@ def create_app(engine, settings: ServerSettings | None = None, metrics: ServerMe
             runner.stop()
 
     app = FastAPI(title="dsv41", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.redirect_slashes = False                 # /v1/completions/ is a 404, not a redirect
     app.state.dsv41 = state
 
     # -------------------------------------------------------------- errors
@@ -297,11 +304,14 @@ def create_app(engine, settings: ServerSettings | None = None, metrics: ServerMe
         if cl is not None and cl.isdigit() and int(cl) > settings.max_body_bytes:
             raise APIError(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
         chunks, size = [], 0
-        async for c in request.stream():
-            size += len(c)
-            if size > settings.max_body_bytes:
-                raise APIError(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
-            chunks.append(c)
+        try:
+            async for c in request.stream():
+                size += len(c)
+                if size > settings.max_body_bytes:
+                    raise APIError(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
+                chunks.append(c)
+        except ClientDisconnect:
+            raise bad_request("the client disconnected while sending the request body") from None
         raw = b"".join(chunks)
         if not raw.strip():
             raise bad_request("the request body is empty: send a JSON object", code="invalid_json")
@@ -417,26 +427,30 @@ def create_app(engine, settings: ServerSettings | None = None, metrics: ServerMe
             metrics.observe_request(endpoint, 200, time.perf_counter() - t0)
             return JSONResponse(body)
 
+        outcome = {"status": 499}                               # until the stream says otherwise
+
         async def sse():
-            status = 200
             try:
                 async for piece in build_stream(job, request):
                     yield piece
+                outcome["status"] = 200
             except ClientGone:
-                status = 499
-            except (asyncio.CancelledError, GeneratorExit):
-                status = 499
-                raise
+                pass
             except Exception as e:                              # report in-band, the headers are gone
-                status = 500
+                outcome["status"] = 500
                 log.exception("stream failed")
                 yield _sse(error_body(f"internal server error: {type(e).__name__}", "server_error"))
                 yield "data: [DONE]\n\n"
             finally:
                 job.release()
-                metrics.observe_request(endpoint, status, time.perf_counter() - t0 if status == 200 else None)
-        return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        def closed():
+            # runs however the response ends, even when the body iterator never started (client gone before the
+            # headers went out): the job's sequences are aborted and counted out exactly once
+            job.release()
+            st = outcome["status"]
+            metrics.observe_request(endpoint, st, time.perf_counter() - t0 if st == 200 else None)
+        return _SSEResponse(sse(), closed)
 
     # -------------------------------------------------------------- endpoints
     @app.get("/health")
@@ -675,6 +689,21 @@ def create_app(engine, settings: ServerSettings | None = None, metrics: ServerMe
         return await run_job(request, "completions", seqs, req.stream, t0, build_full, build_stream)
 
     return app
+
+
+class _SSEResponse(StreamingResponse):
+    """A text/event-stream response that calls `on_close` when it is done, whatever happened."""
+
+    def __init__(self, body, on_close):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def _sse(obj: dict) -> str:

@@ -14,7 +14,8 @@ Two encodings:
   - after the last user-like turn: `<｜Assistant｜><think>` in thinking mode, `<｜Assistant｜></think>` in chat mode;
     earlier turns always get `</think>` (their reasoning is dropped), earlier assistant answers end with
     `<｜end▁of▁sentence｜>`;
-  - tool results become `<tool_result>...</tool_result>` blocks inside a user turn (V4.1 has no tool role);
+  - tool results become `<tool_result>...</tool_result>` blocks of a user turn (V4.1 has no tool role);
+    consecutive user turns merge into one, blocks separated by a blank line;
   - reasoning effort, thinking mode only, first message only:
     `Reasoning Effort: {b} (range 1-100, the higher the value, the more thorough the reasoning)\\n\\n`.
 
@@ -134,10 +135,10 @@ class OfficialTemplate:
                 s += SYSTEM + eff
             if role == "system":
                 s += (SYSTEM if i > 0 else "") + content
-            elif role in ("user", "developer"):
+            elif role == "developer":
                 s += USER + content
-            elif role == "tool_results":
-                s += USER + "\n\n".join(f"<tool_result>{c}</tool_result>" for c in m["results"])
+            elif role == "user":
+                s += USER + "\n\n".join(m["blocks"])
             elif role == "assistant":
                 final = i == len(msgs) - 1
                 if thinking and i > last_user:
@@ -151,17 +152,21 @@ class OfficialTemplate:
 
 
 def _user_like(m: dict, i: int) -> bool:
-    return m["role"] in ("user", "developer", "tool_results") or (m["role"] == "system" and i > 0)
+    return m["role"] in ("user", "developer") or (m["role"] == "system" and i > 0)
 
 
 def _merge_tools(messages: list[dict]) -> list[dict]:
+    """V4.1 has no tool role: a tool result becomes a `<tool_result>` block of a user turn, and consecutive user
+    turns (text or tool results) merge into one, blocks separated by a blank line."""
     out: list[dict] = []
     for m in messages:
-        if m["role"] == "tool":
-            if out and out[-1]["role"] == "tool_results":
-                out[-1]["results"].append(m.get("content") or "")
+        if m["role"] in ("user", "tool"):
+            c = m.get("content") or ""
+            block = c if m["role"] == "user" else f"<tool_result>{c}</tool_result>"
+            if out and out[-1]["role"] == "user":
+                out[-1]["blocks"].append(block)
             else:
-                out.append({"role": "tool_results", "results": [m.get("content") or ""]})
+                out.append({"role": "user", "blocks": [block]})
         else:
             out.append(dict(m))
     return out

@@ -23,6 +23,9 @@ def add_engine_args(p, checkpoint_required: bool = True) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: checkpoint dir name)")
     p.add_argument("--chat-template", choices=["auto", "official", "simple"], default="auto")
     p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--tie-break", choices=["official", "recent"], default="official",
+                   help="indexer top-k tie rule: official (torch.topk, parity with the official code) or recent "
+                        "(deterministic: greedy outputs then do not depend on which requests share a batch)")
 
 
 def register(sub) -> None:
@@ -59,14 +62,16 @@ def build_engine(args, model=None, tokenizer=None):
     if model is None:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
         model, cfg = load_model(args.checkpoint, dtype=dtype)
+    if getattr(args, "tie_break", "official") == "recent":
+        from dsv41.model.attention import set_tie_break
+        set_tie_break(model, "recent")
     if tokenizer is None:
         tokenizer = load_tokenizer(getattr(args, "checkpoint", None), model.cfg.vocab_size)
     kwargs = engine_kwargs(args)
     cache = {k: v for k, v in (("cache_dir", getattr(args, "cache_dir", None)),
                                ("swa_pool", getattr(args, "swa_pool", None))) if v is not None}
     if cache:
-        accepted = inspect.signature(Engine).parameters
-        if all(k in accepted for k in cache):
+        if cache_supported():
             kwargs.update(cache)
         else:
             print("note: prefix caching is not available in this build (the engine takes no cache arguments); "
@@ -74,8 +79,12 @@ def build_engine(args, model=None, tokenizer=None):
     return Engine(model, tokenizer, **kwargs)
 
 
-def prefix_cache_enabled(engine) -> bool:
-    return any(hasattr(engine, a) for a in ("prefix_cache", "cache_dir", "swa_pool"))
+def cache_supported() -> bool:
+    """Whether this build's Engine takes the prefix-cache arguments (`cache_dir`, `swa_pool`)."""
+    from dsv41.engine.engine import Engine
+
+    params = inspect.signature(Engine).parameters
+    return "cache_dir" in params and "swa_pool" in params
 
 
 def settings_from(args, engine):

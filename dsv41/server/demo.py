@@ -106,7 +106,7 @@ def ensure_checkpoint(ckpt: Path, minutes: float, allow_train: bool = True) -> t
         else:
             _p("`dsv41 train` is not available in this build.")
     for c in (ckpt, random_ckpt):
-        if has_model(c) and (c / RANDOM_MARKER).exists():
+        if has_model(c) and (c / RANDOM_MARKER).exists() and not (c / "tokenizer.json").exists():
             return c, "random"
     return save_random_tiny(ckpt), "random"
 
@@ -172,7 +172,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
     from dsv41.server.app import create_app, serve_in_thread
-    from dsv41.server.cli import build_engine, prefix_cache_enabled, settings_from
+    from dsv41.server.cli import build_engine, cache_supported, settings_from
 
     t0 = time.monotonic()
     _rule("checkpoint")
@@ -189,7 +189,7 @@ def run_demo(args: argparse.Namespace) -> int:
         args.swa_pool = "memory"
     engine = build_engine(args)
     cfg = engine.cfg
-    caching = prefix_cache_enabled(engine)
+    caching = cache_supported()
     settings = settings_from(args, engine)
     app = create_app(engine, settings)
     tpl = app.state.dsv41.template.name

@@ -49,7 +49,13 @@ def _default_type(status: int) -> str:
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return {"error": {"message": _safe(message), "type": type, "param": None if param is None else _safe(param),
+                      "code": code}}
+
+
+def _safe(s: str) -> str:
+    """Text that can always be encoded as UTF-8 (a client's lone surrogates are escaped)."""
+    return str(s).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -123,8 +129,8 @@ class _Sampling(_Strict):
     top_k: int | None = Field(None, ge=-1)                      # extension (vLLM): -1 or 0 = off
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: Union[str, list[str], None] = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    n: int | None = Field(1, ge=1, le=MAX_N)                    # null = 1, as OpenAI
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -148,6 +154,16 @@ class _Sampling(_Strict):
             raise ValueError("stop sequences must be non-empty strings")
         return v
 
+    _null_is_false: tuple[str, ...] = ()
+
+    def model_post_init(self, __context) -> None:
+        """OpenAI accepts null for these and means the default."""
+        if self.n is None:
+            self.n = 1
+        for name in ("stream",) + self._null_is_false:
+            if getattr(self, name) is None:
+                setattr(self, name, False)
+
     def stop_list(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
@@ -166,13 +182,14 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     reasoning_effort: Union[str, int, None] = None
     chat_template_kwargs: dict[str, Any] | None = None           # extension (vLLM): {"thinking": bool}
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    _null_is_false = ("logprobs",)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -200,9 +217,10 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    _null_is_false = ("echo",)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

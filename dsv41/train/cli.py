@@ -49,7 +49,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="validation windows per evaluation")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadier on a busy machine)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default on CPU: 1, steady on shared cores)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
     p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP (GPUs under torchrun)")
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="greedy sample length at the end")

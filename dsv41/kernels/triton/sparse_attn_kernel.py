@@ -1,0 +1,370 @@
+"""Triton sparse attention with the per-head sink (MODEL.md 3.8): decode over the packed store, and dense KV.
+
+Twins (same signatures): `sparse_attn_packed_triton` ~ `packed_ref.sparse_attn_packed_ref`,
+`sparse_attn_triton` ~ `ref.sparse_attn_ref`.
+
+Legend: B rows, T queries per row, H heads, D head dim, BH heads per program, BN indices per tile, KW window
+indices, K compressed (top-k) indices, P page size, MP page-table width, S splits of the index list.
+
+One program per (row or query, block of BH heads, split): it walks its tiles of the index list (for the packed
+decode: the window tiles, then the top-k tiles, the model's order), gathers the BN rows of each tile straight from
+the packed bytes (E4M3 + UE8M0/32 ring rows; E2M1 nibbles + E4M3/16 main-KV records found through the page
+table), dequantizes them in registers to bf16 (exact: every stored value is bf16-representable), and runs the
+reference's online softmax on the tile: logits = scale * q.k in fp32 (tensor cores, fp32 accumulation), running
+max from -1e30, denominator of fp32 p, numerator of bf16(p) @ V. The sink enters the denominator last.
+With BN = 64 and an unsplit list the tiles are the reference's blocks of 64, so the result equals the reference
+up to summation order and exp rounding; a smaller BN (fewer registers for the [BN, D] dequantized tile) updates
+the running max more often, which moves the bf16 rounding of p slightly (differences at the bf16-rounding level). When the rows and head blocks alone cannot fill the GPU, the list is split
+(flash-decoding): each split keeps its own running max, and `_combine_kernel` merges the partial (acc, max, sum)
+and adds the sink; the bf16 rounding of p is then relative to the split's running max (differences at the
+bf16-rounding level).
+
+Not handled: the NaN codes (E4M3 0x7F/0xFF decode as +-480, UE8M0 0xFF as 2^128 here, NaN in the reference; the
+pool never writes them) and UE8M0 byte 0 (0 here, 2^-127 there; below every scale the quantizers produce).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["sparse_attn_packed_triton", "sparse_attn_triton", "CONFIG", "DENSE_CONFIG"]
+
+# Picked on the H200 by benchmarks/kernels.py's sweeps (override per call with the launchers' keyword arguments).
+# Block_h 64 (one program for all 64 heads, each tile dequantized once) fails to compile in Triton 3.6
+# (TritonGPUOptimizeDotOperands on the interleaved tile feeding wgmma).
+CONFIG = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 1, "vec": True}
+DENSE_CONFIG = {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
+
+# Triton's interpreter (TRITON_INTERPRET=1, CPU debugging) gets bf16 dot products wrong: there the operands are
+# upcast to fp32 before the dot (the same products: bf16 values are exact in fp32).
+_DOT_BF16 = os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+# ------------------------------------------------------------------------------------------ dequantization
+
+@triton.jit
+def _e4m3_to_f32(b):
+    """E4M3 byte (int32 0..255) -> fp32: normals by moving the 7 magnitude bits under the fp32 exponent and
+    rebiasing (7 -> 127), subnormals (exponent 0) as m * 2^-9; the sign from bit 7 (codecs.e4m3_to_float)."""
+    mag = b & 0x7F
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    v = tl.where(mag < 8, mag.to(tl.float32) * 0.001953125, normal)
+    return tl.where(b >= 128, -v, v)
+
+
+@triton.jit
+def _ue8m0_to_f32(b):
+    """UE8M0 byte (int32) -> 2^(b - 127) as the fp32 exponent field (codecs.e8m0_to_float)."""
+    return (b << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_to_f32(c):
+    """E2M1 nibble (int32 0..15, bit 3 sign) -> fp32 (codecs.e2m1_to_float): exponent e = bits 1-2, mantissa m =
+    bit 0; e >= 1 is (1 + m/2) 2^(e-1) (fp32 exponent e + 126), e = 0 is m * 0.5 (0x3F000000 = 0.5)."""
+    e = (c >> 1) & 3
+    m = c & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _swa_tile(ptr, row, valid, D: tl.constexpr, BN: tl.constexpr, VEC: tl.constexpr):
+    """bf16 [BN, D] of the SWA rows at byte offsets row [BN] (codecs.unpack_swa_kv): code d at byte d, the UE8M0
+    scale of group d // 32 at byte D + d // 32. Invalid rows read as 0."""
+    if VEC:     # [BN, groups, 32]: contiguous 32-byte code runs, one scale load per group
+        g = tl.arange(0, D // 32)
+        c = tl.arange(0, 32)
+        codes = tl.load(ptr + row[:, None, None] + (g[None, :, None] * 32 + c[None, None, :]),
+                        mask=valid[:, None, None], other=0).to(tl.int32)
+        sc = tl.load(ptr + row[:, None] + D + g[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        v = _e4m3_to_f32(codes) * _ue8m0_to_f32(sc)[:, :, None]
+        return tl.reshape(v.to(tl.bfloat16), (BN, D))
+    else:
+        d = tl.arange(0, D)
+        codes = tl.load(ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        sc = tl.load(ptr + row[:, None] + D + (d // 32)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        return (_e4m3_to_f32(codes) * _ue8m0_to_f32(sc)).to(tl.bfloat16)
+
+
+@triton.jit
+def _main_tile(ptr, row, valid, D: tl.constexpr, BN: tl.constexpr, VEC: tl.constexpr):
+    """bf16 [BN, D] of the main-KV records at byte offsets row [BN] (codecs.unpack_main_kv): channel 2k in the low
+    nibble of byte k, 2k+1 in the high one; the E4M3 scale of group d // 16 at byte D/2 + d // 16."""
+    if VEC:     # [BN, groups, 8 bytes]: both nibbles of a byte share its group's scale; interleave lo/hi
+        g = tl.arange(0, D // 16)
+        c = tl.arange(0, 8)
+        byt = tl.load(ptr + row[:, None, None] + (g[None, :, None] * 8 + c[None, None, :]),
+                      mask=valid[:, None, None], other=0).to(tl.int32)
+        sc = tl.load(ptr + row[:, None] + D // 2 + g[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        scf = _e4m3_to_f32(sc)[:, :, None]
+        lo = (_e2m1_to_f32(byt & 15) * scf).to(tl.bfloat16)
+        hi = (_e2m1_to_f32(byt >> 4) * scf).to(tl.bfloat16)
+        return tl.reshape(tl.interleave(lo, hi), (BN, D))
+    else:
+        d = tl.arange(0, D)
+        byt = tl.load(ptr + row[:, None] + (d // 2)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        nib = (byt >> ((d & 1) * 4)[None, :]) & 15
+        sc = tl.load(ptr + row[:, None] + D // 2 + (d // 16)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        return (_e2m1_to_f32(nib) * _e4m3_to_f32(sc)).to(tl.bfloat16)
+
+
+@triton.jit
+def _index_tile(ptr, row, valid, I: tl.constexpr, BN: tl.constexpr):
+    """bf16 [BN, I] of the index-key records at byte offsets row [BN] (codecs.unpack_index_k): nibbles as the
+    main KV, the UE8M0 scale of group d // 32 at byte I/2 + d // 32."""
+    g = tl.arange(0, I // 32)
+    c = tl.arange(0, 16)
+    byt = tl.load(ptr + row[:, None, None] + (g[None, :, None] * 16 + c[None, None, :]),
+                  mask=valid[:, None, None], other=0).to(tl.int32)
+    sc = tl.load(ptr + row[:, None] + I // 2 + g[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    scf = _ue8m0_to_f32(sc)[:, :, None]
+    lo = (_e2m1_to_f32(byt & 15) * scf).to(tl.bfloat16)
+    hi = (_e2m1_to_f32(byt >> 4) * scf).to(tl.bfloat16)
+    return tl.reshape(tl.interleave(lo, hi), (BN, I))
+
+
+# ------------------------------------------------------------------------------------------ softmax step
+
+@triton.jit
+def _attend(q, kv, valid, acc, m_i, l_i, scale, DOT_BF16: tl.constexpr):
+    """One block of `sparse_attn_ref`'s loop: q [BH,D] bf16, kv [BN,D] bf16 (K = V), valid [BN]."""
+    if DOT_BF16:
+        s = tl.dot(q, tl.trans(kv))
+    else:
+        s = tl.dot(q.to(tl.float32), tl.trans(kv.to(tl.float32)))
+    s = tl.where(valid[None, :], s * scale, float("-inf"))           # s = where(valid, q.k, -inf) * scale
+    m_new = tl.maximum(m_i, tl.max(s, 1))                            # run_max = max(prev, s.amax)
+    alpha = tl.exp(m_i - m_new)                                      # rescale = exp(prev - run_max)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)                                 # den: fp32 p
+    pb = p.to(tl.bfloat16)                                           # num: bf16(p) @ V
+    if DOT_BF16:
+        pv = tl.dot(pb, kv)
+    else:
+        pv = tl.dot(pb.to(tl.float32), kv.to(tl.float32))
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _epilogue(acc, m_i, l_i, heads, hmask, d, row, sp, n_split, H, sink_ptr, out_ptr, acc_ptr, ml_ptr,
+              D: tl.constexpr, SPLIT: tl.constexpr):
+    """Unsplit: den += exp(sink - max), out = num / den in bf16. Split: store the partial state for the combine."""
+    if SPLIT:
+        o = (row * n_split + sp) * H + heads
+        tl.store(acc_ptr + o[:, None] * D + d[None, :], acc, mask=hmask[:, None])
+        tl.store(ml_ptr + o * 2, m_i, mask=hmask)
+        tl.store(ml_ptr + o * 2 + 1, l_i, mask=hmask)
+    else:
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+        l_i = l_i + tl.exp(sink - m_i)
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + (row * H + heads[:, None]) * D + d[None, :], out.to(tl.bfloat16), mask=hmask[:, None])
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+@triton.jit
+def _sparse_attn_packed_kernel(q_ptr, ring_ptr, slot_ptr, win_ptr, main_ptr, table_ptr, topk_ptr, sink_ptr,
+                               out_ptr, acc_ptr, ml_ptr, scale, H, KW, K, P, MP, W, tiles_per_split, n_split,
+                               D: tl.constexpr, SWA_RB: tl.constexpr, MAIN_RB: tl.constexpr,
+                               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                               VEC: tl.constexpr, DOT_BF16: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (b * H + heads[:, None]) * D + d[None, :], mask=hmask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_H], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    n_w = tl.cdiv(KW, BLOCK_N)
+    n_t = n_w + tl.cdiv(K, BLOCK_N)
+    t0 = sp * tiles_per_split
+    t1 = tl.minimum(t0 + tiles_per_split, n_t)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    for t in range(t0, tl.minimum(t1, n_w)):                         # window tiles: ring rows of the row's slot
+        j = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.load(win_ptr + b * KW + j, mask=j < KW, other=-1)
+        valid = r >= 0
+        off = (slot * W + tl.maximum(r, 0).to(tl.int64)) * SWA_RB
+        kv = _swa_tile(ring_ptr, off, valid, D, BLOCK_N, VEC)
+        acc, m_i, l_i = _attend(q, kv, valid, acc, m_i, l_i, scale, DOT_BF16)
+    for t in range(tl.maximum(t0, n_w), t1):                         # top-k tiles: entries through the page table
+        j = (t - n_w) * BLOCK_N + tl.arange(0, BLOCK_N)
+        e = tl.load(topk_ptr + b * K + j, mask=j < K, other=-1)
+        valid = e >= 0
+        e = tl.maximum(e, 0)
+        page = tl.load(table_ptr + b * MP + e // P, mask=valid, other=0).to(tl.int64)
+        off = (page * P + (e % P)) * MAIN_RB
+        kv = _main_tile(main_ptr, off, valid, D, BLOCK_N, VEC)
+        acc, m_i, l_i = _attend(q, kv, valid, acc, m_i, l_i, scale, DOT_BF16)
+    _epilogue(acc, m_i, l_i, heads, hmask, d, b, sp, n_split, H, sink_ptr, out_ptr, acc_ptr, ml_ptr, D, SPLIT)
+
+
+@triton.jit
+def _sparse_attn_dense_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, acc_ptr, ml_ptr, scale, T, H, N, K,
+                              tiles_per_split, n_split, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                              BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_BF16: tl.constexpr):
+    bt = tl.program_id(0).to(tl.int64)                               # query row b * T + t
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    b = bt // T
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (bt * H + heads[:, None]) * D + d[None, :], mask=hmask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_H], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    t0 = sp * tiles_per_split
+    t1 = tl.minimum(t0 + tiles_per_split, tl.cdiv(K, BLOCK_N))
+    for t in range(t0, t1):
+        j = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        i = tl.load(idx_ptr + bt * K + j, mask=j < K, other=-1)
+        valid = i >= 0
+        rows = b * N + tl.maximum(i, 0).to(tl.int64)
+        kv = tl.load(kv_ptr + rows[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        acc, m_i, l_i = _attend(q, kv, valid, acc, m_i, l_i, scale, DOT_BF16)
+    _epilogue(acc, m_i, l_i, heads, hmask, d, bt, sp, n_split, H, sink_ptr, out_ptr, acc_ptr, ml_ptr, D, SPLIT)
+
+
+@triton.jit
+def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, out_ptr, H, n_split, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Merge the splits of one row: max M over splits, num = sum exp(m_s - M) acc_s,
+    den = sum exp(m_s - M) l_s + exp(sink - M); out = num / den in bf16."""
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, D)
+    m_g = tl.full([BLOCK_H], -1e30, tl.float32)
+    for s in range(n_split):
+        m_g = tl.maximum(m_g, tl.load(ml_ptr + ((row * n_split + s) * H + heads) * 2, mask=hmask, other=-1e30))
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    for s in range(n_split):
+        o = (row * n_split + s) * H + heads
+        m_s = tl.load(ml_ptr + o * 2, mask=hmask, other=-1e30)
+        alpha = tl.exp(m_s - m_g)
+        den += alpha * tl.load(ml_ptr + o * 2 + 1, mask=hmask, other=0.0)
+        acc += alpha[:, None] * tl.load(acc_ptr + o[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+    den += tl.exp(tl.load(sink_ptr + heads, mask=hmask, other=0.0) - m_g)
+    tl.store(out_ptr + (row * H + heads[:, None]) * D + d[None, :], (acc / den[:, None]).to(tl.bfloat16),
+             mask=hmask[:, None])
+
+
+# ------------------------------------------------------------------------------------------ launchers
+
+_SM_COUNT: dict[int, int] = {}
+LAST: dict = {}          # the last compiled kernel per launcher (n_regs / n_spills for the benchmark's report)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def _split_plan(programs: int, n_tiles: int, device: torch.device, num_splits: int | None) -> tuple[int, int]:
+    """(splits, tiles per split): split the index list only as far as needed to give every SM a program (each split
+    costs a partial [H, D] fp32 write and read, about half a row's packed KV bytes)."""
+    if n_tiles == 0:
+        return 1, 1
+    if num_splits is None:
+        num_splits = -(-_sm_count(device) // max(1, programs))
+    num_splits = max(1, min(num_splits, n_tiles))
+    tps = -(-n_tiles // num_splits)
+    return -(-n_tiles // tps), tps
+
+
+def _block_h(H: int, block_h: int) -> int:
+    return max(16, min(block_h, triton.next_power_of_2(H)))
+
+
+def _check_dim(D: int, what: str) -> None:
+    if D < 32 or D & (D - 1):
+        raise ValueError(f"{what}: the Triton kernel needs a power-of-two head dim >= 32, got {D}")
+
+
+def _finish(out, acc_ws, ml_ws, sink, rows, H, D, n_split, BH, num_warps):
+    if n_split > 1:
+        _combine_kernel[(rows, triton.cdiv(H, BH))](acc_ws, ml_ws, sink, out, H, n_split, D=D, BLOCK_H=BH,
+                                                    num_warps=num_warps)
+    return out
+
+
+def sparse_attn_packed_triton(q: torch.Tensor, swa_ring: torch.Tensor, ring_slots: torch.Tensor,
+                              win_idx: torch.Tensor, main_pages: torch.Tensor, page_table: torch.Tensor,
+                              topk_idx: torch.Tensor, sink: torch.Tensor, scale: float, *,
+                              num_splits: int | None = None, block_h: int | None = None,
+                              block_n: int | None = None, num_warps: int | None = None,
+                              num_stages: int | None = None, vec: bool | None = None) -> torch.Tensor:
+    """Triton twin of `sparse_attn_packed_ref` (same arguments; the keywords override `CONFIG`) -> [B,H,D] bf16."""
+    B, H, D = q.shape
+    _check_dim(D, "sparse_attn_packed")
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"sparse_attn_packed (triton): q must be bfloat16, got {q.dtype}")
+    for name, t, nbytes in (("swa_ring", swa_ring, D + D // 32), ("main_pages", main_pages, D // 2 + D // 16)):
+        if t.dtype != torch.uint8 or t.dim() != 3 or t.size(2) != nbytes:
+            raise ValueError(f"sparse_attn_packed (triton): {name} must be uint8 [*, *, {nbytes}] for D={D}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    cfg = {**CONFIG, **{k: v for k, v in dict(block_h=block_h, block_n=block_n, num_warps=num_warps,
+                                              num_stages=num_stages, vec=vec).items() if v is not None}}
+    BH, BN = _block_h(H, cfg["block_h"]), cfg["block_n"]
+    KW, K = win_idx.size(1), topk_idx.size(1)
+    n_tiles = triton.cdiv(KW, BN) + triton.cdiv(K, BN)
+    n_hb = triton.cdiv(H, BH)
+    n_split, tps = _split_plan(B * n_hb, n_tiles, q.device, num_splits)
+    out = torch.empty(B, H, D, dtype=torch.bfloat16, device=q.device)
+    acc_ws = ml_ws = out
+    if n_split > 1:
+        acc_ws = torch.empty(B, n_split, H, D, dtype=torch.float32, device=q.device)
+        ml_ws = torch.empty(B, n_split, H, 2, dtype=torch.float32, device=q.device)
+    LAST['packed'] = _sparse_attn_packed_kernel[(B, n_hb, n_split)](
+        q.contiguous(), swa_ring.contiguous(), ring_slots.to(torch.int32).contiguous(),
+        win_idx.to(torch.int32).contiguous(), main_pages.contiguous(), page_table.to(torch.int32).contiguous(),
+        topk_idx.to(torch.int32).contiguous(), sink.float().contiguous(), out, acc_ws, ml_ws,
+        float(scale), H, KW, K, main_pages.size(1), page_table.size(1), swa_ring.size(1), tps, n_split,
+        D=D, SWA_RB=D + D // 32, MAIN_RB=D // 2 + D // 16, BLOCK_H=BH, BLOCK_N=BN, SPLIT=n_split > 1,
+        VEC=bool(cfg["vec"]), DOT_BF16=_DOT_BF16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return _finish(out, acc_ws, ml_ws, sink.float().contiguous(), B, H, D, n_split, BH, 4)
+
+
+def sparse_attn_triton(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                       query_chunk: int = 1024, *, num_splits: int | None = None, block_h: int | None = None,
+                       block_n: int | None = None, num_warps: int | None = None,
+                       num_stages: int | None = None) -> torch.Tensor:
+    """Triton twin of `sparse_attn_ref` on dense bf16 KV (any T: prefill and decode) -> [B,T,H,D] bf16.
+    query_chunk is accepted for the signature and unused (the kernel holds no [T, K, D] gather)."""
+    B, T, H, D = q.shape
+    _check_dim(D, "sparse_attn")
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        raise ValueError(f"sparse_attn (triton): q and kv must be bfloat16, got {q.dtype} and {kv.dtype}")
+    cfg = {**DENSE_CONFIG, **{k: v for k, v in dict(block_h=block_h, block_n=block_n, num_warps=num_warps,
+                                                    num_stages=num_stages).items() if v is not None}}
+    BH, BN = _block_h(H, cfg["block_h"]), cfg["block_n"]
+    K = idx.size(-1)
+    n_hb = triton.cdiv(H, BH)
+    n_split, tps = _split_plan(B * T * n_hb, triton.cdiv(K, BN), q.device, num_splits)
+    out = torch.empty(B, T, H, D, dtype=torch.bfloat16, device=q.device)
+    acc_ws = ml_ws = out
+    if n_split > 1:
+        acc_ws = torch.empty(B * T, n_split, H, D, dtype=torch.float32, device=q.device)
+        ml_ws = torch.empty(B * T, n_split, H, 2, dtype=torch.float32, device=q.device)
+    if B * T:
+        LAST['dense'] = _sparse_attn_dense_kernel[(B * T, n_hb, n_split)](
+            q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous(), sink.float().contiguous(), out,
+            acc_ws, ml_ws, float(scale), T, H, kv.size(1), K, tps, n_split, D=D, BLOCK_H=BH, BLOCK_N=BN,
+            SPLIT=n_split > 1, DOT_BF16=_DOT_BF16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        _finish(out, acc_ws, ml_ws, sink.float().contiguous(), B * T, H, D, n_split, BH, 4)
+    return out

@@ -1,0 +1,95 @@
+"""`dsv41 cache stats|verify|clear --cache-dir DIR [--json]`: operate on a prefix cache's persistent tier.
+
+  stats    entries, bytes, fingerprints (namespaces), age of the oldest / newest entry, free disk
+  verify   read every entry in full and check it (header, lengths, key, SHA-256); report bad ones and remove them
+           (--keep: report only). Exit status 1 when bad entries were found.
+  clear    remove every entry (temp files of live writers are left to them)
+
+Wiring: the CLI's command table calls `register(subparsers)`. Works on the directory alone (no model): the store is
+opened without a fingerprint, so entries of every namespace are considered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def register(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("cache", help="prefix cache: stats, verify, clear",
+                       description=__doc__.split("\n\n")[0])
+    csub = p.add_subparsers(dest="cache_command", required=True)
+    for name, helptext in (("stats", "entries, bytes, namespaces, ages"),
+                           ("verify", "check every entry's checksum; remove bad ones"),
+                           ("clear", "remove every entry")):
+        c = csub.add_parser(name, help=helptext)
+        c.add_argument("--cache-dir", required=True, help="the persistent tier's directory")
+        c.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "verify":
+            c.add_argument("--keep", action="store_true", help="report bad entries without removing them")
+        c.set_defaults(func=cmd_cache)
+    return p
+
+
+def _open(cache_dir: str):
+    from dsv41.kv.disk import DiskStore
+
+    if not os.path.isdir(cache_dir):
+        raise ValueError(f"no such cache directory: {cache_dir}")
+    # no fingerprint: every namespace; repair=False: opening changes nothing (verify / clear do, explicitly)
+    return DiskStore(cache_dir, max_bytes=1 << 62, fingerprint=None, repair=False)
+
+
+def cache_stats(cache_dir: str) -> dict:
+    store = _open(cache_dir)
+    now = time.time()
+    fps: dict[str, dict] = {}
+    entries = store.describe()
+    for e in entries:
+        d = fps.setdefault(e["fingerprint"], {"entries": 0, "bytes": 0})
+        d["entries"] += 1
+        d["bytes"] += e["size"]
+    created = [e["created"] for e in entries]
+    s = store.stats()
+    files = store.entry_files()
+    tmp = [n for n in os.listdir(cache_dir) if n.startswith(".tmp.")]
+    return {"cache_dir": os.path.abspath(cache_dir), "entries": s["entries"], "bytes": s["bytes"],
+            "fingerprints": fps, "oldest_age_s": now - min(created) if created else None,
+            "newest_age_s": now - max(created) if created else None, "temp_files": len(tmp),
+            "unreadable_entries": len(files) - s["entries"], "free_bytes": s["free_bytes"]}
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    if args.cache_command == "stats":
+        r = cache_stats(args.cache_dir)
+        if args.json:
+            print(json.dumps(r, indent=2))
+            return 0
+        print(f"prefix cache {r['cache_dir']}: {r['entries']:,} entries, {r['bytes']:,} B "
+              f"({r['free_bytes']:,} B free on the file system)")
+        for fp, d in sorted(r["fingerprints"].items()):
+            print(f"  namespace {fp[:16]}…  {d['entries']:,} entries  {d['bytes']:,} B")
+        if r["oldest_age_s"] is not None:
+            print(f"  oldest entry {r['oldest_age_s'] / 3600:.2f} h, newest {r['newest_age_s'] / 3600:.2f} h")
+        print(f"  temp files {r['temp_files']}; entries with an unreadable header {r['unreadable_entries']} "
+              "(`dsv41 cache verify` removes them)")
+        return 0
+    store = _open(args.cache_dir)
+    if args.cache_command == "verify":
+        r = store.verify(remove=not args.keep)
+        if args.json:
+            print(json.dumps(r, indent=2))
+        else:
+            print(f"verified {r['checked']:,} entries: {r['ok']:,} ok ({r['ok_bytes']:,} B), {len(r['bad'])} bad, "
+                  f"{r['removed']} removed")
+            for b in r["bad"]:
+                print(f"  {b['key']}: {b['reason']}")
+        return 1 if r["bad"] else 0
+    r = store.clear()
+    if args.json:
+        print(json.dumps(r))
+    else:
+        print(f"removed {r['removed']:,} entries ({r['bytes']:,} B)")
+    return 0

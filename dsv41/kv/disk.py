@@ -1,0 +1,673 @@
+"""The persistent tier (SYSTEM.md 4): a directory of entries, one file per prefix-unit key.
+
+    store = DiskStore(dir, max_bytes, min_free_bytes, min_age_s, fingerprint=fp)
+    store.put(key, payload, meta)      -> bool     (False: not persisted; never raises on storage faults)
+    store.get(key) / get_entry(key)    -> payload / (meta, payload) or None (a miss)
+
+Entry file `<key>.kv` (key: 64 lowercase hex), little-endian:
+
+    offset size  field
+    0      8     magic b"DSV41KV\\0"
+    8      2     format version (u16) = 1
+    10     2     flags (u16) = 0
+    12     4     meta length M (u32, at most 65536)
+    16     32    fingerprint (the 32 bytes of the namespace's SHA-256 fingerprint)
+    48     32    key (the 32 bytes of the file's own key: a renamed or copied file is detected)
+    80     8     payload length N (u64)
+    88     8     created (f64, the store clock at write time)
+    96     32    SHA-256 of meta || payload
+    128    4     CRC-32 of bytes 0..127 (header checksum)
+    132    4     reserved (0)
+    136    M     meta (small, caller-defined; the prefix manager keeps its boundary index there)
+    136+M  N     payload
+
+Writes are atomic: a temp file `.tmp.<key>.<pid>.<random>` in the same directory, written, fsync'd, renamed over
+`<key>.kv`, the directory fsync'd, then the file's mtime set to the store clock (mtime is the LRU recency; hits
+touch it). A reader therefore sees either no file or a complete one, from any process.
+
+Start-up scans the directory: every entry's header is read (not its payload) into the index, so the index survives
+restarts; a header that is unreadable, inconsistent with the file size, or zero-length is a corrupt entry and is
+removed; temp files of writers that are gone (dead pid, or older than `stale_tmp_s`) are removed. A `get` reads the
+whole file and checks everything (magic, version, header CRC, key, fingerprint, lengths, SHA-256): any failure is a
+miss, the file is removed (only if it is still the file that was read) and counted, nothing is served.
+Entries of another fingerprint are left alone by the scan (another model may share the directory; they age out
+under LRU) but are never served: a `get` that meets one removes it (`foreign_removed`).
+
+Eviction: when a write would take the entries over `max_bytes`, or the file system's free space below
+`min_free_bytes` (`shutil.disk_usage`), the writer takes an advisory `fcntl.flock` on `.lock`, rescans (other
+processes write too), and removes entries in LRU order (mtime, then key) until the write fits; entries younger
+than `min_age_s` (by their header's created time) and entries this process is writing or reading are never
+evicted, and temp files are never entries. If the write still does not fit, it is skipped (`skipped_full`).
+An OSError while writing (ENOSPC, EIO, ...) skips the write too (`write_errors`): the temp file is removed and
+the caller gets False. Nothing here raises on a storage fault; ValueError only for bad arguments.
+
+Several worker processes may share a directory: unique temp names, atomic renames, a flock around eviction, and
+every path tolerates files appearing and disappearing underneath it (a vanished file is a miss). Each process's
+in-memory byte total is refreshed by a rescan whenever it nears a limit and every `rescan_s` seconds.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import secrets
+import shutil
+import struct
+import threading
+import time
+import zlib
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsv41.kv.prefix import check_key
+
+__all__ = ["DiskStore", "MAGIC", "FORMAT_VERSION", "HEADER_BYTES", "COUNTERS", "parse_entry"]
+
+log = logging.getLogger("dsv41.kv.disk")
+
+MAGIC = b"DSV41KV\x00"
+FORMAT_VERSION = 1
+MAX_META = 1 << 16
+_HEAD = struct.Struct("<8sHHI32s32sQd32s")        # 128 bytes
+_TAIL = struct.Struct("<II")                      # header CRC-32, reserved
+HEADER_BYTES = _HEAD.size + _TAIL.size            # 136
+SUFFIX = ".kv"
+TMP_PREFIX = ".tmp."
+LOCK_NAME = ".lock"
+COUNTERS = ("hits", "misses", "writes", "bytes_written", "bytes_read", "evictions", "evicted_bytes",
+            "corrupt_removed", "foreign_removed", "write_errors", "read_errors", "skipped_full",
+            "skipped_too_large", "stale_tmp_removed", "dir_fsync_errors")
+
+
+class BadEntry(Exception):
+    """An entry that must not be served; `counter` says how it is counted when removed."""
+
+    def __init__(self, reason: str, counter: str = "corrupt_removed"):
+        super().__init__(reason)
+        self.reason, self.counter, self.ino = reason, counter, None
+
+
+@dataclass
+class _Info:
+    size: int            # file bytes
+    used_ns: int         # recency (file mtime, ns)
+    created: float       # header: store clock at write
+    fingerprint: bytes
+    meta: bytes
+
+
+def _fp_bytes(fp: str | None) -> bytes:
+    return bytes(32) if fp is None else bytes.fromhex(check_key(fp))
+
+
+def parse_header(head: bytes, key: str | None = None, file_size: int | None = None):
+    """(meta length, payload length, created, fingerprint, digest) of an entry header; BadEntry if it is not one
+    (or does not belong to `key`, or disagrees with `file_size`)."""
+    if len(head) < HEADER_BYTES:
+        raise BadEntry(f"truncated header ({len(head)} of {HEADER_BYTES} bytes)")
+    magic, version, _flags, m_len, fp, k, n_len, created, digest = _HEAD.unpack_from(head)
+    crc, _ = _TAIL.unpack_from(head, _HEAD.size)
+    if magic != MAGIC:
+        raise BadEntry("bad magic")
+    if zlib.crc32(head[:_HEAD.size]) != crc:
+        raise BadEntry("header checksum mismatch")
+    if version != FORMAT_VERSION:
+        raise BadEntry(f"format version {version}, this reader knows {FORMAT_VERSION}")
+    if m_len > MAX_META:
+        raise BadEntry("meta too long")
+    if key is not None and k != bytes.fromhex(key):
+        raise BadEntry("header key differs from the file name")
+    if file_size is not None and file_size != HEADER_BYTES + m_len + n_len:
+        raise BadEntry(f"length mismatch (file {file_size} bytes, header says {HEADER_BYTES + m_len + n_len})")
+    return m_len, n_len, created, fp, digest
+
+
+def parse_entry(data: bytes, key: str | None = None, fingerprint: str | None = None) -> tuple[bytes, bytes]:
+    """(meta, payload) of a whole entry file after every check; BadEntry otherwise (counter `foreign_removed`
+    when only the fingerprint differs from the expected one)."""
+    m_len, n_len, _created, fp, digest = parse_header(data, key, len(data))
+    body = memoryview(data)[HEADER_BYTES:]
+    if hashlib.sha256(body).digest() != digest:
+        raise BadEntry("payload checksum mismatch")
+    if fingerprint is not None and fp != _fp_bytes(fingerprint):
+        raise BadEntry("entry of another fingerprint", "foreign_removed")
+    return bytes(body[:m_len]), bytes(body[m_len:])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+class DiskStore:
+    """One directory of prefix-unit entries (see the module docstring).
+
+    dir             the directory (created if missing)
+    max_bytes       cap on the bytes of entry files (headers included)
+    min_free_bytes  free-space watermark of the file system: writes evict (or skip) to stay above it
+    min_age_s       entries younger than this (store clock) are never evicted
+    clock           wall-clock seconds (injectable for tests); it stamps created times and mtimes
+    fingerprint     the namespace (64-hex) written into and required of entries; None: a read-only / admin
+                    store that serves entries of any fingerprint (the `dsv41 cache` CLI) and cannot put
+    durable         fsync file and directory (tests may turn it off for speed)
+    disk_usage      `shutil.disk_usage`-like callable (injectable for tests)
+    stale_tmp_s     temp files older than this are stale even if their writer's pid is alive (pid reuse)
+    rescan_s        rescan the directory at least this often (store clock) when writing
+    repair          remove corrupt entries and stale temp files met by scans (False: leave the directory
+                    untouched, bad entries are just not indexed; for `dsv41 cache verify --keep`)
+    """
+
+    def __init__(self, dir: str | os.PathLike, max_bytes: int, min_free_bytes: int = 0, min_age_s: float = 0.0,
+                 clock=time.time, *, fingerprint: str | None = None, durable: bool = True,
+                 disk_usage=shutil.disk_usage, stale_tmp_s: float = 3600.0, rescan_s: float = 30.0,
+                 repair: bool = True):
+        if max_bytes <= 0 or min_free_bytes < 0 or min_age_s < 0:
+            raise ValueError("max_bytes must be positive; min_free_bytes and min_age_s non-negative")
+        self.dir = Path(dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes, self.min_free_bytes, self.min_age_s = int(max_bytes), int(min_free_bytes), float(min_age_s)
+        self.clock, self.durable, self.disk_usage = clock, durable, disk_usage
+        self.fingerprint = None if fingerprint is None else check_key(fingerprint)
+        self._fp = _fp_bytes(self.fingerprint)
+        self.stale_tmp_s, self.rescan_s, self.repair = float(stale_tmp_s), float(rescan_s), repair
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._index: dict[str, _Info] = {}
+        self._total = 0
+        self._pinned: Counter = Counter()
+        self._own_tmp: set[str] = set()
+        self._mu = threading.RLock()
+        self._logged: set = set()
+        # indirections for fault-injection tests (ENOSPC / EIO)
+        self._os_write, self._os_fsync = os.write, os.fsync
+        self._last_scan = float("-inf")
+        self._scan()
+
+    # ---------------------------------------------------------------- paths and helpers
+    def _path(self, key: str) -> Path:
+        return self.dir / (key + SUFFIX)
+
+    def _log_once(self, what, msg: str, *args) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning(msg, *args)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._mu:
+            self.counters[name] += n
+
+    def _now_ns(self) -> int:
+        return int(round(self.clock() * 1e9))
+
+    @contextmanager
+    def _pin(self, key: str):
+        with self._mu:
+            self._pinned[key] += 1
+        try:
+            yield
+        finally:
+            with self._mu:
+                self._pinned[key] -= 1
+                if self._pinned[key] <= 0:
+                    del self._pinned[key]
+
+    @contextmanager
+    def _flock(self):
+        """Advisory exclusive lock on `.lock` (several processes evicting at once); a failure to lock only loses
+        the mutual exclusion, never the write."""
+        fd = None
+        try:
+            fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            self._log_once(("flock", e.errno), "prefix cache %s: cannot lock (%s); evicting without it", self.dir, e)
+        try:
+            yield
+        finally:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                finally:
+                    os.close(fd)
+
+    def _set_index(self, key: str, info: _Info | None) -> None:
+        with self._mu:
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._total -= old.size
+            if info is not None:
+                self._index[key] = info
+                self._total += info.size
+
+    def _remove(self, key: str, counter: str | None, ino: int | None = None, used_ns: int | None = None) -> bool:
+        """Unlink <key>.kv and drop it from the index; only if it is still inode `ino` and not used after
+        `used_ns` (when given: a file rewritten or touched by another process meanwhile is kept)."""
+        path = self._path(key)
+        size = 0
+        try:
+            st = os.stat(path)
+            size = st.st_size
+            if (ino is not None and st.st_ino != ino) or (used_ns is not None and st.st_mtime_ns > used_ns):
+                return False                              # replaced or used meanwhile: keep it
+            os.unlink(path)
+        except FileNotFoundError:
+            self._set_index(key, None)
+            return False
+        except OSError as e:
+            self._log_once(("unlink", e.errno), "prefix cache %s: cannot remove %s (%s)", self.dir, path, e)
+            return False
+        self._set_index(key, None)
+        if counter:
+            self._count(counter)
+            if counter == "evictions":
+                self._count("evicted_bytes", size)
+        return True
+
+    def _read_info(self, key: str) -> _Info | None:
+        """Header of <key>.kv as an index record; None if the file is gone; BadEntry if it is not an entry."""
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                head = f.read(HEADER_BYTES)
+                try:
+                    m_len, _n, created, fp, _d = parse_header(head, key, st.st_size)
+                except BadEntry as bad:
+                    bad.ino = st.st_ino
+                    raise
+                meta = f.read(m_len)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise BadEntry(f"unreadable ({e})") from None
+        if len(meta) != m_len:
+            bad = BadEntry("truncated meta")
+            bad.ino = st.st_ino
+            raise bad
+        return _Info(st.st_size, st.st_mtime_ns, created, fp, meta)
+
+    # ---------------------------------------------------------------- scanning
+    def _is_stale_tmp(self, name: str, mtime: float) -> bool:
+        if name in self._own_tmp:
+            return False
+        parts = name[len(TMP_PREFIX):].split(".")
+        try:
+            pid = int(parts[1])
+        except (IndexError, ValueError):
+            return time.time() - mtime > self.stale_tmp_s
+        if pid == os.getpid():
+            return True                                   # ours but not in flight: a leftover
+        return not _pid_alive(pid) or time.time() - mtime > self.stale_tmp_s
+
+    def _scan(self) -> list[tuple[str, bytes]]:
+        """Sync the index with the directory: new entries' headers read (corrupt ones removed), vanished ones
+        dropped, recency refreshed from mtimes, stale temp files removed. Returns [(key, meta)] of new entries."""
+        new: list[tuple[str, bytes]] = []
+        seen: dict[str, int] = {}
+        try:
+            entries = list(os.scandir(self.dir))
+        except OSError as e:
+            self._log_once(("scan", e.errno), "prefix cache %s: cannot scan (%s)", self.dir, e)
+            return new
+        for de in entries:
+            name = de.name
+            try:
+                if name.startswith(TMP_PREFIX):
+                    if self.repair and self._is_stale_tmp(name, de.stat().st_mtime):
+                        os.unlink(de.path)
+                        self._count("stale_tmp_removed")
+                    continue
+                if not name.endswith(SUFFIX):
+                    continue
+                key = name[:-len(SUFFIX)]
+                try:
+                    check_key(key)
+                except ValueError:
+                    continue
+                st = de.stat()
+            except FileNotFoundError:
+                continue
+            except OSError:
+                continue
+            seen[key] = st.st_mtime_ns
+            with self._mu:
+                info = self._index.get(key)
+                if info is not None and info.size == st.st_size:
+                    info.used_ns = max(info.used_ns, st.st_mtime_ns)
+                    continue
+            try:
+                info = self._read_info(key)
+            except BadEntry as bad:
+                if self.repair and bad.ino is not None:
+                    log.info("prefix cache %s: removing %s (%s)", self.dir, name, bad.reason)
+                    self._remove(key, "corrupt_removed", bad.ino)
+                seen.pop(key, None)
+                continue
+            if info is None:
+                seen.pop(key, None)
+                continue
+            self._set_index(key, info)
+            new.append((key, info.meta))
+        with self._mu:
+            for key in [k for k in self._index if k not in seen and not self._pinned.get(k)]:
+                self._set_index(key, None)
+        self._last_scan = self.clock()
+        return new
+
+    def refresh(self) -> list[tuple[str, bytes]]:
+        """Rescan now (pick up other processes' entries); returns [(key, meta)] of entries new to this index."""
+        return self._scan()
+
+    # ---------------------------------------------------------------- reads
+    def contains(self, key: str) -> bool:
+        """Whether an entry file for `key` exists now (a header-valid one; its payload is checked on get)."""
+        check_key(key)
+        path = self._path(key)
+        with self._mu:
+            known = key in self._index
+        if known:
+            if path.exists():
+                return True
+            self._set_index(key, None)
+            return False
+        try:
+            info = self._read_info(key)
+        except BadEntry as bad:
+            log.info("prefix cache %s: removing %s (%s)", self.dir, path.name, bad.reason)
+            if bad.ino is not None:
+                self._remove(key, "corrupt_removed", bad.ino)
+            return False
+        if info is None:
+            return False
+        self._set_index(key, info)
+        return True
+
+    def meta(self, key: str) -> bytes | None:
+        with self._mu:
+            info = self._index.get(key)
+        return None if info is None else info.meta
+
+    def get_entry(self, key: str) -> tuple[bytes, bytes] | None:
+        """(meta, payload) of a fully checked entry, or None (a miss: absent, corrupt, truncated, foreign or
+        unreadable; every bad file is removed and counted). Touches the entry's recency."""
+        check_key(key)
+        path = self._path(key)
+        with self._pin(key):
+            try:
+                with open(path, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    data = f.read()
+            except FileNotFoundError:
+                self._set_index(key, None)
+                self._count("misses")
+                return None
+            except OSError as e:
+                self._log_once(("read", e.errno), "prefix cache %s: read error (%s); treating as a miss",
+                               self.dir, e)
+                self._count("read_errors")
+                self._count("misses")
+                return None
+            try:
+                meta, payload = parse_entry(data, key, self.fingerprint)
+            except BadEntry as bad:
+                log.warning("prefix cache %s: entry %s is bad (%s): removed, not served", self.dir, path.name,
+                            bad.reason)
+                if not self._remove(key, bad.counter, st.st_ino):
+                    self._count(bad.counter)              # someone else removed or replaced it: still counted
+                self._count("misses")
+                return None
+            now = self._now_ns()
+            try:
+                os.utime(path, ns=(now, now))
+            except OSError:
+                pass
+            _m, _n, created, fp, _d = parse_header(data)
+            self._set_index(key, _Info(len(data), now, created, fp, meta))
+            self._count("hits")
+            self._count("bytes_read", len(data))
+            return meta, payload
+
+    def remove(self, key: str) -> bool:
+        """Remove an entry (e.g. one whose payload its owner found unusable); counted as corrupt."""
+        check_key(key)
+        return self._remove(key, "corrupt_removed")
+
+    def get(self, key: str) -> bytes | None:
+        e = self.get_entry(key)
+        return None if e is None else e[1]
+
+    # ---------------------------------------------------------------- writes
+    def _free(self) -> int:
+        try:
+            return int(self.disk_usage(self.dir).free)
+        except OSError:
+            return 1 << 62
+
+    def _fits(self, total: int, free: int, size: int) -> bool:
+        return total + size <= self.max_bytes and free - size >= self.min_free_bytes
+
+    def _make_room(self, key: str, size: int) -> bool:
+        with self._mu:
+            old = self._index.get(key)
+            total = self._total - (old.size if old else 0)
+        due = self.clock() - self._last_scan >= self.rescan_s
+        if not due and self._fits(total, self._free(), size):
+            return True
+        with self._flock():
+            self._scan()
+            with self._mu:
+                old = self._index.get(key)
+                total = self._total - (old.size if old else 0)
+                free = self._free()
+                if self._fits(total, free, size):
+                    return True
+                now = self.clock()
+                order = sorted((info.used_ns, k) for k, info in self._index.items()
+                               if k != key and not self._pinned.get(k) and now - info.created >= self.min_age_s)
+                plan = []
+                for used, k in order:
+                    if self._fits(total, free, size):
+                        break
+                    plan.append((k, used))
+                    total -= self._index[k].size
+                    free += self._index[k].size
+            if not self._fits(total, free, size):
+                self._count("skipped_full")
+                self._log_once("full", "prefix cache %s: full (cap %d B, free-space watermark %d B, nothing old "
+                               "enough to evict): not persisting", self.dir, self.max_bytes, self.min_free_bytes)
+                return False
+            for k, used in plan:
+                self._remove(k, "evictions", used_ns=used)
+            return True
+
+    def _write_all(self, fd: int, data) -> None:
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            n = self._os_write(fd, mv)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            mv = mv[n:]
+
+    def _fsync_dir(self) -> None:
+        try:
+            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            self._os_fsync(fd)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+                self._count("dir_fsync_errors")
+                self._log_once(("dirsync", e.errno), "prefix cache %s: directory fsync failed (%s)", self.dir, e)
+        finally:
+            os.close(fd)
+
+    def put(self, key: str, payload, meta: bytes = b"") -> bool:
+        """Persist one entry atomically; True when it is on disk. False (counted, logged once) when it does not
+        fit (`skipped_full`, `skipped_too_large`) or the write failed (`write_errors`: ENOSPC, EIO, ...)."""
+        check_key(key)
+        if self.fingerprint is None:
+            raise ValueError("this DiskStore has no fingerprint (admin mode): it cannot write entries")
+        meta = bytes(meta)
+        if len(meta) > MAX_META:
+            raise ValueError(f"meta is {len(meta)} bytes, at most {MAX_META}")
+        payload = memoryview(payload).cast("B")
+        size = HEADER_BYTES + len(meta) + len(payload)
+        if size > self.max_bytes:
+            self._count("skipped_too_large")
+            return False
+        tmp_name = None
+        with self._pin(key):
+            try:
+                if not self._make_room(key, size):
+                    return False
+                created = self.clock()
+                h = hashlib.sha256()
+                h.update(meta)
+                h.update(payload)
+                head = _HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(meta), self._fp, bytes.fromhex(key), len(payload),
+                                  created, h.digest())
+                head += _TAIL.pack(zlib.crc32(head), 0)
+                tmp_name = f"{TMP_PREFIX}{key}.{os.getpid()}.{secrets.token_hex(4)}"
+                with self._mu:
+                    self._own_tmp.add(tmp_name)
+                tmp = self.dir / tmp_name
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                try:
+                    self._write_all(fd, head)
+                    self._write_all(fd, meta)
+                    self._write_all(fd, payload)
+                    if self.durable:
+                        self._os_fsync(fd)
+                finally:
+                    os.close(fd)
+                final = self._path(key)
+                os.replace(tmp, final)
+                with self._mu:
+                    self._own_tmp.discard(tmp_name)
+                tmp_name = None
+                if self.durable:
+                    self._fsync_dir()
+                ns = int(round(created * 1e9))
+                try:
+                    os.utime(final, ns=(ns, ns))
+                except OSError:
+                    pass
+                self._set_index(key, _Info(size, ns, created, self._fp, meta))
+                self._count("writes")
+                self._count("bytes_written", size)
+                return True
+            except OSError as e:
+                self._count("write_errors")
+                self._log_once(("write", e.errno), "prefix cache %s: write failed (%s): not persisting (further "
+                               "errors of this kind are counted, not logged)", self.dir, e)
+                return False
+            finally:
+                if tmp_name is not None:
+                    try:
+                        os.unlink(self.dir / tmp_name)
+                    except OSError:
+                        pass
+                    with self._mu:
+                        self._own_tmp.discard(tmp_name)
+
+    # ---------------------------------------------------------------- operations
+    def keys(self) -> list[str]:
+        with self._mu:
+            return list(self._index)
+
+    def stats(self) -> dict:
+        with self._mu:
+            out = dict(self.counters)
+            out.update(entries=len(self._index), bytes=self._total, max_bytes=self.max_bytes,
+                       min_free_bytes=self.min_free_bytes, min_age_s=self.min_age_s)
+        out["free_bytes"] = self._free()
+        return out
+
+    def entry_files(self) -> list[str]:
+        """Keys of every `<key>.kv` file in the directory now (valid or not)."""
+        out = []
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return out
+        for name in names:
+            if name.endswith(SUFFIX):
+                try:
+                    out.append(check_key(name[:-len(SUFFIX)]))
+                except ValueError:
+                    pass
+        return sorted(out)
+
+    def describe(self) -> list[dict]:
+        """Indexed entries: key, size, created (store clock), last used (mtime), fingerprint (hex)."""
+        with self._mu:
+            return [{"key": k, "size": i.size, "created": i.created, "used": i.used_ns / 1e9,
+                     "fingerprint": i.fingerprint.hex()} for k, i in self._index.items()]
+
+    def verify(self, remove: bool = True) -> dict:
+        """Read every entry file in full and check it (header, lengths, key, SHA-256; the fingerprint too when this
+        store has one). Bad entries are reported and, with remove=True, removed (stale temp files too)."""
+        report = {"checked": 0, "ok": 0, "ok_bytes": 0, "bad": [], "removed": 0, "fingerprints": {}}
+        for key in self.entry_files():
+            path = self._path(key)
+            try:
+                with open(path, "rb") as f:
+                    ino = os.fstat(f.fileno()).st_ino
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                report["bad"].append({"key": key, "reason": f"unreadable ({e})"})
+                continue
+            report["checked"] += 1
+            try:
+                parse_entry(data, key, self.fingerprint)
+            except BadEntry as bad:
+                report["bad"].append({"key": key, "reason": bad.reason})
+                if remove and self._remove(key, bad.counter, ino):
+                    report["removed"] += 1
+                continue
+            fp = parse_header(data)[3].hex()
+            report["fingerprints"][fp] = report["fingerprints"].get(fp, 0) + 1
+            report["ok"] += 1
+            report["ok_bytes"] += len(data)
+        if remove:
+            self._rescan_repairing()
+        return report
+
+    def _rescan_repairing(self) -> None:
+        old, self.repair = self.repair, True
+        try:
+            self._scan()
+        finally:
+            self.repair = old
+
+    def clear(self) -> dict:
+        """Remove every entry file, valid or not (and stale temp files; those of live writers are left to them)."""
+        removed = freed = 0
+        for key in self.entry_files():
+            path = self._path(key)
+            try:
+                size = os.stat(path).st_size
+                os.unlink(path)
+            except OSError:
+                continue
+            removed += 1
+            freed += size
+        with self._mu:
+            self._index.clear()
+            self._total = 0
+        self._rescan_repairing()
+        return {"removed": removed, "bytes": freed}

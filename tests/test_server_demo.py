@@ -1,0 +1,77 @@
+"""`dsv41 serve` / `dsv41 demo` command wiring, the prefix-cache flag notice, and the demo end to end with a random
+tiny model (no training: `--no-train`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from dsv41.server import cli
+from dsv41.server.demo import RANDOM_MARKER, ensure_checkpoint, has_model
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="dsv41")
+    cli.register(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def test_serve_and_demo_flags():
+    a = _parser().parse_args(["serve", "--checkpoint", "x", "--port", "0", "--cache-dir", "c",
+                              "--swa-pool", "redis://127.0.0.1:6379", "--max-batch", "4", "--prefill-mode", "full"])
+    assert (a.checkpoint, a.host, a.port, a.cache_dir, a.swa_pool, a.max_batch, a.prefill_mode) == \
+        ("x", "127.0.0.1", 0, "c", "redis://127.0.0.1:6379", 4, "full")
+    assert a.func is cli.serve_main
+    d = _parser().parse_args(["demo"])
+    assert d.checkpoint == cli.DEMO_CHECKPOINT and d.func is cli.demo_main and d.cache_dir is None
+
+
+def test_build_engine_cache_flags_notice(tmp_path, capsys):
+    from test_server_fixtures import make_checkpoint
+    ckpt = make_checkpoint(tmp_path / "c")
+    a = _parser().parse_args(["serve", "--checkpoint", str(ckpt), "--max-seq-len", "256"])
+    eng = cli.build_engine(a)
+    assert eng.max_seq_len == 256 and "prefix caching" not in capsys.readouterr().err
+    a = _parser().parse_args(["serve", "--checkpoint", str(ckpt), "--cache-dir", str(tmp_path / "pc"),
+                              "--swa-pool", "memory"])
+    cli.build_engine(a)
+    err = capsys.readouterr().err
+    if not cli.cache_supported():
+        assert "prefix caching is not available in this build" in err and err.count("\n") == 1
+
+
+def test_demo_end_to_end_random_tiny(tmp_path, capsys):
+    ckpt = tmp_path / "demo-tiny"
+    a = _parser().parse_args(["demo", "--checkpoint", str(ckpt), "--no-train", "--max-tokens", "2"])
+    assert a.func(a) == 0
+    out = capsys.readouterr().out
+    assert has_model(ckpt) and (ckpt / RANDOM_MARKER).exists()
+    assert "RANDOMLY INITIALISED" in out
+    for line in ("prompt starts: 'Reasoning Effort: 50'", "prompt starts: 'Reasoning Effort: 75'",
+                 "prompt starts: 'Reasoning Effort: 100'", "cached 0", "KV report",
+                 "global bytes == the analytic count for every request", "dsv41_kv_bytes_in_use", "demo done"):
+        assert line in out, line
+    # a second run reuses the random checkpoint instead of writing a new one
+    assert ensure_checkpoint(ckpt, 0.1, allow_train=False) == (ckpt, "random")
+
+
+def test_ensure_checkpoint_paths(tmp_path, monkeypatch):
+    from dsv41.server import demo
+    from test_server_fixtures import make_checkpoint
+
+    calls = []
+
+    def fake_train(ckpt, minutes):
+        calls.append(minutes)
+        make_checkpoint(ckpt)
+        return True
+    monkeypatch.setattr(demo, "train_available", lambda: True)
+    monkeypatch.setattr(demo, "train_tiny", fake_train)
+    ckpt = tmp_path / "a"
+    assert demo.ensure_checkpoint(ckpt, 2.0) == (ckpt, "trained") and calls == [2.0]
+    assert demo.ensure_checkpoint(ckpt, 2.0) == (ckpt, "existing") and calls == [2.0]      # reused, not retrained
+
+    monkeypatch.setattr(demo, "train_tiny", lambda ckpt, minutes: False)                  # trainer fails
+    saved = []
+    monkeypatch.setattr(demo, "save_random_tiny", lambda c: saved.append(c) or c)
+    b = tmp_path / "b"
+    assert demo.ensure_checkpoint(b, 1.0) == (b, "random") and saved == [b]
