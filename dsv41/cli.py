@@ -11,6 +11,8 @@ COMMANDS = [
     "dsv41.analysis.cli",
     "dsv41.model.cli",
     "dsv41.engine.cli",
+    "dsv41.train.cli",
+    "dsv41.server.cli",
 ]
 
 

@@ -53,6 +53,7 @@ def test_models_health_metrics(server, client):
     for name in ("dsv41_requests_total", "dsv41_request_latency_seconds_bucket", "dsv41_batch_size_bucket",
                  "dsv41_prompt_tokens_total", "dsv41_generation_tokens_total", "dsv41_prefix_cache_queries_total",
                  "dsv41_prefix_cache_requests_total", "dsv41_prefix_cache_replays_total", "dsv41_kv_bytes_in_use",
+                 "dsv41_kv_bytes_peak",
                  "dsv41_time_to_first_token_seconds_bucket"):
         assert name in text, name
     assert 'dsv41_requests_total{endpoint="chat",status="200"}' in text

@@ -126,3 +126,26 @@ def test_merge_usage_counts_prompt_once():
     m = merge_usage([a, b], [10])
     assert (m["prompt_tokens"], m["completion_tokens"], m["total_tokens"]) == (10, 8, 18)
     assert m["prompt_tokens_details"]["cached_tokens"] == 8
+
+
+def test_metrics_prefix_cache_series():
+    from types import SimpleNamespace
+
+    from dsv41.server.metrics import ServerMetrics
+    from dsv41.server.runner import store_counters
+    m = ServerMetrics()
+    comp = SimpleNamespace(finish_reason="stop", stats={
+        "prompt_tokens": 100, "generated_tokens": 5, "ttft_s": 0.1, "cached_tokens": 64, "cache_path": "replay",
+        "cached_tokens_by_tier": {"global": 64, "swa": 0}})
+    m.observe_completion(comp)
+    counters = {"prefix_disk_hits": 3, "prefix_swa_misses": 1}
+    engine = SimpleNamespace(prefix_cache=SimpleNamespace(metrics=lambda: counters))
+    m.observe_engine(2, 1, {"global": 1000, "swa": 500}, store_counters(engine))
+    text = m.render().decode()
+    for line in ('dsv41_prefix_cache_hits_total{tier="global"} 64.0', "dsv41_prefix_cache_queries_total 100.0",
+                 'dsv41_prefix_cache_requests_total{path="replay"} 1.0', "dsv41_prefix_cache_replays_total 1.0",
+                 'dsv41_kv_bytes_in_use{kind="global"} 1000.0', 'dsv41_kv_bytes_peak{kind="swa"} 500.0',
+                 'dsv41_prefix_store{name="prefix_disk_hits"} 3.0', "dsv41_running_sequences 2.0",
+                 'dsv41_finished_sequences_total{reason="stop"} 1.0'):
+        assert line in text, line
+    assert store_counters(SimpleNamespace()) == {}

@@ -48,7 +48,7 @@ def test_demo_end_to_end_random_tiny(tmp_path, capsys):
     assert "RANDOMLY INITIALISED" in out
     for line in ("prompt starts: 'Reasoning Effort: 50'", "prompt starts: 'Reasoning Effort: 75'",
                  "prompt starts: 'Reasoning Effort: 100'", "cached 0", "KV report",
-                 "global bytes == the analytic count for every request", "dsv41_kv_bytes_in_use", "demo done"):
+                 "global bytes == the analytic count for every request", "dsv41_kv_bytes_peak", "demo done"):
         assert line in out, line
     # a second run reuses the random checkpoint instead of writing a new one
     assert ensure_checkpoint(ckpt, 0.1, allow_train=False) == (ckpt, "random")

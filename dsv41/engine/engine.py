@@ -47,6 +47,7 @@ class StepOutput:
     new_text: str
     finished: bool
     finish_reason: str | None
+    new_logprobs: list[dict] = field(default_factory=list)   # per new token, when the request asked for them
 
 
 @dataclass
@@ -209,7 +210,8 @@ class Engine:
         upto = len(seq.text) - hold
         delta = seq.text[seq.emitted:upto] if upto > seq.emitted else ""
         seq.emitted = max(seq.emitted, upto)
-        return StepOutput(seq.request_id, new_ids, delta, seq.finish_reason is not None, seq.finish_reason)
+        lps = seq.logprobs[-1:] if (seq.params.logprobs is not None and new_ids) else []
+        return StepOutput(seq.request_id, new_ids, delta, seq.finish_reason is not None, seq.finish_reason, lps)
 
     def _release(self, seq: Sequence) -> None:
         if seq.sid is not None:

@@ -264,7 +264,7 @@ def run_demo(args: argparse.Namespace) -> int:
         for line in text.splitlines():
             if line.startswith(("dsv41_requests_total", "dsv41_generation_tokens_total", "dsv41_prompt_tokens_total",
                                 "dsv41_prefix_cache_queries_total", "dsv41_prefix_cache_hits_total",
-                                "dsv41_prefix_cache_requests_total", "dsv41_kv_bytes_in_use",
+                                "dsv41_prefix_cache_requests_total", "dsv41_kv_bytes_peak",
                                 "dsv41_batch_size_count", "dsv41_aborted_sequences_total")):
                 _p("  " + line)
         _p("\nstopping the server")

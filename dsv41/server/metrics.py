@@ -14,6 +14,9 @@
     dsv41_prefix_cache_replays_total               sequences that took Encoder SWA Bounded Replay
     dsv41_kv_bytes_in_use{kind}                    KV bytes held by live sequences (global / swa / pending /
                                                    global_allocated pages)
+    dsv41_kv_bytes_peak{kind}                      the highest value of the above since start
+    dsv41_prefix_store{name}                       the prefix cache's own counters, when the engine has one
+                                                   (`engine.prefix_cache.metrics()`)
 """
 
 from __future__ import annotations
@@ -57,8 +60,15 @@ class ServerMetrics:
         self.replays = Counter("dsv41_prefix_cache_replays", "Sequences that took Encoder SWA Bounded Replay",
                                registry=r)
         self.kv_bytes = Gauge("dsv41_kv_bytes_in_use", "KV bytes held by live sequences", ["kind"], registry=r)
+        self.kv_peak = Gauge("dsv41_kv_bytes_peak", "Highest KV bytes in use seen since start", ["kind"],
+                             registry=r)
+        self._peak: dict[str, int] = {}
+        self.prefix_store = Gauge("dsv41_prefix_store", "Prefix-cache store counters (the engine's "
+                                  "prefix_cache.metrics(): disk and SWA-pool hits, misses, bytes, evictions)",
+                                  ["name"], registry=r)
         for kind in ("global", "swa", "pending"):
             self.kv_bytes.labels(kind).set(0)
+            self.kv_peak.labels(kind).set(0)
         for path in ("cold", "swa-hit", "replay"):
             self.cache_paths.labels(path)
 
@@ -73,11 +83,17 @@ class ServerMetrics:
         if batch:
             self.batch_size.observe(batch)
 
-    def observe_engine(self, running: int, waiting: int, kv: dict[str, int]) -> None:
+    def observe_engine(self, running: int, waiting: int, kv: dict[str, int],
+                       store: dict[str, float] | None = None) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
+        for k, v in (store or {}).items():
+            self.prefix_store.labels(k).set(v)
         for k, v in kv.items():
             self.kv_bytes.labels(k).set(v)
+            if v > self._peak.get(k, -1):
+                self._peak[k] = v
+                self.kv_peak.labels(k).set(v)
 
     def observe_completion(self, comp) -> None:
         st = comp.stats

@@ -239,7 +239,7 @@ class EngineRunner:
         if now - self._last_kv < self.kv_refresh_s and self.engine.has_unfinished():
             return
         self._last_kv = now
-        self.metrics.observe_engine(self.n_running, self.n_waiting, kv_in_use(self.engine))
+        self.metrics.observe_engine(self.n_running, self.n_waiting, kv_in_use(self.engine), store_counters(self.engine))
 
     def _send(self, sink, event) -> bool:
         try:
@@ -289,3 +289,14 @@ def kv_in_use(engine) -> dict[str, int]:
         except Exception:
             pass
     return out
+
+
+def store_counters(engine) -> dict[str, float]:
+    """The prefix cache's flat counters (`PrefixCache.metrics()`), when the engine has a prefix cache."""
+    pc = getattr(engine, "prefix_cache", None)
+    if pc is None or not hasattr(pc, "metrics"):
+        return {}
+    try:
+        return {str(k): float(v) for k, v in pc.metrics().items()}
+    except Exception:
+        return {}

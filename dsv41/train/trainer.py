@@ -502,7 +502,7 @@ class Trainer:
             rec["tok_per_s"] = steps_run * tokens_per_step / train_time
             self.log(rec)
             smooth = rec["loss"] if smooth is None else 0.9 * smooth + 0.1 * rec["loss"]
-            post = f"loss {smooth:.3f} | {rec['tok_per_s']:.0f} tok/s | lr {rec['lr']:.2e}"
+            post = f"loss {rec['loss']:.3f} (ema {smooth:.3f}) | {rec['tok_per_s']:.0f} tok/s | lr {rec['lr']:.2e}"
             if "maxvio" in rec:
                 post += f" | maxvio {rec['maxvio']:.2f}"
             bar.set_postfix_str(post, refresh=False)
@@ -599,11 +599,11 @@ def plot_history(history: list[dict], path: Path, title: str) -> Path:
         x = [h["tokens"] for h in steps]
         y = [h["loss"] for h in steps]
         ax.plot(x, y, lw=0.8, alpha=0.45, label="train loss (step)")
-        ema, sm = None, []
-        for v in y:
-            ema = v if ema is None else 0.9 * ema + 0.1 * v
-            sm.append(ema)
-        ax.plot(x, sm, lw=1.6, label="train loss (EMA 0.9)")
+        ema, sm = 0.0, []
+        for i, v in enumerate(y, start=1):
+            ema = 0.9 * ema + 0.1 * v
+            sm.append(ema / (1 - 0.9 ** i))                   # bias-corrected: no lag from the first value
+        ax.plot(x, sm, lw=1.6, label="train loss (EMA 0.9, debiased)")
     if evals:
         key = "val_loss" if "val_loss" in evals[0] else "val_draft_ce"
         ax.plot([h["tokens"] for h in evals], [h[key] for h in evals], "o-", lw=1.4, label=key.replace("_", " "))
