@@ -173,8 +173,9 @@ def run(quick: bool) -> dict:
         sink = torch.randn(H, device=DEV)
         ref = sparse_attn_ref(q, kv, sink, idx, D ** -0.5)
         t_ref = bench(lambda: sparse_attn_ref(q, kv, sink, idx, D ** -0.5), rep=50)
-        t, cfg, err = sweep(f"sparse_attn B={B} T={T}", lambda **c: sparse_attn_triton(q, kv, sink, idx, D ** -0.5, **c),
-                            ref, DENSE_CONFIGS, sweeps, 'dense')
+        t, cfg, err = sweep(f"sparse_attn B={B} T={T}",
+                            lambda **c: sparse_attn_triton(q, kv, sink, idx, D ** -0.5, **c), ref, DENSE_CONFIGS,
+                            sweeps, 'dense')
         flops = 4 * B * T * H * D * K
         nbytes = B * T * (K * D * 2 + 2 * H * D * 2 + K * 4)      # gathered rows (each query re-reads its K rows)
         rows.append(row("sparse_attn (dense KV)", f"B={B} T={T} H={H} D={D} N={N} K={K}", t, t_ref, flops, nbytes,

@@ -362,7 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="greedy tokens decoded per request (default 3)")
     ap.add_argument("--no-redis", action="store_true", help="skip the Redis scenarios")
     args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args) -> int:
     t0 = time.perf_counter()
     h = Harness(args.steps)
     rows = []

@@ -58,11 +58,9 @@ def _install_redis_server() -> str | None:
 
 
 def _install_redis_py() -> str | None:
-    try:
-        import redis  # noqa: F401
+    import importlib.util
+    if importlib.util.find_spec("redis") is not None:
         return None
-    except ImportError:
-        pass
     if os.environ.get("DSV41_NO_INSTALL") == "1":
         return "redis-py is not installed and DSV41_NO_INSTALL=1"
     rc, out = _run([sys.executable, "-m", "pip", "install", "-q", "redis"], 300)
@@ -71,7 +69,7 @@ def _install_redis_py() -> str | None:
     import importlib
     importlib.invalidate_caches()
     try:
-        import redis  # noqa: F401,F811
+        importlib.import_module("redis")
     except ImportError:
         return "redis-py installed but cannot be imported"
     return None

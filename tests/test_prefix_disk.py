@@ -21,7 +21,7 @@ import time
 import types
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from dsv41.kv.disk import HEADER_BYTES, DiskStore
 
@@ -265,6 +265,12 @@ OPS = st.lists(st.one_of(
 
 
 @settings(max_examples=60, deadline=None)
+@example(ops=[("put", 0, 500), ("tick", 20, 0), ("put", 1, 500), ("get", 0, 0), ("tick", 20, 0), ("put", 2, 500)],
+         max_bytes=1300, min_age=0, capacity=None, min_free=0)              # evicts key 1, not the touched key 0
+@example(ops=[("put", 0, 500), ("put", 1, 500), ("put", 2, 500), ("tick", 70, 0), ("put", 2, 500)],
+         max_bytes=1300, min_age=60, capacity=None, min_free=0)             # too young to evict: skipped, then not
+@example(ops=[("put", 0, 300), ("put", 1, 300), ("put", 2, 300)], max_bytes=10_000, min_age=0, capacity=2000,
+         min_free=500)                                                      # the free-space watermark evicts
 @given(ops=OPS, max_bytes=st.integers(700, 4000), min_age=st.sampled_from([0, 15, 60]),
        capacity=st.one_of(st.none(), st.integers(1500, 5000)), min_free=st.sampled_from([0, 500]))
 def test_eviction_is_lru_by_bytes_with_min_age_and_watermark(ops, max_bytes, min_age, capacity, min_free):

@@ -24,7 +24,7 @@ from dsv41.kv.paged import PackedKVPool
 from dsv41.kv.prefix import chain_keys, engram_history_at, fingerprint
 from dsv41.kv.swa_pool import MemorySwaPool, RedisSwaPool
 from dsv41.model.init import random_model
-from redis_service import RedisService, SkipUnavailable, unavailable_reason  # noqa: E402
+from redis_service import RedisService, unavailable_reason  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 I = 16

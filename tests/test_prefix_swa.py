@@ -193,3 +193,13 @@ def test_redis_server_stopped_mid_run(redis_srv, caplog):
         pool.close()
     finally:
         srv.close()
+
+
+def test_redis_helper_says_why_when_it_cannot_install(monkeypatch):
+    import redis_service
+
+    monkeypatch.setenv("DSV41_NO_INSTALL", "1")
+    assert "not installed" in redis_service._install_redis_server()
+    monkeypatch.delenv("DSV41_NO_INSTALL")
+    monkeypatch.setattr(redis_service.shutil, "which", lambda _name: None)
+    assert "apt-get is not available" in redis_service._install_redis_server()

@@ -23,7 +23,7 @@ def _model(config: str, dtype: torch.dtype, device: str, quant: bool):
     from dsv41.model.init import random_model
 
     cfg = load_config(config)
-    m = random_model(cfg, dtype=dtype, seed=0).to(device)
+    m = random_model(cfg, dtype=dtype, seed=0, device=device)
     set_quantization(m, quant)
     return cfg, m
 

@@ -310,9 +310,10 @@ class DiskStore:
             return True                                   # ours but not in flight: a leftover
         return not _pid_alive(pid) or time.time() - mtime > self.stale_tmp_s
 
-    def _scan(self) -> list[tuple[str, bytes]]:
+    def _scan(self, full: bool = True) -> list[tuple[str, bytes]]:
         """Sync the index with the directory: new entries' headers read (corrupt ones removed), vanished ones
-        dropped, recency refreshed from mtimes, stale temp files removed. Returns [(key, meta)] of new entries."""
+        dropped, stale temp files removed, and (full=True) every entry's size and recency refreshed from a stat.
+        Returns [(key, meta)] of new entries."""
         new: list[tuple[str, bytes]] = []
         seen: dict[str, int] = {}
         try:
@@ -335,6 +336,11 @@ class DiskStore:
                     check_key(key)
                 except ValueError:
                     continue
+                if not full:
+                    with self._mu:
+                        if key in self._index:
+                            seen[key] = 0
+                            continue
                 st = de.stat()
             except FileNotFoundError:
                 continue
@@ -365,9 +371,10 @@ class DiskStore:
         self._last_scan = self.clock()
         return new
 
-    def refresh(self) -> list[tuple[str, bytes]]:
-        """Rescan now (pick up other processes' entries); returns [(key, meta)] of entries new to this index."""
-        return self._scan()
+    def refresh(self, full: bool = False) -> list[tuple[str, bytes]]:
+        """Rescan now (pick up other processes' entries, drop vanished ones; full=True also re-stats known
+        entries); returns [(key, meta)] of entries new to this index."""
+        return self._scan(full)
 
     # ---------------------------------------------------------------- reads
     def contains(self, key: str) -> bool:

@@ -117,7 +117,7 @@ class PrefixCache:
     def __init__(self, fingerprint: str, cache_dir=None, swa_pool: SwaPool | str | None = None, *,
                  interval: int = DEFAULT_INTERVAL, n_win: int = 128, align: int = 1, max_bytes: int | None = None,
                  min_free_bytes: int | None = None, min_age_s: float = 300.0, swa_ttl_s: float | None = None,
-                 clock=time.time, hasher=None, refresh_s: float = 1.0, durable: bool = True,
+                 clock=time.time, hasher=None, refresh_s: float = 2.0, durable: bool = True,
                  disk: DiskStore | None = None):
         self.fp = check_key(fingerprint)
         if interval <= 0 or align <= 0 or interval % align:

@@ -29,11 +29,15 @@ def _gain(name: str) -> float:
 
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Fill every parameter of a `Transformer` in place, deterministically from `seed`."""
-    g = torch.Generator().manual_seed(seed)
+    """Fill every parameter of a `Transformer` in place, deterministically from `seed` (per device type: the
+    values are drawn on the parameters' device, so a GPU-built model never round-trips through host memory)."""
+    gens: dict[torch.device, torch.Generator] = {}
 
     def normal(p: torch.Tensor, std: float, mean: float = 0.0) -> None:
-        p.copy_((torch.randn(p.shape, generator=g) * std + mean).to(p.dtype))
+        g = gens.get(p.device)
+        if g is None:
+            g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        p.copy_((torch.randn(p.shape, generator=g, device=p.device) * std + mean).to(p.dtype))
 
     for name, p in model.named_parameters():
         if name.startswith(("vision.", "aligner.")):
@@ -72,8 +76,10 @@ def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
-def random_model(cfg, dtype: torch.dtype = torch.float32, seed: int = 0, token_map=None):
-    """A Transformer of `cfg` with checkpoint-like random weights."""
+def random_model(cfg, dtype: torch.dtype = torch.float32, seed: int = 0, token_map=None, device="cpu"):
+    """A Transformer of `cfg` with checkpoint-like random weights, built directly on `device`."""
     from dsv41.model.transformer import Transformer
 
-    return init_weights(Transformer(cfg, dtype=dtype, token_map=token_map), seed).eval()
+    with torch.device(device):
+        model = Transformer(cfg, dtype=dtype, token_map=token_map)
+    return init_weights(model, seed).eval()

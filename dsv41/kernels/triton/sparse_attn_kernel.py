@@ -14,10 +14,10 @@ reference's online softmax on the tile: logits = scale * q.k in fp32 (tensor cor
 max from -1e30, denominator of fp32 p, numerator of bf16(p) @ V. The sink enters the denominator last.
 With BN = 64 and an unsplit list the tiles are the reference's blocks of 64, so the result equals the reference
 up to summation order and exp rounding; a smaller BN (fewer registers for the [BN, D] dequantized tile) updates
-the running max more often, which moves the bf16 rounding of p slightly (differences at the bf16-rounding level). When the rows and head blocks alone cannot fill the GPU, the list is split
-(flash-decoding): each split keeps its own running max, and `_combine_kernel` merges the partial (acc, max, sum)
-and adds the sink; the bf16 rounding of p is then relative to the split's running max (differences at the
-bf16-rounding level).
+the running max more often, which moves the bf16 rounding of p slightly (differences at the bf16-rounding level).
+When the rows and head blocks alone cannot fill the GPU, the list is split (flash-decoding): each split keeps its
+own running max, and `_combine_kernel` merges the partial (acc, max, sum) and adds the sink; the bf16 rounding of
+p is then relative to the split's running max (differences at the bf16-rounding level).
 
 Not handled: the NaN codes (E4M3 0x7F/0xFF decode as +-480, UE8M0 0xFF as 2^128 here, NaN in the reference; the
 pool never writes them) and UE8M0 byte 0 (0 here, 2^-127 there; below every scale the quantizers produce).

@@ -1,0 +1,156 @@
+"""GPU figures for the engine (issue 5) and the long-context decode table (issue 9), one run on one GPU.
+
+1. smoke: the debug preset on the GPU through the engine (packed pool), all prefill modes.
+2. prefill ratio: v41-geometry (random weights, bf16, quantization on): full / ced-exact / ced-bounded prefill
+   time at each prompt length, measured side by side, with the analytic row-count ratio.
+3. decode vs context: v41-geometry, one sequence whose packed store is filled with SYNTHETIC entries
+   (`dsv41.kv.accounting.fill_random`: random codec records, not a real prefill) at each context; the measured
+   global-KV bytes and the decode step time of the full 40-layer stack (reference torch path + the Triton
+   dense sparse-attention kernel that `auto` picks on CUDA).
+Prints a table per part and a final JSON line; writes the JSON to $OUT/gpu_engine.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+
+def _sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    dev = os.environ.get("DEVICE", "cuda")
+    res: dict = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+                 "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+                 "command": " ".join(sys.argv)}
+    try:
+        import triton
+        res["triton"] = triton.__version__
+    except ImportError:
+        res["triton"] = None
+    t_start = time.perf_counter()
+    budget = float(os.environ.get("BUDGET_S", "1e9"))
+
+    def out_of_time() -> bool:
+        return time.perf_counter() - t_start > budget
+
+    lengths = [int(x) for x in os.environ.get("PREFILL_LENGTHS", "8192,32768").split(",")]
+    contexts = [int(x) for x in os.environ.get("DECODE_CONTEXTS", "4096,65536,262144,1048576").split(",")]
+    from dsv41.config import load_config
+    from dsv41.engine.bench import analytic_ratio, bench_prefill
+    from dsv41.engine.prefill import prefill
+    from dsv41.engine.store import make_pool
+    from dsv41.kv.accounting import fill_random
+    from dsv41.model.init import random_model
+
+    # 1. smoke
+    try:
+        cfg = load_config("debug")
+        m = random_model(cfg, dtype=torch.bfloat16, device=dev)
+        ids = torch.randint(0, cfg.vocab_size, (1, 100), device=dev)
+        for mode in ("full", "ced-exact", "ced-bounded"):
+            pool = make_pool(m, dev)
+            v = pool.bind([pool.new_sequence()])
+            out = prefill(m, ids, v, mode)
+            m(ids[:, :1], v)
+            assert torch.isfinite(out.logits).all()
+        res["smoke"] = "ok"
+        del m
+    except Exception:
+        res["smoke"] = traceback.format_exc()[-1500:]
+        print(res["smoke"], flush=True)
+    print("smoke:", res["smoke"], flush=True)
+
+    # 2. prefill ratio on v41-geometry
+    cfg = load_config(os.environ.get("CONFIG", "v41-geometry"))
+    t0 = time.perf_counter()
+    model = random_model(cfg, dtype=torch.bfloat16, device=dev)
+    _sync(dev)
+    res["model_build_s"] = time.perf_counter() - t0
+    res["model_params"] = sum(p.numel() for p in model.parameters())
+    res["gpu_mem_weights_gb"] = torch.cuda.memory_allocated() / 1e9 if dev == "cuda" else 0
+    print(f"v41-geometry built in {res['model_build_s']:.1f}s, {res['model_params']/1e9:.1f}B params", flush=True)
+    rows = []
+    for n in lengths:
+        if out_of_time():
+            rows.append({"tokens": n, "skipped": "time budget"})
+            continue
+        try:
+            ids = torch.randint(0, cfg.vocab_size, (1, n), device=dev)
+            t = {}
+            for mode in ("ced-bounded", "ced-exact", "full"):
+                pool = make_pool(model, dev)
+                v = pool.bind([pool.new_sequence()])
+                _sync(dev)
+                a = time.perf_counter()
+                prefill(model, ids, v, mode)
+                _sync(dev)
+                t[mode] = time.perf_counter() - a
+                del pool, v
+                torch.cuda.empty_cache()
+            row = {"tokens": n, "full_s": t["full"], "ced_exact_s": t["ced-exact"], "ced_bounded_s": t["ced-bounded"],
+                   "ratio_bounded": t["ced-bounded"] / t["full"], "ratio_exact": t["ced-exact"] / t["full"],
+                   "analytic_ratio": analytic_ratio(cfg, "ced-bounded", n),
+                   "peak_gb": (torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0)}
+            print(row, flush=True)
+            rows.append(row)
+        except Exception:
+            rows.append({"tokens": n, "error": traceback.format_exc()[-800:]})
+            print(rows[-1], flush=True)
+            torch.cuda.empty_cache()
+    res["prefill"] = rows
+
+    # 3. decode step vs context, synthetic store
+    drows = []
+    for n in contexts:
+        if out_of_time():
+            drows.append({"context": n, "skipped": "time budget"})
+            continue
+        try:
+            pool = make_pool(model, dev)
+            sid = pool.new_sequence()
+            fill = fill_random(pool, sid, n)
+            gbytes = pool.seq_bytes(sid)["global_entries_bytes"]
+            tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+            times = []
+            with torch.no_grad():
+                for _ in range(4):
+                    v = pool.bind([sid])
+                    _sync(dev)
+                    a = time.perf_counter()
+                    model(tok, v, last_only=True)
+                    _sync(dev)
+                    times.append(time.perf_counter() - a)
+            row = {"context": n, "global_kv_bytes": gbytes, "bytes_per_token": gbytes / n,
+                   "step_s": statistics.median(times[1:]), "fill_s": fill["seconds"]}
+            print(row, flush=True)
+            drows.append(row)
+            del pool
+            torch.cuda.empty_cache()
+        except Exception:
+            drows.append({"context": n, "error": traceback.format_exc()[-800:]})
+            print(drows[-1], flush=True)
+            torch.cuda.empty_cache()
+    ok = [r for r in drows if "step_s" in r]
+    if len(ok) >= 2:
+        res["decode_ratio_longest_vs_first"] = ok[-1]["step_s"] / ok[0]["step_s"]
+    res["decode"] = drows
+    line = json.dumps(res)
+    print(line)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_engine.json"), "w") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
