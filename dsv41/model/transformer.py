@@ -109,9 +109,12 @@ class Transformer(nn.Module):
     def engram_hashes(self, input_ids: torch.Tensor, cache, token_mask: torch.Tensor | None):
         if self.engram_hasher is None:
             return None
+        if next(self.engram_hasher.buffers()).device != input_ids.device:
+            self.engram_hasher.to(input_ids.device)           # its tables are built on the host
         if cache.engram_history is None:
             cache.engram_history = self.engram_hasher.init_history(input_ids.size(0)).to(input_ids.device)
-        hashes, cache.engram_history = self.engram_hasher(input_ids, cache.engram_history, token_mask)
+        hashes, cache.engram_history = self.engram_hasher(input_ids, cache.engram_history.to(input_ids.device),
+                                                          token_mask)
         return hashes
 
     def embed_tokens(self, input_ids: torch.Tensor, images=None) -> torch.Tensor:

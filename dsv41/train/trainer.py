@@ -182,7 +182,8 @@ def evaluate_lm(model, windows: torch.Tensor, batch_size: int, token_bytes: torc
     """Validation loss (nats per token, all targets) and bits per byte (targets that stand for bytes: special
     tokens excluded from both sums) over fixed windows [N, T+1]; ranks take windows i % world == rank."""
     sums = torch.zeros(4, dtype=torch.float64)                  # loss sum, tokens, byte-token loss sum, bytes
-    mine = windows[dist.rank::dist.world]
+    n = max(dist.world, windows.size(0) // dist.world * dist.world)   # equal counts: FSDP2 forwards are collective
+    mine = windows[:n][dist.rank::dist.world]
     for i in range(0, mine.size(0), batch_size):
         w = mine[i:i + batch_size].to(dist.device)
         with autocast():
@@ -352,8 +353,14 @@ class Trainer:
             if dist.device.type != "cuda" or not tdist.is_initialized():
                 raise ValueError("--fsdp needs CUDA devices and a torchrun launch (on CPU use plain data "
                                  "parallelism: torchrun without --fsdp)")
+            if cfg.stage != "pretrain":
+                raise ValueError("--fsdp is wired for pretraining; the drafter stage is small: run it with DDP")
             from torch.distributed.fsdp import fully_shard
-            for block in list(model.layers) + list(model.mtp):
+            # a unit per module that is entered through its own forward: Engram (called before its block),
+            # then each block, then the root (embedding, final norm, head)
+            for block in model.layers:
+                if block.engram is not None:
+                    fully_shard(block.engram)
                 fully_shard(block)
             fully_shard(model)
             self.module = module
@@ -537,11 +544,8 @@ class Trainer:
         evals = [h for h in self.history if any(k.startswith("val_") for k in h)]
         if evals:
             summary.update({k: v for k, v in evals[-1].items() if k.startswith("val_")})
+        summary.update(self._finish_pretrain() if cfg.stage == "pretrain" else self._finish_dspark())  # all ranks
         if self.dist.main:
-            if cfg.stage == "pretrain":
-                summary.update(self._finish_pretrain())
-            else:
-                summary.update(self._finish_dspark())
             summary["loss_curve"] = str(plot_history(self.history, self.out / "loss_curve.png",
                                                      f"{cfg.preset} {cfg.stage} ({cfg.optimizer})"))
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -552,15 +556,14 @@ class Trainer:
     def _finish_pretrain(self) -> dict:
         """The validation loss with the inference numerics (FP8/FP4 QDQ on) and a greedy sample."""
         model, out = self.model, {}
-        if self.dist.world == 1:
-            set_quantization(model, True)
-            try:
-                model.eval()
-                out["val_loss_qdq"] = evaluate_lm(model, self.val_windows, self.cfg.batch_size, self.token_bytes,
-                                                  self.dist, self._autocast)["val_loss"]
-            finally:
-                set_quantization(model, False)
-                model.train()
+        set_quantization(model, True)
+        try:
+            model.eval()
+            out["val_loss_qdq"] = evaluate_lm(model, self.val_windows, self.cfg.batch_size, self.token_bytes,
+                                              self.dist, self._autocast)["val_loss"]
+        finally:
+            set_quantization(model, False)
+            model.train()
         if self.cfg.sample_tokens > 0:
             doc = self.corpus.val[0].text
             prompt = doc[:doc.find("\n", 80) + 1 or 120]
