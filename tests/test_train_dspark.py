@@ -5,7 +5,6 @@ drafter-stage run trains `mtp.*` while leaving every backbone tensor bit-identic
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch

@@ -109,7 +109,7 @@ class Transformer(nn.Module):
     def engram_hashes(self, input_ids: torch.Tensor, cache, token_mask: torch.Tensor | None):
         if self.engram_hasher is None:
             return None
-        if next(self.engram_hasher.buffers()).device != input_ids.device:
+        if any(b.device != input_ids.device for b in self.engram_hasher.buffers()):
             self.engram_hasher.to(input_ids.device)           # its tables are built on the host
         if cache.engram_history is None:
             cache.engram_history = self.engram_hasher.init_history(input_ids.size(0)).to(input_ids.device)

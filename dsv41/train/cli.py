@@ -49,7 +49,8 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="validation windows per evaluation")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default on CPU: 1, steady on shared cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default on CPU: 1, steady on shared cores)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
     p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP (GPUs under torchrun)")
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="greedy sample length at the end")
@@ -64,7 +65,8 @@ def run(args) -> int:
                       steps=args.steps, minutes=args.minutes, seq_len=args.seq_len, batch_size=args.batch_size,
                       grad_accum=args.grad_accum, lr=args.lr, weight_decay=args.weight_decay, warmup=args.warmup,
                       clip=args.clip, optimizer=args.optimizer, qat=args.qat, balance_rate=args.balance_rate,
-                      seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows, val_fraction=args.val_fraction,
+                      seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows,
+                      val_fraction=args.val_fraction,
                       threads=args.threads, device=args.device, fsdp=args.fsdp, sample_tokens=args.sample_tokens,
                       quiet=args.quiet)
     train(cfg, resume=args.resume, stop_at=args.stop_at)

@@ -427,8 +427,10 @@ class Trainer:
             torch.save(self.opt.state_dict(), self.out / f"optimizer.rank{self.dist.rank}.pt")
             state["optimizer"] = None
         if self.dist.main:
-            save_training_checkpoint(self.out, weights, self.model_cfg, self.tokenizer_path, state, self.step,
-                                     {"stage": self.cfg.stage}, self.provenance)
+            corpus = (self.provenance or {}).get("tokenizer_of", {})
+            meta = {"stage": self.cfg.stage, "corpus": corpus.get("corpus", "?"), "split": corpus.get("split", "?")}
+            save_training_checkpoint(self.out, weights, self.model_cfg, self.tokenizer_path, state, self.step, meta,
+                                     self.provenance)
         self.dist.barrier()
 
     def _resume(self) -> None:
