@@ -38,6 +38,9 @@ class Sequence:
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     kv: dict | None = None
+    cache_path: str = "cold"                 # cold / swa-hit / replay (prefix caching)
+    cached_tokens: int = 0
+    cached_tiers: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -64,7 +67,8 @@ class Completion:
 class Engine:
     def __init__(self, model, tokenizer=None, prefill_mode: str = "ced-bounded", max_batch: int = 8,
                  max_seq_len: int | None = None, chunk_size: int | None = None, device="cpu",
-                 prefill_fallback: bool = True):
+                 prefill_fallback: bool = True, cache_dir=None, swa_pool=None, cache_interval: int = 4096,
+                 weights_id: str = "random", tokenizer_id: str = "bytes"):
         from dsv41.engine.tokenizer import ByteTokenizer
 
         if prefill_mode not in MODES:
@@ -84,6 +88,14 @@ class Engine:
         self.prefill_mode, self.max_batch, self.chunk_size = prefill_mode, max_batch, chunk_size
         self.max_seq_len = max_seq_len or 4096
         self.pool = make_pool(model, device)
+        self.prefix_cache = None
+        if cache_dir is not None or swa_pool is not None:
+            if not hasattr(self.pool, "export_global"):
+                raise ValueError("prefix caching stores packed KV: it needs a quantized model (the packed store)")
+            from dsv41.kv.manager import PrefixCache
+            self.prefix_cache = PrefixCache.from_config(self.cfg, weights_id, tokenizer_id, cache_dir=cache_dir,
+                                                        swa_pool=swa_pool, interval=cache_interval,
+                                                        hasher=model.engram_hasher)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.finished: dict[str, Sequence] = {}
@@ -143,18 +155,49 @@ class Engine:
     def _prefill(self, seq: Sequence) -> None:
         """Prefill all prompt tokens but the last in the configured mode, then run the last one as the first
         decode step (all layers), which yields the first sampled token. The state after N-1 tokens is the
-        end-of-prompt unit that prefix caching stores, so a repeated prompt resumes exactly there."""
+        end-of-prompt unit that prefix caching stores, so a repeated prompt resumes exactly there.
+
+        With prefix caching (SYSTEM.md 4): the longest persistent hit U is restored; with its SWA snapshot the
+        prefill continues exactly (swa-hit), without it the last n_win cached tokens are replayed through the
+        layers for window KV only (replay)."""
         t0 = time.perf_counter()
+        ids = seq.prompt_ids
         seq.sid = self.pool.new_sequence()
+        start = replay = 0
+        hit = self.prefix_cache.lookup(ids, max_len=len(ids) - 1) if self.prefix_cache and len(ids) > 1 else None
+        if hit is not None:
+            start = hit.boundary
+            self.pool.import_global(seq.sid, hit.global_state)
+            if hit.swa_state is not None:
+                self.pool.import_swa(seq.sid, hit.swa_state)
+            else:
+                replay = min(self.cfg.window_size, start)
+            seq.cache_path, seq.cached_tokens, seq.cached_tiers = hit.path, hit.boundary, dict(hit.tiers)
         view = self.pool.bind([seq.sid])
-        body = seq.prompt_ids[:-1]
+        if replay and self.model.engram_hasher is not None:
+            from dsv41.kv.prefix import engram_history_at
+            view.engram_history = engram_history_at(self.model.engram_hasher, ids, start - replay).view(1, -1)
+        body = ids[start - replay:-1]
         if body:
-            prefill(self.model, torch.tensor([body]), view, self.prefill_mode, self.chunk_size)
-        logits = self.model(torch.tensor([seq.prompt_ids[-1:]]), view, last_only=True).logits[0, -1]
+            prefill(self.model, torch.tensor([body]), view, self.prefill_mode, self.chunk_size, replay=replay)
+        self._save_unit(seq, ids[:-1])
+        logits = self.model(torch.tensor([ids[-1:]]), view, last_only=True).logits[0, -1]
         getattr(self.pool, "release", lambda *a: None)(view, [seq.sid])
         seq.pending = self._sample(seq, logits)
         seq.prefill_s = time.perf_counter() - t0
         seq.t_first_token = time.perf_counter()
+
+    def _save_unit(self, seq: Sequence, fed: list[int]) -> None:
+        """Persist the sequence's state after `fed` tokens (end of prompt / end of output); never fails a request."""
+        if self.prefix_cache is None or len(fed) <= self.cfg.window_size:
+            return
+        try:
+            upto = len(fed)
+            first = self.prefix_cache.export_start(fed, upto)
+            g = self.pool.export_global(seq.sid, upto, start=first)
+            self.prefix_cache.save(fed, upto, g, self.pool.export_swa(seq.sid))
+        except (ValueError, OSError) as e:                    # storage problems are misses, not failures
+            self.prefix_cache._log_once("save", "prefix cache save skipped: %s", e)
 
     def _decode(self, seqs: list[Sequence], outs: list[StepOutput]) -> None:
         live = [s for s in seqs if not s.finish_reason]
@@ -214,6 +257,9 @@ class Engine:
         return StepOutput(seq.request_id, new_ids, delta, seq.finish_reason is not None, seq.finish_reason, lps)
 
     def _release(self, seq: Sequence) -> None:
+        if seq.sid is not None and seq.finish_reason in ("stop", "length") and self.prefix_cache is not None:
+            fed = int(self.pool.seq_bytes(seq.sid)["tokens"])          # tokens run through the model so far
+            self._save_unit(seq, (seq.prompt_ids + seq.output_ids)[:fed])
         if seq.sid is not None:
             seq.kv = self.pool.seq_bytes(seq.sid)
             self.pool.free(seq.sid)
@@ -224,7 +270,8 @@ class Engine:
         s = self.finished[request_id]
         stats = {"prompt_tokens": len(s.prompt_ids), "generated_tokens": len(s.output_ids),
                  "prefill_mode": self.prefill_mode, "prefill_s": s.prefill_s, "decode_s": s.decode_s,
-                 "ttft_s": (s.t_first_token or s.t_arrival) - s.t_arrival, "kv_bytes": s.kv}
+                 "ttft_s": (s.t_first_token or s.t_arrival) - s.t_arrival, "kv_bytes": s.kv,
+                 "cache_path": s.cache_path, "cached_tokens": s.cached_tokens, "cached_tokens_by_tier": s.cached_tiers}
         return Completion(s.request_id, s.prompt_ids, s.output_ids, s.text, s.finish_reason, stats, s.logprobs)
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:

@@ -88,8 +88,8 @@ def prefill(model, input_ids: torch.Tensor, cache, mode: str = "ced-bounded", ch
     chunk = chunk_size or N
     if chunk <= 0:
         raise ValueError(f"chunk size must be positive, got {chunk_size}")
-    if not 0 <= replay < N or replay > int(cache.pos.min()):
-        raise ValueError(f"replay of {replay} tokens needs a restored prefix at least that long and new tokens after it")
+    if not 0 <= replay <= N or replay > int(cache.pos.min()):
+        raise ValueError(f"replay of {replay} tokens needs a restored prefix at least that long")
     floor = None
     if replay:
         cache.pos = cache.pos - replay
