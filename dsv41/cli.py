@@ -13,6 +13,7 @@ COMMANDS = [
     "dsv41.engine.cli",
     "dsv41.train.cli",
     "dsv41.server.cli",
+    "dsv41.kv.cache_cli",
 ]
 
 

@@ -24,6 +24,8 @@ def register(sub) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     g.add_argument("--max-seq-len", type=int, default=16384)
     g.add_argument("--chunk-size", type=int, default=None)
+    g.add_argument("--cache-dir", default=None, help="persistent prefix-cache tier (global KV on disk)")
+    g.add_argument("--swa-pool", default=None, help="SWA snapshot pool: memory | redis://HOST:PORT[,...]")
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=generate_main)
 
@@ -47,7 +49,8 @@ def generate_main(args) -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model, cfg = load_model(args.checkpoint, dtype=dtype)
     tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
-    eng = Engine(model, tok, prefill_mode=args.prefill_mode, max_seq_len=args.max_seq_len, chunk_size=args.chunk_size)
+    eng = Engine(model, tok, prefill_mode=args.prefill_mode, max_seq_len=args.max_seq_len, chunk_size=args.chunk_size,
+                 cache_dir=args.cache_dir, swa_pool=args.swa_pool)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     if args.json:

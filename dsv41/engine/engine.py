@@ -68,7 +68,7 @@ class Engine:
     def __init__(self, model, tokenizer=None, prefill_mode: str = "ced-bounded", max_batch: int = 8,
                  max_seq_len: int | None = None, chunk_size: int | None = None, device="cpu",
                  prefill_fallback: bool = True, cache_dir=None, swa_pool=None, cache_interval: int = 4096,
-                 weights_id: str = "random", tokenizer_id: str = "bytes"):
+                 weights_id: str | None = None, tokenizer_id: str | None = None):
         from dsv41.engine.tokenizer import ByteTokenizer
 
         if prefill_mode not in MODES:
@@ -93,6 +93,8 @@ class Engine:
             if not hasattr(self.pool, "export_global"):
                 raise ValueError("prefix caching stores packed KV: it needs a quantized model (the packed store)")
             from dsv41.kv.manager import PrefixCache
+            weights_id = weights_id or weights_fingerprint(model)
+            tokenizer_id = tokenizer_id or tokenizer_fingerprint(self.tokenizer)
             self.prefix_cache = PrefixCache.from_config(self.cfg, weights_id, tokenizer_id, cache_dir=cache_dir,
                                                         swa_pool=swa_pool, interval=cache_interval,
                                                         hasher=model.engram_hasher)
@@ -291,6 +293,25 @@ class Engine:
                         return
             if rid in self.finished:
                 return
+
+
+def weights_fingerprint(model) -> str:
+    """A content hash of the weights (a strided sample of every parameter), so caches of different checkpoints
+    with the same config never mix."""
+    import hashlib
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)][:4096].float().cpu().contiguous()
+        h.update(name.encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def tokenizer_fingerprint(tok) -> str:
+    import hashlib
+    probe = "The quick brown fox 0123 { } \u00e9\u4e2d"
+    return hashlib.sha256(f"{type(tok).__name__}:{tok.vocab_size}:{tok.encode(probe)}".encode()).hexdigest()[:32]
 
 
 def _copy(p: SamplingParams) -> SamplingParams:
