@@ -371,6 +371,7 @@ class Trainer:
         else:
             self.module = module
         self.opt = build_optimizers(model, self.routes, cfg.lr, cfg.weight_decay)
+        self.opt_step_time = self._time_optimizer_step()
         self.balancer = LoadBalancer(model, cfg.balance_rate, prefix=prefix)
 
     def _probe(self, module) -> set[str]:
@@ -387,12 +388,28 @@ class Trainer:
             times.append(time.time() - t)
         names = {n for n, p in self.model.named_parameters()
                  if p.requires_grad and p.grad is None and ".ffn.experts." not in n}
-        self.model.zero_grad(set_to_none=True)
         for m in self.model.modules():
             if hasattr(m, "last_route"):
                 m.last_route = None
         self.probe_step_time = times[-1]
         return set(self.dist.broadcast(sorted(names)))
+
+    def _time_optimizer_step(self) -> float:
+        """With a minutes budget: time one optimizer step on the probe's gradients, then put the weights back and
+        start the optimizers afresh (so the run is exactly as if nothing had happened). Clears the gradients."""
+        t = 0.0
+        if self.cfg.steps is None:
+            saved = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+            t0 = time.time()
+            self.opt.step()
+            t = time.time() - t0
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    if n in saved:
+                        p.copy_(saved[n])
+            self.opt = build_optimizers(self.model, self.routes, self.cfg.lr, self.cfg.weight_decay)
+        self.model.zero_grad(set_to_none=True)
+        return t
 
     def _fix_budget(self) -> None:
         cfg = self.cfg
@@ -402,12 +419,13 @@ class Trainer:
             self.total_steps = cfg.steps
         else:
             minutes = cfg.minutes or DEFAULT_MINUTES
-            step_time = self.dist.broadcast(self.probe_step_time * cfg.grad_accum * 1.1)
+            step_time = self.dist.broadcast((self.probe_step_time * cfg.grad_accum + self.opt_step_time) * 1.05)
             left = minutes * 60 - (time.time() - self.t0)
             # evaluations (8 + final, forward only ~ 1/3 of a step each batch), checkpoints and the sample
             eval_time = 9 * math.ceil(cfg.eval_windows / cfg.batch_size / self.dist.world) * step_time / 3
             self.total_steps = max(1, int((left - eval_time - 15) / step_time))
-            self.say(f"budget: {minutes:g} min; probe step {step_time:.2f}s -> {self.total_steps} steps")
+            self.say(f"budget: {minutes:g} min; measured step {step_time:.2f}s (forward/backward "
+                     f"{self.probe_step_time:.2f}s, optimizer {self.opt_step_time:.2f}s) -> {self.total_steps} steps")
         self.warmup = cfg.warmup if cfg.warmup is not None else default_warmup(self.total_steps)
         self.eval_every = cfg.eval_every or max(1, self.total_steps // 8)
         self.save_every = cfg.save_every or self.eval_every
