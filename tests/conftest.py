@@ -31,3 +31,23 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionstart(session):
     # torch 2.13 CPU can get the first vectorised cos/sin/sqrt of a process slightly wrong (golden README s.6)
     warm_up_transcendentals()
+
+
+def continuous_model(name: str = "debug", seed: int = 1):
+    """A random model made continuous (FP8/FP4 QDQs off) with the deterministic top-k tie rule: the setting in
+    which dataflow equalities (decode == prefill, chunked == one-shot, batched == alone) hold to ~1e-5."""
+    from dsv41.config import load_config
+    from dsv41.model.attention import set_tie_break
+    from dsv41.model.common import set_quantization
+    from dsv41.model.init import random_model
+
+    cfg = load_config(name)
+    m = random_model(cfg, seed=seed)
+    set_quantization(m, False)
+    set_tie_break(m, "recent")
+    return cfg, m
+
+
+def rel(a, b) -> float:
+    """Max over rows of the relative L2 error along the last axis."""
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()

@@ -17,18 +17,9 @@ from dsv41.engine.store import DensePool
 from dsv41.model.attention import set_tie_break
 from dsv41.model.common import set_quantization
 from dsv41.model.init import random_model
+from tests.conftest import continuous_model, rel
 
 
-def continuous_model(name="debug", seed=1):
-    cfg = load_config(name)
-    m = random_model(cfg, seed=seed)
-    set_quantization(m, False)
-    set_tie_break(m, "recent")
-    return cfg, m
-
-
-def rel(a, b):
-    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
 
 
 def run(m, ids, mode, chunk=None, decode=3):

@@ -19,21 +19,12 @@ from dsv41.model.attention import set_tie_break
 from dsv41.model.cache import DenseCache
 from dsv41.model.common import set_quantization
 from dsv41.model.init import random_model
+from tests.conftest import continuous_model, rel
 from dsv41.model.loading import load_model, read_tensors, representable, save_checkpoint, write_official
 from dsv41.model.runner import captures_from_record, compare_captures, run_teacher_forced
 from dsv41.model.transformer import Transformer
 
 
-def continuous(name: str, seed: int = 1):
-    cfg = load_config(name)
-    m = random_model(cfg, seed=seed)
-    set_quantization(m, False)
-    set_tie_break(m, "recent")
-    return cfg, m
-
-
-def rel(a, b):
-    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
 
 
 def tokens(cfg, B, T, seed=0):
@@ -65,7 +56,7 @@ def test_analytic_parameter_count_matches_the_model(name):
 @pytest.mark.parametrize("name,T,K", [("debug", 21, 6), ("tiny", 130, 4)])
 def test_decode_equals_prefill(name, T, K):
     """Prefill of T then K single-token steps == prefill of T+K (crosses compression groups and the window)."""
-    cfg, m = continuous(name)
+    cfg, m = continuous_model(name)
     ids = tokens(cfg, 2, T + K)
     with torch.no_grad():
         full = m(ids, DenseCache(cfg, 2, torch.float32)).logits
@@ -76,7 +67,7 @@ def test_decode_equals_prefill(name, T, K):
 
 @pytest.mark.parametrize("chunks", [[1, 1, 1, 30], [7, 13, 20], [16, 9, 1, 14], [33, 7]])
 def test_chunked_prefill_equals_one_shot(chunks):
-    cfg, m = continuous("debug")
+    cfg, m = continuous_model("debug")
     ids = tokens(cfg, 2, sum(chunks))
     with torch.no_grad():
         full = m(ids, DenseCache(cfg, 2, torch.float32))
@@ -189,7 +180,7 @@ def test_logits_cli_on_random_official_checkpoint(tmp_path):
 
 def test_batched_decode_at_different_positions_equals_one_at_a_time():
     """Continuous batching: rows at different positions (different compression phases) decode together."""
-    cfg, m = continuous("debug")
+    cfg, m = continuous_model("debug")
     lens = [13, 26, 9]
     seqs = [tokens(cfg, 1, n + 4, seed=s) for s, n in enumerate(lens)]
     alone, caches = [], []

@@ -14,7 +14,8 @@ from dsv41.model.cache import DenseCache
 from dsv41.model.common import set_quantization
 from dsv41.model.init import random_model
 from dsv41.train.data import stdlib_root
-from dsv41.train.dspark_stage import acceptance_counts, acceptance_rates, anchor_ids, draft_forward
+from dsv41.train.dspark_stage import (acceptance_counts, acceptance_rates, anchor_ids, anchor_positions,
+                                      draft_forward)
 from dsv41.train.trainer import TrainConfig, train
 
 
@@ -44,6 +45,11 @@ def test_training_forward_equals_forward_spec():
         got, got_conf = draft_forward(m, out.main_hidden, mk)
         torch.testing.assert_close(got[:, p], logits, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(got_conf[:, p], conf, atol=2e-5, rtol=1e-5)
+    # a subset of anchors (what the training step uses) gives the same rows
+    sub = anchor_positions(T, 11)
+    full, _ = draft_forward(m, out.main_hidden, markov)
+    part, _ = draft_forward(m, out.main_hidden, markov[:, sub], sub)
+    torch.testing.assert_close(part, full[:, sub], atol=2e-5, rtol=1e-5)
 
 
 def test_acceptance_counting():

@@ -41,18 +41,20 @@ from dsv41.model.mhc import hc_post, hc_pre, identity_pre_mix
 from dsv41.train.qat import TrainCache
 
 CONFIDENCE_WEIGHT = 0.1
+DEFAULT_ANCHORS = 32
 
 
 # ------------------------------------------------------------------------------------------------ forward
 
-def _draft_attention(attn, u: torch.Tensor, main_x: torch.Tensor, A: int) -> torch.Tensor:
-    """DSparkAttention for all anchors. u [B*A,G,D] block inputs (anchor p = row % A at positions p+1..p+G),
-    main_x [B,T,D]. Returns [B*A,G,D]."""
+def _draft_attention(attn, u: torch.Tensor, main_x: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """DSparkAttention for many anchors. u [B*A,G,D] block inputs (row b*A + a: anchor p = anchors[a], at
+    positions p+1..p+G), main_x [B,T,D]. Returns [B*A,G,D]."""
     BA, G, _ = u.shape
     B, T = main_x.shape[:2]
     W, H = attn.window, attn.n_heads
     dev = u.device
-    p = torch.arange(A, device=dev)
+    p = anchors.to(dev)
+    A = p.numel()
     main_freqs = attn.rope.freqs(torch.arange(T).unsqueeze(0)).to(dev)                    # [1,T,R/2]
     main_kv = attn.window_kv(main_x, main_freqs)                                            # [B,T,C]
     draft_pos = (p.view(A, 1) + 1 + torch.arange(G, device=dev)).repeat(B, 1)              # [B*A,G]
@@ -75,12 +77,12 @@ def _draft_attention(attn, u: torch.Tensor, main_x: torch.Tensor, A: int) -> tor
     return attn.output(o.reshape(BA, G, H, C).to(q.dtype), freqs)
 
 
-def _stage(st, x: torch.Tensor, pre_mix: torch.Tensor, main_x: torch.Tensor, A: int):
-    """`Block.forward` of one drafter stage with the all-anchor attention."""
+def _stage(st, x: torch.Tensor, pre_mix: torch.Tensor, main_x: torch.Tensor, anchors: torch.Tensor):
+    """`Block.forward` of one drafter stage with the many-anchor attention."""
     residual = x
     a_pre, a_post, a_comb = st.mixes(x, "attn")
     h = st.attn_norm(hc_pre(x, pre_mix))
-    x = hc_post(_draft_attention(st.attn, h, main_x, A), residual, a_post, a_comb)
+    x = hc_post(_draft_attention(st.attn, h, main_x, anchors), residual, a_post, a_comb)
     residual = x
     f_pre, f_post, f_comb = st.mixes(x, "ffn")
     h = st.ffn_norm(hc_pre(x, a_pre))
@@ -88,25 +90,36 @@ def _stage(st, x: torch.Tensor, pre_mix: torch.Tensor, main_x: torch.Tensor, A: 
     return x, f_pre
 
 
-def anchor_ids(ids: torch.Tensor, G: int, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For anchors p = 0..T-2: the tokens at p+1..p+G [B,A,G] (`fill` past the end) and their validity."""
+def anchor_positions(T: int, first: int = 0) -> torch.Tensor:
+    """Anchors first..T-2 of a window of T tokens (the last position has no next token to draft from)."""
+    if not 0 <= first <= T - 2:
+        raise ValueError(f"first anchor {first} outside 0..{T - 2} for {T} tokens")
+    return torch.arange(first, T - 1)
+
+
+def anchor_ids(ids: torch.Tensor, G: int, fill: int, anchors: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For anchors p (default 0..T-2): the tokens at p+1..p+G [B,A,G] (`fill` past the end), their validity."""
     B, T = ids.shape
-    A = T - 1
-    pos = torch.arange(A).view(A, 1) + 1 + torch.arange(G)                                   # [A,G]
+    anchors = anchor_positions(T) if anchors is None else anchors.cpu()
+    A = anchors.numel()
+    pos = anchors.view(A, 1) + 1 + torch.arange(G)                                            # [A,G]
     valid = pos <= T - 1
     out = ids[:, pos.clamp(max=T - 1)]
     return torch.where(valid, out, torch.full_like(out, fill)), valid.expand(B, A, G)
 
 
-def draft_forward(model, main_hidden: torch.Tensor, markov_ids: torch.Tensor, detach_confidence: bool = True):
-    """The drafter at every anchor p = 0..A-1 of a sequence.
+def draft_forward(model, main_hidden: torch.Tensor, markov_ids: torch.Tensor, anchors: torch.Tensor | None = None,
+                  detach_confidence: bool = True):
+    """The drafter at anchors p (default 0..A-1) of a sequence.
 
-    main_hidden [B,T,taps*D]: the target's taps of positions 0..T-1 (T >= A); markov_ids [B,A,G]: slot i's
-    Markov input (slot 0: the token at p+1, which is also the block's first input). Returns (logits
+    main_hidden [B,T,taps*D]: the target's taps of positions 0..T-1; markov_ids [B,A,G]: slot i's Markov input
+    at each anchor (slot 0: the token at p+1, which is also the block's first input). Returns (logits
     [B,A,G,V] for the tokens at p+2..p+G+1, confidence logits [B,A,G])."""
     cfg, stages = model.cfg, model.mtp
     first, last = stages[0], stages[-1]
     B, A, G = markov_ids.shape
+    anchors = torch.arange(A) if anchors is None else anchors
     S = cfg.hc_mult
     main_x = first.main_norm(first.main_proj(main_hidden))                                  # [B,T,D]
     block = torch.full((B * A, G), cfg.dspark_noise_token_id, dtype=torch.long, device=markov_ids.device)
@@ -114,7 +127,7 @@ def draft_forward(model, main_hidden: torch.Tensor, markov_ids: torch.Tensor, de
     h = model.embed(block).unsqueeze(2).repeat(1, 1, S, 1)                                   # [B*A,G,S,D]
     pre_mix = identity_pre_mix(B * A, G, S, h.device)
     for st in stages:
-        h, pre_mix = _stage(st, h, pre_mix, main_x, A)
+        h, pre_mix = _stage(st, h, pre_mix, main_x, anchors)
     x = hc_pre(h, pre_mix)                                                                   # [B*A,G,D]
     logits = model.head(last.norm(x).float())                                                # [B*A,G,V]
     bias, e = last.markov_head(markov_ids.reshape(B * A, G))
@@ -127,11 +140,12 @@ def draft_forward(model, main_hidden: torch.Tensor, markov_ids: torch.Tensor, de
 
 # ------------------------------------------------------------------------------------------------ targets
 
-def target_rows(target_logits: torch.Tensor, G: int) -> torch.Tensor:
+def target_rows(target_logits: torch.Tensor, G: int, anchors: torch.Tensor | None = None) -> torch.Tensor:
     """The target's logits for slot i of anchor p: row p+1+i (clamped at the end; masked by the caller).
     [B,T,V] -> [B,A,G,V]."""
     T = target_logits.size(1)
-    pos = (torch.arange(T - 1).view(-1, 1) + 1 + torch.arange(G)).clamp(max=T - 1)
+    anchors = anchor_positions(T) if anchors is None else anchors.cpu()
+    pos = (anchors.view(-1, 1) + 1 + torch.arange(G)).clamp(max=T - 1)
     return target_logits[:, pos.to(target_logits.device)]
 
 
@@ -156,11 +170,14 @@ def acceptance_rates(counts: torch.Tensor) -> dict:
 # ------------------------------------------------------------------------------------------------ training
 
 class DSparkTrainModule(nn.Module):
-    """forward(ids [B,T], _) -> (loss, metrics): frozen backbone forward, then the drafter loss."""
+    """forward(ids [B,T], _) -> (loss, metrics): frozen backbone forward, then the drafter loss over the anchors
+    of the last `anchors` positions (default: all). Every anchor costs G drafter tokens while the backbone
+    costs one token per position, so training on the last quarter or so of each window keeps the step cheap,
+    and those anchors have a full window of context when T - anchors >= W."""
 
-    def __init__(self, model):
+    def __init__(self, model, anchors: int | None = None):
         super().__init__()
-        self.model = model
+        self.model, self.anchors = model, anchors
 
     def backbone(self, ids: torch.Tensor):
         m = self.model
@@ -172,9 +189,11 @@ class DSparkTrainModule(nn.Module):
         cfg = self.model.cfg
         G = cfg.dspark_block_size
         target_logits, main_hidden = self.backbone(ids)
-        markov, valid = anchor_ids(ids, G, cfg.engram_pad_id)
-        logits, conf = draft_forward(self.model, main_hidden, markov.to(ids.device))
-        tl = target_rows(target_logits, G)                                                  # [B,A,G,V]
+        T = ids.size(1)
+        anchors = anchor_positions(T, max(0, T - 1 - self.anchors) if self.anchors else 0)
+        markov, valid = anchor_ids(ids, G, cfg.engram_pad_id, anchors)
+        logits, conf = draft_forward(self.model, main_hidden, markov.to(ids.device), anchors)
+        tl = target_rows(target_logits, G, anchors)                                         # [B,A,G,V]
         valid = valid.to(ids.device)
         ce = -(torch.softmax(tl, -1) * torch.log_softmax(logits.float(), -1)).sum(-1)        # [B,A,G]
         n = valid.sum().clamp(min=1)

@@ -327,8 +327,8 @@ class Trainer:
     def _build_training(self) -> None:
         cfg, model, dist = self.cfg, self.model, self.dist
         if cfg.stage == "dspark":
-            from dsv41.train.dspark_stage import DSparkTrainModule
-            module = DSparkTrainModule(model)
+            from dsv41.train.dspark_stage import DEFAULT_ANCHORS, DSparkTrainModule
+            module = DSparkTrainModule(model, DEFAULT_ANCHORS)
             trainable = {n for n, _ in model.named_parameters() if n.startswith("mtp.")}
             prefix = "mtp."
         else:
@@ -421,9 +421,11 @@ class Trainer:
             minutes = cfg.minutes or DEFAULT_MINUTES
             step_time = self.dist.broadcast((self.probe_step_time * cfg.grad_accum + self.opt_step_time) * 1.05)
             left = minutes * 60 - (time.time() - self.t0)
-            # evaluations (8 + final, forward only ~ 1/3 of a step each batch), checkpoints and the sample
-            eval_time = 9 * math.ceil(cfg.eval_windows / cfg.batch_size / self.dist.world) * step_time / 3
-            self.total_steps = max(1, int((left - eval_time - 15) / step_time))
+            # 8 evaluations (+ the final QDQ one and the sample: ~2 more; a forward ~ 0.4 of a forward/backward),
+            # a checkpoint with each (~1.5 s), ~10 s at the end
+            batches = math.ceil(cfg.eval_windows / cfg.batch_size / self.dist.world)
+            reserve = 10 * batches * 0.4 * self.probe_step_time + 8 * 1.5 + 10
+            self.total_steps = max(1, int((left - reserve) / step_time))
             self.say(f"budget: {minutes:g} min; measured step {step_time:.2f}s (forward/backward "
                      f"{self.probe_step_time:.2f}s, optimizer {self.opt_step_time:.2f}s) -> {self.total_steps} steps")
         self.warmup = cfg.warmup if cfg.warmup is not None else default_warmup(self.total_steps)
