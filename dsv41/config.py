@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

@@ -316,10 +316,8 @@ def test_cached_tokens_on_repeat(ckpt, tmp_path):
     import argparse
 
     from dsv41.server.app import ServerSettings, create_app, serve_in_thread
-    from dsv41.server.cli import build_engine, cache_supported
-    if not cache_supported():
-        pytest.skip("prefix caching is not in this build's engine yet (issue 6)")
-    ns = argparse.Namespace(checkpoint=str(ckpt), prefill_mode="ced-bounded", max_batch=4, max_seq_len=512,
+    from dsv41.server.cli import build_engine
+    ns = argparse.Namespace(checkpoint=str(ckpt), dtype="float32", prefill_mode="ced-bounded", max_batch=4, max_seq_len=512,
                             chunk_size=None, cache_dir=str(tmp_path / "pc"), swa_pool="memory")
     handle = serve_in_thread(create_app(build_engine(ns), ServerSettings(model_name=MODEL)))
     try:

@@ -164,7 +164,6 @@ class Compressor(nn.Module):
         length = carried + T                                                        # [B]
         count = length // m
         n = int(count.max())
-        rest = length - count * m
         # the open group's tokens become the new carry (slots 0..rest-1; other slots are never read)
         rest_idx = (count * m).unsqueeze(1) + torch.arange(m, device=u.device)
         rest_idx = rest_idx.clamp(max=L - 1)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-import sys
 from pathlib import Path
 
 PREFILL_MODES = ("full", "ced-exact", "ced-bounded")
@@ -51,8 +49,7 @@ def engine_kwargs(args) -> dict:
 
 
 def build_engine(args, model=None, tokenizer=None):
-    """The engine the server runs, from the CLI flags. The prefix-cache flags are handed to the engine when its
-    constructor takes them (`cache_dir`, `swa_pool`); otherwise a one-line notice says they are ignored."""
+    """The engine the server runs, from the CLI flags (prefix caching with --cache-dir / --swa-pool)."""
     import torch
 
     from dsv41.engine.engine import Engine
@@ -68,23 +65,9 @@ def build_engine(args, model=None, tokenizer=None):
     if tokenizer is None:
         tokenizer = load_tokenizer(getattr(args, "checkpoint", None), model.cfg.vocab_size)
     kwargs = engine_kwargs(args)
-    cache = {k: v for k, v in (("cache_dir", getattr(args, "cache_dir", None)),
-                               ("swa_pool", getattr(args, "swa_pool", None))) if v is not None}
-    if cache:
-        if cache_supported():
-            kwargs.update(cache)
-        else:
-            print("note: prefix caching is not available in this build (the engine takes no cache arguments); "
-                  f"ignoring {', '.join('--' + k.replace('_', '-') for k in cache)}", file=sys.stderr)
+    kwargs.update({k: v for k, v in (("cache_dir", getattr(args, "cache_dir", None)),
+                                     ("swa_pool", getattr(args, "swa_pool", None))) if v is not None})
     return Engine(model, tokenizer, **kwargs)
-
-
-def cache_supported() -> bool:
-    """Whether this build's Engine takes the prefix-cache arguments (`cache_dir`, `swa_pool`)."""
-    from dsv41.engine.engine import Engine
-
-    params = inspect.signature(Engine).parameters
-    return "cache_dir" in params and "swa_pool" in params
 
 
 def settings_from(args, engine):

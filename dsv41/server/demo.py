@@ -172,7 +172,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
     from dsv41.server.app import create_app, serve_in_thread
-    from dsv41.server.cli import build_engine, cache_supported, settings_from
+    from dsv41.server.cli import build_engine, settings_from
 
     t0 = time.monotonic()
     _rule("checkpoint")
@@ -189,7 +189,6 @@ def run_demo(args: argparse.Namespace) -> int:
         args.swa_pool = "memory"
     engine = build_engine(args)
     cfg = engine.cfg
-    caching = cache_supported()
     settings = settings_from(args, engine)
     app = create_app(engine, settings)
     tpl = app.state.dsv41.template.name
@@ -227,12 +226,8 @@ def run_demo(args: argparse.Namespace) -> int:
         c1 = first.usage.prompt_tokens_details.cached_tokens
         c2 = second.usage.prompt_tokens_details.cached_tokens
         same = first.choices[0].message.content == second.choices[0].message.content
-        if caching:
-            _p(f"\nprefix cache: cached tokens {c1} on the first request, {c2} on the repeat; answers "
-               f"{'identical' if same else 'differ (replay path, SYSTEM.md 4)'}")
-        else:
-            _p(f"\nprefix cache: not in this build yet (issue 6): cached tokens {c1} -> {c2}; the usage fields are "
-               f"wired and will show the hit once the engine reports it. Answers identical: {same}")
+        _p(f"\nprefix cache: cached tokens {c1} on the first request, {c2} on the repeat; answers "
+           f"{'identical' if same else 'differ (replay path, SYSTEM.md 4)'}")
 
         _rule("reasoning effort (SYSTEM.md 7: low/high/max -> 50/75/100)")
         for effort in ("low", "high", "max"):

@@ -367,7 +367,7 @@ class Trainer:
         elif dist.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
             self.module = DDP(module, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
-                              find_unused_parameters=True, broadcast_buffers=False)
+                              find_unused_parameters=True)
         else:
             self.module = module
         self.opt = build_optimizers(model, self.routes, cfg.lr, cfg.weight_decay)
