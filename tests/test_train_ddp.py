@@ -1,5 +1,6 @@
 """Guards data parallelism: a 2-process `torchrun` run on CPU (gloo) with batch B per process follows the loss
-curve of one process with batch 2B (same data, averaged gradients, identical updates on both ranks)."""
+curve of one process with batch 2B (same data, averaged gradients, identical updates on both ranks).
+Takes ~10-30 s (two interpreter start-ups), so it runs in the default suite."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from dsv41.train.data import stdlib_root
 
 
@@ -19,7 +18,6 @@ def _losses(out: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in (out / "log.jsonl").read_text().splitlines() if '"loss"' in x]
 
 
-@pytest.mark.slow
 def test_two_process_gloo_matches_single_process(tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()

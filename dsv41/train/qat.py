@@ -12,15 +12,17 @@ Where: the compressed entries reach the store through `cache.append_compressed(l
 where the model applies `qdq_main_kv` when its QDQ is on (after RoPE, MODEL.md 3.4). `TrainCache` (a
 `DenseCache`) applies the STE there when `kv_qat` is set, so QAT needs no change to the model.
 
-Bounded-replay simulation (design; needs a model hook, not implemented yet). At inference the decoder runs only
-the last n_win prompt tokens, with its sliding window truncated at the replay start s (SYSTEM.md 2); on a prefix
-hit the encoder replays the last n_win cached tokens the same way (SYSTEM.md 4). To let the model adapt, a
-training step would draw one replay start s per sequence (uniform over [W, T - 1]) and, for the decoder layers
-(and, in encoder-replay mode, the encoder layers), mask every window key at a position < s for queries at
-positions >= s; global (compressed) KV stays complete, as it is in the cache. Queries before s are unchanged.
-The mask lives in the window index lists that `Attention.forward` builds (`window_indices`), so the model needs
-a per-layer window floor: a `swa_floor` tensor [B] (or None) on `StepContext`, applied by the layers the mode
-names, turning indices of positions < swa_floor into -1 for queries at positions >= swa_floor.
+Bounded-replay simulation (design; waits for a model hook, not implemented yet). At inference the decoder runs
+only the last n_win prompt tokens, with its sliding window truncated at the replay start s (SYSTEM.md 2); on a
+prefix hit the encoder replays the last n_win cached tokens the same way (SYSTEM.md 4). To let the model adapt,
+a training step draws one replay start s per sequence (uniform over [W, T - 1], from a generator seeded by
+(seed, step) so that resume stays exact) and, in the decoder layers (mode `decoder`), the encoder layers
+(`encoder`) or both, hides every window key at a position < s from the queries at positions >= s; the global
+(compressed) KV stays complete, as it is in the cache, and queries before s are unchanged. The model has the
+mechanism (`Transformer.forward(..., window_floor=[B])`, used by the engine's replay), but (a) it applies the
+floor only to chunks after the first (a training prefill at position 0 ignores it) and (b) it applies to every
+layer. Needed: the floor in `window_indices`' prefill branch for queries at or after it, and an optional set of
+layers it applies to (`StepContext.window_floor_layers`); the trainer then passes both with one prefill.
 """
 
 from __future__ import annotations
