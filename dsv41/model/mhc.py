@@ -51,7 +51,9 @@ def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Expand: out[k] = post[k] * f + sum_j comb[j,k] * residual[j] (fp32, cast to f's dtype).
 
-    f [B,T,D], residual [B,T,S,D], post [B,T,S], comb [B,T,S,S] -> [B,T,S,D]."""
+    f [B,T,D], residual [B,T,S,D], post [B,T,S], comb [B,T,S,S] -> [B,T,S,D].
+    The product-then-sum form is the official summation order: an einsum over j (no [B,T,S,S,D] intermediate,
+    ~1.5x faster in training) measured 2.5e-5 on a golden block row, past gate 1's 1e-6 headroom."""
     y = post.unsqueeze(-1) * f.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
     return y.type_as(f)
 
