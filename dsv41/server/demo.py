@@ -22,7 +22,12 @@ import time
 from pathlib import Path
 
 RANDOM_MARKER = "DEMO_RANDOM_INIT"
-SYSTEM_PROMPT = "You are a concise Python assistant."
+# Long enough (well over the tiny model's n_win = 64 tokens) that the repeated request is worth a prefix-cache hit:
+# hits no longer than n_win are not adopted (SYSTEM.md 4).
+SYSTEM_PROMPT = ("You are a concise Python assistant. Answer with working Python 3 code that follows PEP 8: "
+                 "four-space indentation, snake_case names, a short docstring for every function, type hints on "
+                 "parameters and return values, and no third-party imports. Prefer the standard library, keep "
+                 "functions small, raise ValueError with a clear message on bad input, and add a doctest example.")
 QUESTION = "Write a function that returns the sum of a list of numbers."
 
 
