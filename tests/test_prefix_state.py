@@ -14,14 +14,7 @@ from dsv41.kv.prefix import engram_history_at
 from dsv41.model.init import random_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The debug model's MoE index_add is ~10x slower with 2 threads on a shared 2-core machine; results are
-    compared within one thread setting, so run this module single-threaded (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
