@@ -581,14 +581,12 @@ def create_app(engine, settings: ServerSettings | None = None, metrics: ServerMe
                     yield chunk([{"index": s.index, "delta": delta, "logprobs": None,
                                   "finish_reason": ev.completion.finish_reason}])
                 else:
-                    yield _sse(error_body(ev.message, "server_error" if ev.status >= 500 else
-                                          "invalid_request_error"))
+                    yield _error_sse(ev)
                     job.abort()
                     break
             if include_usage:
-                yield _sse({"id": rid0, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                            "system_fingerprint": fingerprint(), "choices": [],
-                            "usage": public_usage(merge_usage(usages, [len(ids)]))})
+                yield _usage_sse(rid0, "chat.completion.chunk", created, req.model, fingerprint(),
+                                 merge_usage(usages, [len(ids)]))
             yield "data: [DONE]\n\n"
 
         return await run_job(request, "chat", seqs, req.stream, t0, build_full, build_stream)
@@ -676,14 +674,12 @@ def create_app(engine, settings: ServerSettings | None = None, metrics: ServerMe
                     usages.append(seq_usage(s, ev.completion))
                     yield chunk(s.index, "", ev.completion.finish_reason)
                 else:
-                    yield _sse(error_body(ev.message, "server_error" if ev.status >= 500 else
-                                          "invalid_request_error"))
+                    yield _error_sse(ev)
                     job.abort()
                     break
             if include_usage:
-                yield _sse({"id": rid0, "object": "text_completion", "created": created, "model": req.model,
-                            "system_fingerprint": fingerprint(), "choices": [],
-                            "usage": public_usage(merge_usage(usages, prompt_lens))})
+                yield _usage_sse(rid0, "text_completion", created, req.model, fingerprint(),
+                                 merge_usage(usages, prompt_lens))
             yield "data: [DONE]\n\n"
 
         return await run_job(request, "completions", seqs, req.stream, t0, build_full, build_stream)
@@ -708,6 +704,17 @@ class _SSEResponse(StreamingResponse):
 
 def _sse(obj: dict) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def _error_sse(ev) -> str:
+    """An engine-side failure inside a stream, as an OpenAI error event."""
+    return _sse(error_body(ev.message, "server_error" if ev.status >= 500 else "invalid_request_error"))
+
+
+def _usage_sse(rid: str, obj: str, created: int, model: str, fingerprint: str, usage: dict) -> str:
+    """The final usage-only chunk of a stream (stream_options.include_usage)."""
+    return _sse({"id": rid, "object": obj, "created": created, "model": model,
+                 "system_fingerprint": fingerprint, "choices": [], "usage": public_usage(usage)})
 
 
 # ------------------------------------------------------------------------------------------------ serving

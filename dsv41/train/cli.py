@@ -75,16 +75,9 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m dsv41.train.cli train ...` (what `torchrun -m` needs: a module with a main)."""
-    import sys
+    from dsv41.cli import main as dsv41_main
 
-    parser = argparse.ArgumentParser(prog="dsv41")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ValueError as e:
-        print(f"dsv41 {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    return dsv41_main(argv)
 
 
 if __name__ == "__main__":
