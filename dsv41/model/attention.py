@@ -43,6 +43,7 @@ class StepContext:
     record: dict | None = None          # when a dict: per-layer top-k / candidates are kept for inspection
     window_floor: torch.Tensor | None = None   # [B]: window keys before this position are absent (replay start)
     produce_kv: bool = True             # False: KV sources skip compressing (their global KV already exists)
+    journal: dict | None = None         # speculative verify: compressors record their per-token sequence here
 
     @property
     def positions(self) -> torch.Tensor:
@@ -127,6 +128,15 @@ def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, to
     return keep.repeat_interleave(block_size, dim=-1)[..., :N]
 
 
+def carry_after(seq_kv: torch.Tensor, seq_sc: torch.Tensor, length: torch.Tensor, m: int):
+    """The compressor carry [B,m,C] after row b's first length_b tokens of a group-aligned sequence [B,L,C]:
+    slots 0..(length_b % m)-1 hold the open group's tokens (other slots are never read)."""
+    L = seq_kv.size(1)
+    idx = ((length // m) * m).to(seq_kv.device).unsqueeze(1) + torch.arange(m, device=seq_kv.device)
+    idx = idx.clamp(max=L - 1).unsqueeze(-1).expand(-1, -1, seq_kv.size(-1))
+    return seq_kv.gather(1, idx), seq_sc.gather(1, idx)
+
+
 class Compressor(nn.Module):
     """m tokens -> one latent (MODEL.md 3.4). m = 2: per-channel softmax-gated pooling in fp32, with the partial
     group carried between calls; m = 1: a plain bf16 projection. Returns the latents before RoPE (the indexer
@@ -142,9 +152,11 @@ class Compressor(nn.Module):
         else:
             self.wkv = Linear(cfg.dim, cfg.head_dim, "bf16", dtype)
 
-    def forward(self, u: torch.Tensor, start: torch.Tensor, cache, layer: int):
+    def forward(self, u: torch.Tensor, start: torch.Tensor, cache, layer: int, journal: dict | None = None):
         """u [B,T,D] -> (latents [B,n,C], count [B]): row b completed groups start_b//m .. + count_b - 1
-        (latents beyond a row's count are padding)."""
+        (latents beyond a row's count are padding). With `journal` (a speculative verify), the group-aligned
+        per-token sequence is kept there so the carry can be recomputed for any accepted prefix
+        (`carry_after`)."""
         m = self.ratio
         B, T = u.shape[:2]
         if m == 1:
@@ -161,14 +173,13 @@ class Compressor(nn.Module):
         gather = (shift.unsqueeze(1) + torch.arange(L, device=u.device)).clamp(max=m + T - 1)
         seq_kv = seq_kv.gather(1, gather.unsqueeze(-1).expand(-1, -1, kv.size(-1)))
         seq_sc = seq_sc.gather(1, gather.unsqueeze(-1).expand(-1, -1, kv.size(-1)))
+        if journal is not None:
+            journal[("compressor", layer)] = (seq_kv, seq_sc, carried)
         length = carried + T                                                        # [B]
         count = length // m
         n = int(count.max())
         # the open group's tokens become the new carry (slots 0..rest-1; other slots are never read)
-        rest_idx = (count * m).unsqueeze(1) + torch.arange(m, device=u.device)
-        rest_idx = rest_idx.clamp(max=L - 1)
-        cache.set_compressor_state(layer, seq_kv.gather(1, rest_idx.unsqueeze(-1).expand(-1, -1, kv.size(-1))),
-                                   seq_sc.gather(1, rest_idx.unsqueeze(-1).expand(-1, -1, kv.size(-1))))
+        cache.set_compressor_state(layer, *carry_after(seq_kv, seq_sc, length, m))
         if n == 0:
             return None, count
         g_kv = seq_kv[:, :n * m].unflatten(1, (n, m))
@@ -298,7 +309,7 @@ class Attention(QuantSite):
         RoPE at each group's first position, FP4 QDQ, append to the store. This is all that CED prefill runs of
         the decoder's KV source on the prompt rows the decoder skips (SYSTEM.md 2)."""
         m, cache = self.role.ratio, ctx.cache
-        latent, count = self.compressor(u, ctx.start, cache, self.layer)
+        latent, count = self.compressor(u, ctx.start, cache, self.layer, ctx.journal)
         if latent is None:
             return
         row0 = ctx.start // m

@@ -136,12 +136,14 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache, start_pos: int | torch.Tensor | None = None, *,
                 token_types: torch.Tensor | None = None, images=None, last_only: bool = False,
                 official_decode_artifact: bool = False, record: dict | None = None,
-                window_floor: torch.Tensor | None = None, produce_kv: bool = True) -> ForwardOut:
+                window_floor: torch.Tensor | None = None, produce_kv: bool = True,
+                journal: dict | None = None) -> ForwardOut:
         """Run T tokens per row at positions start_pos.. (default: where the cache stands) and advance the cache.
 
         Prefill (P = 0, any T), decode (T = 1) and chunked prefill (any P, T) share this one path; rows may
         sit at different positions (continuous batching). `window_floor` truncates every layer's sliding window
-        (replay); `produce_kv=False` re-runs tokens whose global KV is already stored (replay)."""
+        (replay); `produce_kv=False` re-runs tokens whose global KV is already stored (replay); `journal` (a
+        dict) records what a speculative verify needs to roll back rejected tokens (`dsv41.engine.speculative`)."""
         B, T = input_ids.shape
         start = cache.pos.clone()
         if start_pos is not None:
@@ -155,7 +157,7 @@ class Transformer(nn.Module):
         token_mask = None if image_mask is None else ~image_mask
         hashes = self.engram_hashes(input_ids, cache, token_mask)
         ctx = StepContext(start, T, cache, official_decode_artifact, record=record, window_floor=window_floor,
-                          produce_kv=produce_kv)
+                          produce_kv=produce_kv, journal=journal)
         h = self.embed_tokens(input_ids, images)
         if record is not None:
             record["embed_out"] = h
