@@ -17,6 +17,7 @@ import torch
 
 from dsv41.engine.prefill import MODES, prefill
 from dsv41.engine.sampling import SamplingParams, make_generator, sample_token, top_logprobs
+from dsv41.engine.speculative import DSparkDrafter, Speculation, VerifyJournal, accept_drafts, choose_verify_lengths
 from dsv41.engine.store import make_pool
 
 
@@ -41,6 +42,9 @@ class Sequence:
     cache_path: str = "cold"                 # cold / swa-hit / replay (prefix caching)
     cached_tokens: int = 0
     cached_tiers: dict = field(default_factory=dict)
+    drafted: int = 0                         # speculative decoding: drafts verified / accepted, target forwards
+    accepted: int = 0
+    target_steps: int = 0
 
 
 @dataclass
@@ -68,7 +72,8 @@ class Engine:
     def __init__(self, model, tokenizer=None, prefill_mode: str = "ced-bounded", max_batch: int = 8,
                  max_seq_len: int | None = None, chunk_size: int | None = None, device="cpu",
                  prefill_fallback: bool = True, cache_dir=None, swa_pool=None, cache_interval: int = 4096,
-                 weights_id: str | None = None, tokenizer_id: str | None = None):
+                 weights_id: str | None = None, tokenizer_id: str | None = None, speculative="off",
+                 step_profile=None):
         from dsv41.engine.tokenizer import ByteTokenizer
 
         if prefill_mode not in MODES:
@@ -98,6 +103,12 @@ class Engine:
             self.prefix_cache = PrefixCache.from_config(self.cfg, weights_id, tokenizer_id, cache_dir=cache_dir,
                                                         swa_pool=swa_pool, interval=cache_interval,
                                                         hasher=model.engram_hasher)
+        self.speculation = Speculation.parse(speculative)
+        self.drafter = None if self.speculation.mode == "off" else DSparkDrafter(model)
+        self.step_profile = step_profile
+        if self.speculation.mode == "dspark" and step_profile is None:
+            raise ValueError("the dspark scheduler needs the step latency profile T(n): run `dsv41 profile-step` "
+                             "on the checkpoint, or choose --speculative fixed:N")
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.finished: dict[str, Sequence] = {}
@@ -143,9 +154,9 @@ class Engine:
         decoding = list(self.running)
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting.pop(0)
-            self._prefill(seq)
+            logits = self._prefill(seq)
             self.running.append(seq)
-            outs.append(self._emit(seq, [seq.pending]))
+            outs.append(self._emit(seq, [seq.pending], self._logprobs(seq, logits.view(1, -1), [seq.pending])))
         if decoding:
             self._decode(decoding, outs)
         for s in [s for s in self.running if s.finish_reason]:
@@ -154,7 +165,7 @@ class Engine:
             self.finished[s.request_id] = s
         return outs
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill(self, seq: Sequence) -> torch.Tensor:
         """Prefill all prompt tokens but the last in the configured mode, then run the last one as the first
         decode step (all layers), which yields the first sampled token. The state after N-1 tokens is the
         end-of-prompt unit that prefix caching stores, so a repeated prompt resumes exactly there.
@@ -181,13 +192,20 @@ class Engine:
             view.engram_history = engram_history_at(self.model.engram_hasher, ids, start - replay).view(1, -1)
         body = ids[start - replay:-1]
         if body:
-            prefill(self.model, torch.tensor([body]), view, self.prefill_mode, self.chunk_size, replay=replay)
+            pf = prefill(self.model, torch.tensor([body]), view, self.prefill_mode, self.chunk_size, replay=replay)
+            if self.drafter is not None and pf.main_hidden is not None:
+                self.drafter.seed(view, pf.main_hidden, pf.tap_start)
         self._save_unit(seq, ids[:-1])
-        logits = self.model(torch.tensor([ids[-1:]]), view, last_only=True).logits[0, -1]
+        last_pos = view.pos.clone()
+        out = self.model(torch.tensor([ids[-1:]]), view, last_only=True)
+        if self.drafter is not None and out.main_hidden is not None:
+            self.drafter.seed(view, out.main_hidden, last_pos)
         getattr(self.pool, "release", lambda *a: None)(view, [seq.sid])
+        logits = out.logits[0, -1]
         seq.pending = self._sample(seq, logits)
         seq.prefill_s = time.perf_counter() - t0
         seq.t_first_token = time.perf_counter()
+        return logits
 
     def _save_unit(self, seq: Sequence, fed: list[int]) -> None:
         """Persist the sequence's state after `fed` tokens (end of prompt / end of output); never fails a request."""
@@ -205,6 +223,8 @@ class Engine:
         live = [s for s in seqs if not s.finish_reason]
         if not live:
             return
+        if self.drafter is not None:
+            return self._decode_speculative(live, outs)
         t0 = time.perf_counter()
         sids = [s.sid for s in live]
         view = self.pool.bind(sids)
@@ -214,27 +234,77 @@ class Engine:
         dt = time.perf_counter() - t0
         for b, s in enumerate(live):
             s.decode_s += dt
+            s.target_steps += 1
             s.pending = self._sample(s, logits[b])
-            outs.append(self._emit(s, [s.pending]))
+            outs.append(self._emit(s, [s.pending], self._logprobs(s, logits[b:b + 1], [s.pending])))
+
+    def _decode_speculative(self, live: list[Sequence], outs: list[StepOutput]) -> None:
+        """One draft-verify step for every running row (`dsv41.engine.speculative`)."""
+        t0 = time.perf_counter()
+        sids = [s.sid for s in live]
+        view = self.pool.bind(sids)
+        pos = view.pos.clone()
+        pending = torch.tensor([s.pending for s in live])
+        prop = self.drafter.propose(view, live, pos)
+        caps = [max(0, s.params.max_tokens - len(s.output_ids) - 1) for s in live]   # drafts that could be emitted
+        V = self._verify_length(prop, caps)
+        ids = torch.cat([pending.view(-1, 1), prop.tokens[:, :V]], dim=1)
+        journal = VerifyJournal(self.model, view, pos, 1 + V)
+        out = self.model(ids, view, journal=journal.model_journal)
+        keep = []
+        for b, s in enumerate(live):
+            v = min(V, caps[b])
+            q = None if prop.q[b] is None else prop.q[b][:v]
+            n, nxt = accept_drafts(out.logits[b, :v + 1], prop.tokens[b, :v].tolist(), q, s.params, s.gen)
+            toks = prop.tokens[b, :n].tolist() + [nxt]
+            before = len(s.output_ids)
+            outs.append(self._emit(s, toks, self._logprobs(s, out.logits[b], toks)))
+            keep.append(1 + min(n, len(s.output_ids) - before))      # fed tokens whose output was emitted
+            s.pending = nxt
+            s.drafted += v
+            s.accepted += n
+            s.target_steps += 1
+        keep_t = torch.tensor(keep)
+        journal.rollback(self.model, view, ids, keep_t)
+        if out.main_hidden is not None:
+            self.drafter.seed(view, out.main_hidden, pos, keep_t)
+        getattr(self.pool, "release", lambda *a: None)(view, sids)
+        dt = time.perf_counter() - t0
+        for s in live:
+            s.decode_s += dt
+
+    def _verify_length(self, prop, caps: list[int]) -> int:
+        G = prop.tokens.size(1)
+        if self.speculation.mode == "fixed":
+            return min(self.speculation.n, G, max(caps))
+        return choose_verify_lengths(prop.survival(), self.step_profile, caps, ragged=False)[0]
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        tok = sample_token(logits, seq.params, seq.gen)
-        if seq.params.logprobs is not None:
-            seq.logprobs.append(top_logprobs(logits, tok, seq.params.logprobs))
-        return tok
+        return sample_token(logits, seq.params, seq.gen)
 
-    def _emit(self, seq: Sequence, new_ids: list[int]) -> StepOutput:
-        """Account the sampled token, apply stop conditions, and return the new text (held back while it ends
-        in an incomplete UTF-8 sequence or could still become a stop string)."""
+    @staticmethod
+    def _logprobs(seq: Sequence, logits: torch.Tensor, toks: list[int]) -> list[dict] | None:
+        """Top log-probabilities of toks[k] under logits[k] (when the request asked for them)."""
+        n = seq.params.logprobs
+        return None if n is None else [top_logprobs(logits[k], t, n) for k, t in enumerate(toks)]
+
+    def _emit(self, seq: Sequence, new_ids: list[int], lps: list[dict] | None = None) -> StepOutput:
+        """Account the tokens of this step in order, applying stop conditions (tokens after a stop are dropped),
+        and return the new text (held back while it ends in an incomplete UTF-8 sequence or could still become
+        a stop string)."""
         p = seq.params
         eos = getattr(self.tokenizer, "eos_id", None)
-        tok = new_ids[0]
         stop_ids = set(p.stop_token_ids) | ({eos} if eos is not None and not p.ignore_eos else set())
-        if tok in stop_ids:
-            seq.finish_reason = "stop"
-            new_ids = []
-        else:
+        emitted, emitted_lps = [], []
+        for k, tok in enumerate(new_ids):
+            if tok in stop_ids:
+                seq.finish_reason = "stop"
+                break
             seq.output_ids.append(tok)
+            emitted.append(tok)
+            if lps:
+                seq.logprobs.append(lps[k])
+                emitted_lps.append(lps[k])
             seq.text = self.tokenizer.decode(seq.output_ids)
             for st in p.stop:
                 i = seq.text.find(st)
@@ -243,6 +313,8 @@ class Engine:
                     seq.finish_reason = "stop"
             if not seq.finish_reason and len(seq.output_ids) >= p.max_tokens:
                 seq.finish_reason = "length"
+            if seq.finish_reason:
+                break
         hold = 0
         if not seq.finish_reason:
             if seq.text.endswith("\ufffd"):
@@ -255,8 +327,8 @@ class Engine:
         upto = len(seq.text) - hold
         delta = seq.text[seq.emitted:upto] if upto > seq.emitted else ""
         seq.emitted = max(seq.emitted, upto)
-        lps = seq.logprobs[-1:] if (seq.params.logprobs is not None and new_ids) else []
-        return StepOutput(seq.request_id, new_ids, delta, seq.finish_reason is not None, seq.finish_reason, lps)
+        return StepOutput(seq.request_id, emitted, delta, seq.finish_reason is not None, seq.finish_reason,
+                          emitted_lps)
 
     def _release(self, seq: Sequence) -> None:
         if seq.sid is not None and seq.finish_reason in ("stop", "length") and self.prefix_cache is not None:
@@ -273,7 +345,9 @@ class Engine:
         stats = {"prompt_tokens": len(s.prompt_ids), "generated_tokens": len(s.output_ids),
                  "prefill_mode": self.prefill_mode, "prefill_s": s.prefill_s, "decode_s": s.decode_s,
                  "ttft_s": (s.t_first_token or s.t_arrival) - s.t_arrival, "kv_bytes": s.kv,
-                 "cache_path": s.cache_path, "cached_tokens": s.cached_tokens, "cached_tokens_by_tier": s.cached_tiers}
+                 "cache_path": s.cache_path, "cached_tokens": s.cached_tokens, "cached_tokens_by_tier": s.cached_tiers,
+                 "speculative": {"mode": str(self.speculation), "drafted_tokens": s.drafted,
+                                 "accepted_tokens": s.accepted, "target_forwards": s.target_steps}}
         return Completion(s.request_id, s.prompt_ids, s.output_ids, s.text, s.finish_reason, stats, s.logprobs)
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:

@@ -54,18 +54,26 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) 
     """logits [V] fp32 -> one token id."""
     if p.temperature == 0:
         return int(logits.argmax())
+    return int(torch.multinomial(target_probs(logits, p), 1, generator=gen))
+
+
+def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution `sample_token` draws from at temperature > 0 (temperature, then top-k, then top-p), as
+    probabilities [..., V]; at temperature 0 the point mass on the argmax. Speculative verification compares
+    drafts against exactly this distribution."""
+    if p.temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.size(-1)).float()
     x = logits.float() / p.temperature
-    if p.top_k and p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
+    if p.top_k and p.top_k < x.size(-1):
+        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, -torch.inf)
     if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
         cum = torch.cumsum(probs, dim=-1)
         drop = cum - probs > p.top_p                  # keep the smallest prefix whose mass reaches top_p
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -torch.inf)
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+        x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -torch.inf)
+    return torch.softmax(x, dim=-1)
 
 
 def top_logprobs(logits: torch.Tensor, token: int, n: int) -> dict:

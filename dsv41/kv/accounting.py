@@ -139,8 +139,8 @@ def fill_random(pool: PackedKVPool, sid: int, tokens: int, chunk: int = 1 << 16,
             r = tokens % m
             kv = torch.zeros(1, m, C)
             sc = torch.full((1, m, C), -torch.inf)
-            kv[:, :r] = torch.randn(1, r, C, generator=gen)
-            sc[:, :r] = torch.randn(1, r, C, generator=gen)
+            kv[:, m - r:] = torch.randn(1, r, C, generator=gen)        # the open group: the last r slots
+            sc[:, m - r:] = torch.randn(1, r, C, generator=gen)
             view.set_compressor_state(L, kv.to(pool.device), sc.to(pool.device))
     view.pos = torch.tensor([tokens])
     if pool.device.type == "cuda":

@@ -39,10 +39,11 @@ Quantization off. With `set_quantization(model, False)` the written values are n
 formats and this store rounds them (a lossy cache); the engine uses `DenseCache` for unquantized models. Pass
 `strict=True` to have every write verify its round trip (one host sync per write) and raise ValueError.
 
-Speculative decoding (extension point). SYSTEM.md 3 sizes the ring W + (max_verify - 1) rows so a rejected
-draft never overwrites a row still in the window. The model's window lists address slot p % W today, so the ring
-here has W rows; growing it means a ring of W + extra rows with slot p % (W + extra) in `write_window` and
-`window_ring`, together with the model's `window_indices` (a model change).
+Speculative decoding. SYSTEM.md 3 sizes the ring W + (max_verify - 1) rows so a rejected draft never overwrites
+a row still in the window. Here the ring keeps W rows (the model's window lists, the kernels and the SwaState
+layout address slot p % W) and a verify step instead saves the <= max_verify ring rows it will overwrite
+(`ring_rows`) and puts back those of rejected positions (`set_ring_rows`); `truncate_global` forgets entries of
+rejected groups (`dsv41.engine.speculative.VerifyJournal`). Same guarantee: rejected tokens leave no trace.
 
 Reads of the global store gather a sequence's pages and unpack the whole visible history (the dense interface
 returns [B, N, C]); the unpacked tensor is memoised per view until the next write to that layer, since every
@@ -77,7 +78,7 @@ from dsv41.codecs import (
     unpack_swa_kv,
 )
 from dsv41.config import ModelConfig
-from dsv41.model.cache import LayerCacheSpec, cache_spec
+from dsv41.model.cache import LayerCacheSpec, cache_spec, window_write_mask
 
 __all__ = ["PackedKVPool", "BatchView", "pack_main_kv_exact", "KINDS", "GlobalState", "GlobalLayerState", "SwaState",
            "GLOBAL_LAYOUT_VERSION", "SWA_LAYOUT_VERSION"]
@@ -596,16 +597,53 @@ class BatchView:
         """[B, W, C] unpacked; slot p % W holds position p; never-written slots are 0."""
         return unpack_swa_kv(self.pool.swa[layer][self.slots]).to(self.dtype)
 
-    def write_window(self, layer: int, start: torch.Tensor, kv: torch.Tensor) -> None:
-        """kv [B,T,C] for positions start_b..start_b+T-1; only the last W of each row survive."""
+    def write_window(self, layer: int, start: torch.Tensor, kv: torch.Tensor, count: torch.Tensor | None = None) -> None:
+        """kv [B,T,C] for positions start_b..start_b+T-1 (only the first count_b of row b when given); only the
+        last W of each row survive."""
         ring = self.pool.swa[layer]
         W, T = ring.size(1), kv.size(1)
         first = max(0, T - W)
+        if T == 0:
+            return
         x = kv[:, first:].detach()
         records = pack_swa_kv(x, check_finite=False)
         self._verify("swa", records, x)
         pos = torch.as_tensor(start, dtype=torch.long).cpu().view(-1, 1) + torch.arange(first, T)
-        ring[self.slots.view(-1, 1), (pos % W).to(self.device)] = records.to(self.device)
+        slots = self.slots.view(-1, 1).expand(-1, pos.size(1))
+        slot_pos = (pos % W).to(self.device)
+        if count is None:
+            ring[slots, slot_pos] = records.to(self.device)
+            return
+        keep = window_write_mask(count, first, T, W).to(self.device)
+        ring[slots[keep], slot_pos[keep]] = records.to(self.device)[keep]
+
+    # ---------------------------------------------------------------- speculative rollback (dsv41.engine.speculative)
+    def ring_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """A copy of ring slots [B,K] of every row (packed bytes)."""
+        return self.pool.swa[layer][self.slots.view(-1, 1), slots.to(self.device)].clone()
+
+    def set_ring_rows(self, layer: int, slots: torch.Tensor, saved: torch.Tensor, mask: torch.Tensor) -> None:
+        """Put back `saved` (from `ring_rows`) into the slots where mask [B,K] is set."""
+        m = mask.to(self.device)
+        seq_slots = self.slots.view(-1, 1).expand_as(slots.to(self.device))
+        self.pool.swa[layer][seq_slots[m], slots.to(self.device)[m]] = saved[m]
+
+    def truncate_global(self, n_tokens: torch.Tensor) -> None:
+        """Forget global entries of groups not completed within each row's first n_tokens_b positions; pages no
+        longer needed go back to the free list."""
+        pool = self.pool
+        n = torch.as_tensor(n_tokens, dtype=torch.long).cpu().expand(self.batch).tolist()
+        for L, pl in pool.global_layers.items():
+            m = pool.specs[L].ratio
+            for b, s in enumerate(self.seqs):
+                entries = int(n[b]) // m
+                for kind in KINDS:
+                    s.rows[(L, kind)] = min(s.rows[(L, kind)], entries)
+                need = -(-max(s.rows[(L, k)] for k in KINDS) // pool.page_size)
+                if len(s.pages[L]) > need:
+                    pl.release(s.pages[L][need:])
+                    del s.pages[L][need:]
+            pl.version += 1
 
     # ---------------------------------------------------------------- global KV
     def write_records(self, layer: int, kind: str, row0, records: torch.Tensor, count) -> None:
@@ -695,7 +733,7 @@ class BatchView:
         return kv[self.slots], sc[self.slots]
 
     def set_compressor_state(self, layer: int, kv: torch.Tensor, score: torch.Tensor) -> None:
-        """kv/score [B,m,C] fp32: slots 0..r_b-1 hold the r_b tokens of each row's open group."""
+        """kv/score [B,m,C] fp32: slots m-r_b..m-1 hold the r_b tokens of each row's open group (`carry_after`)."""
         st_kv, st_sc = self.pool.pending[layer]
         st_kv[self.slots] = kv.detach().to(st_kv.dtype)
         st_sc[self.slots] = score.detach().to(st_sc.dtype)
@@ -801,10 +839,9 @@ class GlobalLayerState:
     carry_kv: torch.Tensor       # fp32 [r, C]: the compressor carry at `upto` (see below)
     carry_score: torch.Tensor    # fp32 [r, C]
 
-    # The carry is the pool's whole pending slab of the layer, r = m rows, when upto % m != 0 (slots 0..upto%m-1
-    # hold the open group's tokens; the Compressor reads its carry through an alignment that also touches the other
-    # slots, which hold what it left there, so all m are kept to make a resume bit-identical), and 0 rows when the
-    # group is closed (then the carry is never read).
+    # The carry is the pool's whole pending slab of the layer, r = m rows, when upto % m != 0 (the last upto % m
+    # slots hold the open group's tokens, `dsv41.model.attention.carry_after`; all m are kept so that a resume is
+    # bit-identical whatever the other slots hold), and 0 rows when the group is closed (then it is never read).
 
 
 @dataclass(eq=False)

@@ -44,6 +44,7 @@ class StepContext:
     window_floor: torch.Tensor | None = None   # [B]: window keys before this position are absent (replay start)
     produce_kv: bool = True             # False: KV sources skip compressing (their global KV already exists)
     journal: dict | None = None         # speculative verify: compressors record their per-token sequence here
+    window_floor_layers: frozenset | None = None   # layers window_floor applies to (None: every layer)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -84,12 +85,19 @@ def window_indices(start: torch.Tensor, T: int, W: int, prefill: bool,
     otherwise: the KV tensor is [ring (W slots, position p at slot p % W) || chunk (T rows)]; query p lists the W
       positions p-W+1..p oldest first (ring slot for positions before the chunk, chunk row after), < 0 -> -1
       (for T = 1 exactly the official decode list).
-    floor [B]: positions below floor_b are absent (-1): the sliding window truncated at a replay start."""
+    floor [B]: positions below floor_b are absent (-1): the sliding window truncated at a replay start. In the
+      prefill branch only the queries at positions >= floor_b lose them (queries before it keep their full
+      window: a training prefill simulating a replay that starts at floor_b, `dsv41.train.qat`); otherwise
+      every query of the chunk does."""
     B = start.size(0)
     if prefill:
         end = torch.arange(T).unsqueeze(1)
         idx = (end - W + 1).clamp(min=0) + torch.arange(min(T, W))
-        return torch.where(idx > end, -1, idx).expand(B, -1, -1)
+        idx = torch.where(idx > end, -1, idx)
+        if floor is None:
+            return idx.expand(B, -1, -1)
+        f = floor.view(B, 1, 1).cpu()
+        return torch.where((end.unsqueeze(0) >= f) & (idx < f), -1, idx.unsqueeze(0))
     P = start.view(B, 1, 1).cpu()
     pos = P + torch.arange(T).view(1, T, 1) - W + 1 + torch.arange(W).view(1, 1, W)     # [B,T,W] positions
     idx = torch.where(pos < P, pos % W, W + pos - P)
@@ -129,11 +137,13 @@ def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, to
 
 
 def carry_after(seq_kv: torch.Tensor, seq_sc: torch.Tensor, length: torch.Tensor, m: int):
-    """The compressor carry [B,m,C] after row b's first length_b tokens of a group-aligned sequence [B,L,C]:
-    slots 0..(length_b % m)-1 hold the open group's tokens (other slots are never read)."""
+    """The compressor carry [B,m,C] after row b's first length_b tokens of a group-aligned sequence [B,L,C]: the
+    last m tokens, so slots m-r_b..m-1 hold the open group's r_b = length_b % m tokens, where the next call reads
+    them (`Compressor.forward` aligns the state's last `carried` slots before its chunk); the other slots are
+    never read."""
     L = seq_kv.size(1)
-    idx = ((length // m) * m).to(seq_kv.device).unsqueeze(1) + torch.arange(m, device=seq_kv.device)
-    idx = idx.clamp(max=L - 1).unsqueeze(-1).expand(-1, -1, seq_kv.size(-1))
+    idx = length.to(seq_kv.device).unsqueeze(1) - m + torch.arange(m, device=seq_kv.device)
+    idx = idx.clamp(min=0, max=L - 1).unsqueeze(-1).expand(-1, -1, seq_kv.size(-1))
     return seq_kv.gather(1, idx), seq_sc.gather(1, idx)
 
 
@@ -178,7 +188,7 @@ class Compressor(nn.Module):
         length = carried + T                                                        # [B]
         count = length // m
         n = int(count.max())
-        # the open group's tokens become the new carry (slots 0..rest-1; other slots are never read)
+        # the open group's tokens become the new carry (the last slots; see carry_after)
         cache.set_compressor_state(layer, *carry_after(seq_kv, seq_sc, length, m))
         if n == 0:
             return None, count
@@ -348,7 +358,8 @@ class Attention(QuantSite):
         kv = self.window_kv(u, freqs)
         prefill = ctx.all_prefill
         win_kv = kv if prefill else torch.cat([ctx.cache.window_ring(self.layer).to(kv.dtype), kv], dim=1)
-        idx = window_indices(ctx.start, T, self.window, prefill, ctx.window_floor).to(u.device).int()
+        floor = ctx.window_floor if ctx.window_floor_layers is None or self.layer in ctx.window_floor_layers else None
+        idx = window_indices(ctx.start, T, self.window, prefill, floor).to(u.device).int()
         ctx.cache.write_window(self.layer, ctx.start, kv)
         kv_all = win_kv
         if self.role.ratio:

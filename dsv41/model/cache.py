@@ -39,6 +39,14 @@ def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
     return specs
 
 
+def window_write_mask(count: torch.Tensor, first: int, T: int, W: int) -> torch.Tensor:
+    """bool [B, T - first]: which of a write's rows first..T-1 land, when row b writes only its first count_b
+    rows and a ring keeps the last W of them."""
+    j = torch.arange(first, T).unsqueeze(0)
+    c = torch.as_tensor(count, dtype=torch.long).cpu().view(-1, 1)
+    return (j < c) & (j >= c - W)
+
+
 class DenseCache:
     """Reference store for a batch of B sequences (rows may sit at different positions).
 
@@ -72,14 +80,37 @@ class DenseCache:
     def window_ring(self, layer: int) -> torch.Tensor:
         return self.window[layer]
 
-    def write_window(self, layer: int, start: torch.Tensor, kv: torch.Tensor) -> None:
-        """kv [B,T,C] for positions start_b..start_b+T-1; only the last W of each row survive."""
+    def write_window(self, layer: int, start: torch.Tensor, kv: torch.Tensor, count: torch.Tensor | None = None) -> None:
+        """kv [B,T,C] for positions start_b..start_b+T-1 (only the first count_b of row b when given); only the
+        last W of each row survive."""
         ring = self.window[layer]
         W, T = ring.size(1), kv.size(1)
         first = max(0, T - W)
         pos = start.view(-1, 1).to(self.device) + torch.arange(first, T, device=self.device)
         rows = torch.arange(kv.size(0), device=self.device).unsqueeze(1)
-        ring[rows, pos % W] = kv[:, first:].to(ring.dtype)
+        if count is None:
+            ring[rows, pos % W] = kv[:, first:].to(ring.dtype)
+            return
+        keep = window_write_mask(count, first, T, W).to(self.device)
+        ring[rows.expand_as(pos)[keep], (pos % W)[keep]] = kv[:, first:][keep].to(ring.dtype)
+
+    # ---------------------------------------------------------------- speculative rollback (dsv41.engine.speculative)
+    def ring_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """A copy of ring slots [B,K] of every row (the store's own representation)."""
+        rows = torch.arange(self.batch, device=self.device).unsqueeze(1)
+        return self.window[layer][rows, slots.to(self.device)].clone()
+
+    def set_ring_rows(self, layer: int, slots: torch.Tensor, saved: torch.Tensor, mask: torch.Tensor) -> None:
+        """Put back `saved` (from `ring_rows`) into the slots where mask [B,K] is set."""
+        rows = torch.arange(self.batch, device=self.device).unsqueeze(1).expand_as(slots)
+        m = mask.to(self.device)
+        self.window[layer][rows[m], slots.to(self.device)[m]] = saved[m]
+
+    def truncate_global(self, n_tokens: torch.Tensor) -> None:
+        """Forget global entries of groups not completed within each row's first n_tokens_b positions."""
+        n = torch.as_tensor(n_tokens, dtype=torch.long).cpu().expand(self.batch)
+        for L in self.ckv:
+            self.rows[L] = torch.minimum(self.rows[L], n // self.specs[L].ratio)
 
     # ---------------------------------------------------------------- global KV
     def _ensure(self, layer: int, rows: int) -> None:
@@ -122,7 +153,7 @@ class DenseCache:
         return self.pending[layer]
 
     def set_compressor_state(self, layer: int, kv: torch.Tensor, score: torch.Tensor) -> None:
-        """kv/score [B,m,C] fp32: slots 0..r_b-1 hold the r_b tokens of each row's open group."""
+        """kv/score [B,m,C] fp32: slots m-r_b..m-1 hold the r_b tokens of each row's open group (`carry_after`)."""
         st_kv, st_sc = self.pending[layer]
         st_kv.copy_(kv)
         st_sc.copy_(score)

@@ -22,10 +22,17 @@ class DSparkAttention(Attention):
     """Window-only attention whose ring is filled from the target's hidden taps (`main_x`), while the draft
     block attends bidirectionally to itself on top of the ring (MODEL.md 7)."""
 
-    def seed(self, main_x: torch.Tensor, start: torch.Tensor, cache) -> None:
-        """Window KV of the main tokens at positions start_b..start_b+T-1, written to the ring."""
+    def seed(self, main_x: torch.Tensor, start: torch.Tensor, cache, count: torch.Tensor | None = None) -> None:
+        """Window KV of the main tokens at positions start_b..start_b+T-1 (the first count_b of row b when
+        given: speculative decoding seeds only accepted positions), written to the ring."""
+        if main_x.size(1) == 0:
+            return
         pos = start.view(-1, 1) + torch.arange(main_x.size(1))
-        cache.write_window(self.layer, start, self.window_kv(main_x, self.rope.freqs(pos).to(main_x.device)))
+        kv = self.window_kv(main_x, self.rope.freqs(pos).to(main_x.device))
+        if count is None:
+            cache.write_window(self.layer, start, kv)
+        else:
+            cache.write_window(self.layer, start, kv, count)
 
     def forward(self, u: torch.Tensor, ctx, main_x: torch.Tensor) -> torch.Tensor:
         cache, start = ctx.cache, ctx.start
@@ -96,8 +103,11 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
 
 
 def forward_spec(model, token: torch.Tensor | None, main_hidden: torch.Tensor, cache, start,
-                 temperature: float = 0.0, generator: torch.Generator | None = None):
-    """See `Transformer.draft`."""
+                 temperature: float = 0.0, generator: torch.Generator | None = None, count=None, sampler=None):
+    """See `Transformer.draft`. Extensions for the engine's speculative decoding (`dsv41.engine.speculative`):
+    `count` [B] seeds only each row's first count_b main tokens (token None); main_hidden may hold 0 tokens, the
+    rings then already hold every position before `start`, the position of `token`; `sampler(i, logits [B,V])`
+    replaces the official `sample` (per-request temperatures and generators)."""
     from dsv41.model.attention import StepContext
 
     warm_up_transcendentals()
@@ -105,10 +115,13 @@ def forward_spec(model, token: torch.Tensor | None, main_hidden: torch.Tensor, c
     first, last = stages[0], stages[-1]
     B = main_hidden.size(0)
     start = torch.as_tensor(start, dtype=torch.long).expand(B).clone()
-    main_x = first.main_norm(first.main_proj(main_hidden))                 # [B,T,D]
+    if main_hidden.size(1):
+        main_x = first.main_norm(first.main_proj(main_hidden))             # [B,T,D]
+    else:                                                                  # rings already seeded up to start-1
+        main_x = main_hidden.new_zeros(B, 0, cfg.dim, dtype=model.dtype)
     if token is None:                                                      # prefill: seed the rings only
         for st in stages:
-            st.attn.seed(main_x, start, cache)
+            st.attn.seed(main_x, start, cache, count)
         return None
     ctx = StepContext(start, main_x.size(1), cache)
     G = cfg.dspark_block_size
@@ -127,6 +140,6 @@ def forward_spec(model, token: torch.Tensor | None, main_hidden: torch.Tensor, c
         bias, e = last.markov_head(out[:, i])
         logits[:, i] = logits[:, i] + bias
         embeds.append(e)
-        out[:, i + 1] = sample(logits[:, i], temperature, generator)
+        out[:, i + 1] = sample(logits[:, i], temperature, generator) if sampler is None else sampler(i, logits[:, i])
     confidence = last.confidence_head(x, torch.stack(embeds, dim=1))
     return out, logits, confidence
