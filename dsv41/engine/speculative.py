@@ -333,8 +333,8 @@ def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), max_v: int | None
                 sync()
                 t0 = time.perf_counter()
                 if drafter is not None:
-                    rows = [_ProfileRow(int(t), SamplingParams(), gen) for t in pending]
-                    prop = drafter.propose(view, rows, pos)
+                    seqs = [_ProfileRow(int(t), SamplingParams(), gen) for t in pending]
+                    prop = drafter.propose(view, seqs, pos)
                     drafts = prop.tokens[:, :V]
                 else:
                     drafts = torch.randint(0, cfg.vocab_size, (B, V), generator=gen)
