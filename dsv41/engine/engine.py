@@ -106,6 +106,10 @@ class Engine:
         self.speculation = Speculation.parse(speculative)
         self.drafter = None if self.speculation.mode == "off" else DSparkDrafter(model)
         self.step_profile = step_profile
+        G = model.cfg.dspark_block_size
+        # engine-wide speculative counters: per draft position k, rows that verified it with drafts < k accepted
+        # ("reached") and rows that accepted it; target forwards and rows decoded
+        self.spec_counts = {"reached": [0] * G, "accepted": [0] * G, "forwards": 0, "row_steps": 0, "tokens": 0}
         if self.speculation.mode == "dspark" and step_profile is None:
             raise ValueError("the dspark scheduler needs the step latency profile T(n): run `dsv41 profile-step` "
                              "on the checkpoint, or choose --speculative fixed:N")
@@ -264,6 +268,13 @@ class Engine:
             s.drafted += v
             s.accepted += n
             s.target_steps += 1
+            sc = self.spec_counts
+            for k in range(min(v, n + 1)):
+                sc["reached"][k] += 1
+                sc["accepted"][k] += int(k < n)
+            sc["row_steps"] += 1
+            sc["tokens"] += len(s.output_ids) - before
+        self.spec_counts["forwards"] += 1
         keep_t = torch.tensor(keep)
         journal.rollback(self.model, view, ids, keep_t)
         if out.main_hidden is not None:

@@ -354,3 +354,41 @@ def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), max_v: int | None
             pool.free(sid)
     return StepProfile(tokens, seconds, {"context": context, "device": str(device), "points": rows,
                                          "dtype": str(model.dtype).replace("torch.", "")})
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+def has_trained_drafter(checkpoint) -> bool:
+    """Whether a checkpoint directory holds a drafter trained by the DSpark stage (`dsv41 train --stage dspark`
+    writes summary.json with stage "dspark")."""
+    if checkpoint is None:
+        return False
+    f = Path(checkpoint) / "summary.json"
+    try:
+        return json.loads(f.read_text()).get("stage") == "dspark"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def resolve_speculation(model, checkpoint, flag: str = "auto", profile_path=None, max_batch: int = 8,
+                        device="cpu", log=print) -> tuple[Speculation, StepProfile | None]:
+    """The `--speculative` flag of `generate` / `serve`: auto = the confidence scheduler when the checkpoint has
+    a trained drafter, else off. The scheduler's T(n) comes from --step-profile, else the checkpoint's
+    step_profile.json (`dsv41 profile-step`), else a quick profile measured now (logged)."""
+    if flag == "auto":
+        flag = "dspark" if has_trained_drafter(checkpoint) and model.cfg.dspark_enabled else "off"
+    spec = Speculation.parse(flag)
+    if spec.mode == "off":
+        return spec, None
+    if spec.mode != "off" and not has_trained_drafter(checkpoint):
+        log(f"speculative {spec}: this checkpoint's drafter was not trained by the DSpark stage; outputs are "
+            "exact, acceptance will be low")
+    if spec.mode != "dspark":
+        return spec, None
+    path = Path(profile_path) if profile_path else (Path(checkpoint) / PROFILE_FILE if checkpoint else None)
+    if path is not None and path.exists():
+        return spec, StepProfile.load(path)
+    log("speculative dspark: no step profile found (run `dsv41 profile-step --checkpoint ...` to store one); "
+        "measuring a quick one now")
+    batches = sorted({1, max(1, max_batch)})
+    return spec, profile_step(model, batches=batches, context=256, repeats=1, device=device, log=lambda *a: None)

@@ -380,7 +380,7 @@ def create_app(engine, settings: ServerSettings | None = None, metrics: ServerMe
         return {"index": seq.index, "prefill_mode": st.get("prefill_mode"), "prefill_s": st.get("prefill_s"),
                 "decode_s": st.get("decode_s"), "ttft_s": st.get("ttft_s"), "kv_bytes": st.get("kv_bytes"),
                 "cache_path": u["prompt_tokens_details"]["cache_path"],
-                "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}
+                "cached_tokens": u["prompt_tokens_details"]["cached_tokens"], "speculative": st.get("speculative")}
 
     def seq_usage(seq: _Seq, comp) -> dict:
         u = usage_from_stats(comp.stats, len(seq.prompt_ids), len(comp.output_ids))

@@ -21,9 +21,19 @@ def add_engine_args(p, checkpoint_required: bool = True) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: checkpoint dir name)")
     p.add_argument("--chat-template", choices=["auto", "official", "simple"], default="auto")
     p.add_argument("--default-max-tokens", type=int, default=256)
+    add_speculative_args(p)
     p.add_argument("--tie-break", choices=["official", "recent"], default="official",
                    help="indexer top-k tie rule: official (torch.topk, parity with the official code) or recent "
                         "(deterministic: greedy outputs then do not depend on which requests share a batch)")
+
+
+def add_speculative_args(p) -> None:
+    p.add_argument("--speculative", default="auto",
+                   help="speculative decoding with the DSpark drafter: off | fixed:N (verify N drafts per step) | "
+                        "dspark (the confidence scheduler) | auto (dspark when the checkpoint has a trained "
+                        "drafter, else off); outputs keep the target distribution exactly")
+    p.add_argument("--step-profile", default=None,
+                   help="T(n) profile for the dspark scheduler (default: CHECKPOINT/step_profile.json)")
 
 
 def register(sub) -> None:
@@ -67,7 +77,17 @@ def build_engine(args, model=None, tokenizer=None):
     kwargs = engine_kwargs(args)
     kwargs.update({k: v for k, v in (("cache_dir", getattr(args, "cache_dir", None)),
                                      ("swa_pool", getattr(args, "swa_pool", None))) if v is not None})
+    kwargs.update(speculative_kwargs(args, model))
     return Engine(model, tokenizer, **kwargs)
+
+
+def speculative_kwargs(args, model) -> dict:
+    from dsv41.engine.speculative import resolve_speculation
+
+    spec, profile = resolve_speculation(model, getattr(args, "checkpoint", None),
+                                        getattr(args, "speculative", "off") or "off",
+                                        getattr(args, "step_profile", None), getattr(args, "max_batch", 8))
+    return {"speculative": spec, "step_profile": profile}
 
 
 def settings_from(args, engine):
@@ -91,7 +111,7 @@ def serve_main(args) -> int:
     tpl = app.state.dsv41.template.name
     print(f"dsv41 serve: model `{settings.model_name}` ({engine.cfg.n_layers} layers, vocab {engine.cfg.vocab_size},"
           f" prefill {engine.prefill_mode}, max batch {engine.max_batch}, context {engine.max_seq_len}, chat template"
-          f" {tpl}) on http://{args.host}:{args.port}/v1", flush=True)
+          f" {tpl}, speculative {engine.speculation}) on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -276,12 +276,17 @@ def usage_from_stats(stats: dict, prompt_tokens: int | None = None, completion_t
     cached = stats.get("cached_tokens")
     cached = int(cached) if isinstance(cached, int) else sum(tiers.values()) if tiers else 0
     path = stats.get("cache_path") or ("cold" if cached == 0 else "hit")
+    spec = stats.get("speculative") or {}
+    drafted, accepted = int(spec.get("drafted_tokens", 0)), int(spec.get("accepted_tokens", 0))
     return {
         "prompt_tokens": p,
         "completion_tokens": c,
         "total_tokens": p + c,
         "prompt_tokens_details": {"cached_tokens": min(cached, p), "cached_tokens_by_tier": tiers,
                                   "cache_path": str(path)},
+        # speculative decoding (OpenAI's predicted-output fields): drafts the target accepted / rejected
+        "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                      "rejected_prediction_tokens": drafted - accepted},
     }
 
 
@@ -304,9 +309,12 @@ def merge_usage(per_choice: list[dict], prompt_tokens_once: list[int]) -> dict:
         for t, v in u["prompt_tokens_details"]["cached_tokens_by_tier"].items():
             tiers[t] = tiers.get(t, 0) + v
     paths = sorted({u["prompt_tokens_details"]["cache_path"] for u in per_choice})
+    details = {k: sum(u.get("completion_tokens_details", {}).get(k, 0) for u in per_choice)
+               for k in ("accepted_prediction_tokens", "rejected_prediction_tokens")}
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": cached, "cached_tokens_by_tier": tiers,
-                                      "cache_path": paths[0] if len(paths) == 1 else ",".join(paths)}}
+                                      "cache_path": paths[0] if len(paths) == 1 else ",".join(paths)},
+            "completion_tokens_details": details}
 
 
 def public_usage(u: dict) -> dict:
