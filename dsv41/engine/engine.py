@@ -70,7 +70,7 @@ class Completion:
 
 class Engine:
     def __init__(self, model, tokenizer=None, prefill_mode: str = "ced-bounded", max_batch: int = 8,
-                 max_seq_len: int | None = None, chunk_size: int | None = None, device="cpu",
+                 max_seq_len: int | None = None, chunk_size: int | None = None, device=None,
                  prefill_fallback: bool = True, cache_dir=None, swa_pool=None, cache_interval: int = 4096,
                  weights_id: str | None = None, tokenizer_id: str | None = None, speculative="off",
                  step_profile=None):
@@ -92,7 +92,8 @@ class Engine:
         self.tokenizer = tokenizer or ByteTokenizer(model.cfg.vocab_size)
         self.prefill_mode, self.max_batch, self.chunk_size = prefill_mode, max_batch, chunk_size
         self.max_seq_len = max_seq_len or 4096
-        self.pool = make_pool(model, device)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.pool = make_pool(model, self.device)
         self.prefix_cache = None
         if cache_dir is not None or swa_pool is not None:
             if not hasattr(self.pool, "export_global"):
@@ -196,12 +197,12 @@ class Engine:
             view.engram_history = engram_history_at(self.model.engram_hasher, ids, start - replay).view(1, -1)
         body = ids[start - replay:-1]
         if body:
-            pf = prefill(self.model, torch.tensor([body]), view, self.prefill_mode, self.chunk_size, replay=replay)
+            pf = prefill(self.model, torch.tensor([body], device=self.device), view, self.prefill_mode, self.chunk_size, replay=replay)
             if self.drafter is not None and pf.main_hidden is not None:
                 self.drafter.seed(view, pf.main_hidden, pf.tap_start)
         self._save_unit(seq, ids[:-1])
         last_pos = view.pos.clone()
-        out = self.model(torch.tensor([ids[-1:]]), view, last_only=True)
+        out = self.model(torch.tensor([ids[-1:]], device=self.device), view, last_only=True)
         if self.drafter is not None and out.main_hidden is not None:
             self.drafter.seed(view, out.main_hidden, last_pos)
         getattr(self.pool, "release", lambda *a: None)(view, [seq.sid])
@@ -232,7 +233,7 @@ class Engine:
         t0 = time.perf_counter()
         sids = [s.sid for s in live]
         view = self.pool.bind(sids)
-        ids = torch.tensor([[s.pending] for s in live])
+        ids = torch.tensor([[s.pending] for s in live], device=self.device)
         logits = self.model(ids, view, last_only=True).logits[:, -1]
         getattr(self.pool, "release", lambda *a: None)(view, sids)
         dt = time.perf_counter() - t0
@@ -252,7 +253,7 @@ class Engine:
         prop = self.drafter.propose(view, live, pos)
         caps = [max(0, s.params.max_tokens - len(s.output_ids) - 1) for s in live]   # drafts that could be emitted
         V = self._verify_length(prop, caps)
-        ids = torch.cat([pending.view(-1, 1), prop.tokens[:, :V]], dim=1)
+        ids = torch.cat([pending.view(-1, 1), prop.tokens[:, :V]], dim=1).to(self.device)
         journal = VerifyJournal(self.model, view, pos, 1 + V)
         out = self.model(ids, view, journal=journal.model_journal)
         keep = []

@@ -54,7 +54,7 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) 
     """logits [V] fp32 -> one token id."""
     if p.temperature == 0:
         return int(logits.argmax())
-    return int(torch.multinomial(target_probs(logits, p), 1, generator=gen))
+    return int(torch.multinomial(target_probs(logits.float().cpu(), p), 1, generator=gen))   # CPU generator
 
 
 def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
