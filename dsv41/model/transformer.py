@@ -137,13 +137,15 @@ class Transformer(nn.Module):
                 token_types: torch.Tensor | None = None, images=None, last_only: bool = False,
                 official_decode_artifact: bool = False, record: dict | None = None,
                 window_floor: torch.Tensor | None = None, produce_kv: bool = True,
-                journal: dict | None = None) -> ForwardOut:
+                journal: dict | None = None, window_floor_layers: frozenset | None = None) -> ForwardOut:
         """Run T tokens per row at positions start_pos.. (default: where the cache stands) and advance the cache.
 
         Prefill (P = 0, any T), decode (T = 1) and chunked prefill (any P, T) share this one path; rows may
         sit at different positions (continuous batching). `window_floor` truncates every layer's sliding window
-        (replay); `produce_kv=False` re-runs tokens whose global KV is already stored (replay); `journal` (a
-        dict) records what a speculative verify needs to roll back rejected tokens (`dsv41.engine.speculative`)."""
+        (replay), or only those in `window_floor_layers` when given (training's replay simulation passes both
+        with a prefill at position 0: there only queries at or after the floor lose keys); `produce_kv=False`
+        re-runs tokens whose global KV is already stored (replay); `journal` (a dict) records what a speculative
+        verify needs to roll back rejected tokens (`dsv41.engine.speculative`)."""
         B, T = input_ids.shape
         start = cache.pos.clone()
         if start_pos is not None:
@@ -157,7 +159,7 @@ class Transformer(nn.Module):
         token_mask = None if image_mask is None else ~image_mask
         hashes = self.engram_hashes(input_ids, cache, token_mask)
         ctx = StepContext(start, T, cache, official_decode_artifact, record=record, window_floor=window_floor,
-                          produce_kv=produce_kv, journal=journal)
+                          produce_kv=produce_kv, journal=journal, window_floor_layers=window_floor_layers)
         h = self.embed_tokens(input_ids, images)
         if record is not None:
             record["embed_out"] = h

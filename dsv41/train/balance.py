@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dsv41.model.moe import MoE
+from dsv41.train.optim.muon import full_tensor, local_rows
 
 DEFAULT_RATE = 1e-3
 
@@ -41,6 +42,14 @@ def max_violation(load: torch.Tensor) -> float:
     """max load / mean load - 1 (0 when there is no load)."""
     mean = float(load.mean())
     return float(load.max()) / mean - 1.0 if mean > 0 else 0.0
+
+
+def _apply_bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
+    """`bias_update` in place. Under FSDP2 the bias is a sharded DTensor: the update is computed on the gathered
+    vector (a collective; every rank steps with the same summed loads) and each rank keeps its own shard."""
+    new = bias_update(full_tensor(bias), load, rate)
+    local = bias.to_local() if hasattr(bias, "to_local") else bias
+    local.copy_(local_rows(bias, new))
 
 
 class LoadBalancer:
@@ -90,10 +99,10 @@ class LoadBalancer:
         for name, m in self.moes:
             text, image = self.loads[name]["text"], self.loads[name]["image"]
             if text.sum() > 0:
-                m.gate.bias.copy_(bias_update(m.gate.bias, text, self.rate))
+                _apply_bias_update(m.gate.bias, text, self.rate)
                 vios.append(max_violation(text))
             if image.sum() > 0 and m.gate.bias_vl is not None:
-                m.gate.bias_vl.copy_(bias_update(m.gate.bias_vl, image, self.rate))
+                _apply_bias_update(m.gate.bias_vl, image, self.rate)
         self.reset()
         if not vios:
             return {}

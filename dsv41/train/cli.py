@@ -6,14 +6,14 @@ Examples
     dsv41 train --preset tiny --resume --out runs/t     # continue exactly where a run stopped
     dsv41 train --stage dspark --init runs/train-tiny --out runs/train-tiny-dspark --minutes 3
     torchrun --nproc_per_node 2 -m dsv41.train.cli train --preset tiny --steps 200 --batch-size 4  # CPU, gloo
-    torchrun --nproc_per_node 8 -m dsv41.train.cli train --preset tiny --fsdp --device cuda ...   # GPU node
+    torchrun --nproc_per_node 8 -m dsv41.train.cli train --preset tiny --fsdp --device cuda ...   # GPU node (FSDP2)
 """
 
 from __future__ import annotations
 
 import argparse
 
-from dsv41.train.trainer import DEFAULT_MINUTES, TrainConfig, train
+from dsv41.train.trainer import DEFAULT_MINUTES, REPLAY_MODES, TrainConfig, train
 
 
 def register(subparsers) -> None:
@@ -45,6 +45,9 @@ def register(subparsers) -> None:
     p.add_argument("--optimizer", choices=("muon", "adamw"), default=d.optimizer,
                    help="muon: head-wise Muon + Muon + Sinkhorn + AdamW by route; adamw: AdamW for everything")
     p.add_argument("--qat", action="store_true", help="fake-quantize the FP4 main KV (straight-through)")
+    p.add_argument("--replay", choices=REPLAY_MODES, default=d.replay,
+                   help="simulate bounded replay: truncate the sliding windows of the decoder / encoder / all "
+                        "layers at a random replay start per sequence (SYSTEM.md 2 and 4)")
     p.add_argument("--balance-rate", type=float, default=d.balance_rate, help="aux-loss-free bias step u")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-every", type=int, default=None)
@@ -52,7 +55,8 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on CPU: 1, steady on shared cores)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
-    p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP (GPUs under torchrun)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 instead of DDP (under torchrun; NCCL on GPUs, gloo on CPU)")
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="greedy sample length at the end")
     p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true")
@@ -66,7 +70,7 @@ def run(args) -> int:
                       grad_accum=args.grad_accum, lr=args.lr, weight_decay=args.weight_decay, warmup=args.warmup,
                       clip=args.clip, optimizer=args.optimizer, qat=args.qat, balance_rate=args.balance_rate,
                       seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows,
-                      val_fraction=args.val_fraction,
+                      val_fraction=args.val_fraction, replay=args.replay,
                       threads=args.threads, device=args.device, fsdp=args.fsdp, sample_tokens=args.sample_tokens,
                       quiet=args.quiet)
     train(cfg, resume=args.resume, stop_at=args.stop_at)

@@ -12,17 +12,23 @@ Where: the compressed entries reach the store through `cache.append_compressed(l
 where the model applies `qdq_main_kv` when its QDQ is on (after RoPE, MODEL.md 3.4). `TrainCache` (a
 `DenseCache`) applies the STE there when `kv_qat` is set, so QAT needs no change to the model.
 
-Bounded-replay simulation (design; waits for a model hook, not implemented yet). At inference the decoder runs
-only the last n_win prompt tokens, with its sliding window truncated at the replay start s (SYSTEM.md 2); on a
-prefix hit the encoder replays the last n_win cached tokens the same way (SYSTEM.md 4). To let the model adapt,
-a training step draws one replay start s per sequence (uniform over [W, T - 1], from a generator seeded by
-(seed, step) so that resume stays exact) and, in the decoder layers (mode `decoder`), the encoder layers
-(`encoder`) or both, hides every window key at a position < s from the queries at positions >= s; the global
-(compressed) KV stays complete, as it is in the cache, and queries before s are unchanged. The model has the
-mechanism (`Transformer.forward(..., window_floor=[B])`, used by the engine's replay), but (a) it applies the
-floor only to chunks after the first (a training prefill at position 0 ignores it) and (b) it applies to every
-layer. Needed: the floor in `window_indices`' prefill branch for queries at or after it, and an optional set of
-layers it applies to (`StepContext.window_floor_layers`); the trainer then passes both with one prefill.
+Bounded-replay simulation (`TrainConfig.replay` / `--replay decoder|encoder|both`, in trainer.py). At inference
+the decoder runs only the last n_win prompt tokens, with its sliding window truncated at the replay start s
+(SYSTEM.md 2); on a prefix hit the encoder replays the last n_win cached tokens the same way (SYSTEM.md 4). To let
+the model adapt, a training step draws one replay start s per sequence (uniform over [W, T - 1], from a generator
+seeded by (seed, step) alone, so that resume stays exact and n ranks of batch B draw what one process of batch
+n*B draws: `replay_starts`) and, in the decoder layers (mode `decoder`: from `dsv41.config.ced_split` up), the
+encoder layers (`encoder`: below it) or both, hides every window key at a position < s from the queries at
+positions >= s; the global (compressed) KV stays complete, as it is in the cache, and queries before s are
+unchanged. It is one training prefill: `Transformer.forward(..., window_floor=[B], window_floor_layers=...)`,
+where `window_indices`' prefill branch applies the floor to the queries at or after it and
+`StepContext.window_floor_layers` restricts it to the chosen layers. What it equals (tests/test_train_replay.py):
+with the decoder floored at s = N - W, the engine's ced-bounded prefill of the first N tokens at position N - 1;
+with every layer floored, a continuation from s over a store without SWA state. It is a simulation, not the
+inference path in every detail: on a prefix hit the engine reuses the cached global KV of the replayed tokens
+(computed with full windows) where training recomputes it from the truncated windows, and inference truncates the
+encoder and the decoder at different starts (hit - n_win, prompt end - n_win) where training uses one s.
+Evaluation (`val_loss`) measures the plain model.
 """
 
 from __future__ import annotations

@@ -4,12 +4,15 @@ one GPU or many processes under `torchrun` (issue 7; SYSTEM.md 5 and 6).
 One step: `grad_accum` micro-batches of [batch_size, seq_len] tokens (per process) -> forward (a training
 prefill at position 0 through `TrainCache`, FP8/FP4 QDQ off, bf16 autocast on GPU, fp32 on CPU) -> mean
 cross-entropy -> backward -> gradient clipping -> the routed optimizers at the scheduled learning rate ->
-aux-loss-free bias update from the step's expert loads.
+aux-loss-free bias update from the step's expert loads. With `replay` (decoder | encoder | both) the forward
+simulates bounded replay: the sliding windows of those layers are truncated at a replay start drawn per sequence
+and step (qat.py); evaluation measures the plain model.
 
 Parallelism, applied from outside the model: under `torchrun` with more than one process, data parallelism with
 `DistributedDataParallel` (gloo on CPU, NCCL on GPU; each rank takes its slice of every global batch, so W
-processes with batch B follow the data of one process with batch W*B), or with `fsdp=True` on GPUs FSDP2
-(`fully_shard` per block, then the root; Muon and the Sinkhorn optimizer gather full gradients, see muon.py).
+processes with batch B follow the data of one process with batch W*B), or with `fsdp=True` FSDP2 (`fully_shard`
+per block, then the root; Muon, the Sinkhorn optimizer and the balancer work on full tensors, see muon.py; NCCL
+on GPU, gloo on CPU; run on CPU with 2 processes and on one GPU, never on several GPUs yet).
 
 CPU threads: one by default. torch's OpenMP threads spin-wait at every barrier; when the cores are shared
 (2 cores, other processes) the tiny model measured ~250 -> ~80 tokens/s with 2 threads against a steady ~180 with
@@ -33,11 +36,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.config import load_config
+from dsv41.config import ced_split, load_config
 from dsv41.model.common import set_quantization
 from dsv41.model.init import init_weights
 from dsv41.train import data as D
@@ -48,7 +52,9 @@ from dsv41.train.qat import TrainCache
 from dsv41.train.schedule import default_warmup, lr_factor
 
 DEFAULT_MINUTES = 5.0
+_REPLAY_STREAM = 0x7265706C                 # tags the replay-start seed (seed, step, tag): its own random stream
 STAGES = ("pretrain", "dspark")
+REPLAY_MODES = ("off", "decoder", "encoder", "both")
 
 
 @dataclass
@@ -69,6 +75,7 @@ class TrainConfig:
     clip: float = 1.0
     optimizer: str = "muon"                # muon: the routed recipe; adamw: AdamW for everything
     qat: bool = False
+    replay: str = "off"                    # bounded-replay simulation: off | decoder | encoder | both (qat.py)
     balance_rate: float = 1e-2             # 10x DeepSeek-V3's 1e-3: runs here last 10^2, not 10^5 steps
     seed: int = 0
     eval_every: int | None = None          # default: 8 evaluations per run
@@ -86,6 +93,8 @@ class TrainConfig:
             raise ValueError(f"--stage must be one of {STAGES}, got {self.stage!r}")
         if self.optimizer not in ("muon", "adamw"):
             raise ValueError(f"--optimizer must be 'muon' or 'adamw', got {self.optimizer!r}")
+        if self.replay not in REPLAY_MODES:
+            raise ValueError(f"--replay must be one of {REPLAY_MODES}, got {self.replay!r}")
         for name in ("seq_len", "batch_size", "grad_accum", "eval_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -99,6 +108,8 @@ class TrainConfig:
             raise ValueError(f"--lr {self.lr}, --clip {self.clip}, --weight-decay {self.weight_decay}: out of range")
         if self.stage == "dspark" and not self.init:
             raise ValueError("--stage dspark needs --init CHECKPOINT (a pretrained model directory)")
+        if self.stage == "dspark" and self.replay != "off":
+            raise ValueError("--replay simulates bounded replay in pretraining; the dspark stage does not take it")
 
 
 # ------------------------------------------------------------------------------------------------ distributed
@@ -163,17 +174,45 @@ def setup_distributed(device: str) -> Dist:
 # ------------------------------------------------------------------------------------------------ objectives
 
 class LMTrainModule(nn.Module):
-    """forward(ids [B,T], targets [B,T]) -> (mean cross-entropy, {}): a training prefill at position 0."""
+    """forward(ids [B,T], targets [B,T], floor [B] or None) -> (mean cross-entropy, {}): a training prefill at
+    position 0; with `floor`, the sliding windows of `replay_layers` are truncated at each row's replay start
+    for the queries at or after it (the bounded-replay simulation, qat.py)."""
 
-    def __init__(self, model, kv_qat: bool = False):
+    def __init__(self, model, kv_qat: bool = False, replay_layers: frozenset | None = None):
         super().__init__()
-        self.model, self.kv_qat = model, kv_qat
+        self.model, self.kv_qat, self.replay_layers = model, kv_qat, replay_layers
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor):
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor, floor: torch.Tensor | None = None):
         m = self.model
-        out = m(ids, TrainCache(m.cfg, ids.size(0), m.dtype, ids.device, kv_qat=self.kv_qat), 0)
+        out = m(ids, TrainCache(m.cfg, ids.size(0), m.dtype, ids.device, kv_qat=self.kv_qat), 0,
+                window_floor=floor, window_floor_layers=self.replay_layers if floor is not None else None)
         loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
         return loss, {}
+
+
+def replay_layers(mcfg, mode: str) -> frozenset | None:
+    """The layers whose sliding windows the bounded-replay simulation truncates (None for `off`): the decoder is
+    the layers from the CED split (`dsv41.config.ced_split`) up, the encoder the layers below it."""
+    if mode == "off":
+        return None
+    if mode == "both":
+        return frozenset(range(mcfg.n_layers))
+    split = ced_split(mcfg)
+    if split is None:
+        raise ValueError(f"--replay {mode}: the model has no KV-source layer, hence no encoder/decoder split; "
+                         "use --replay both or off")
+    return frozenset(range(split, mcfg.n_layers)) if mode == "decoder" else frozenset(range(split))
+
+
+def replay_starts(seed: int, step: int, shape: tuple[int, ...], window: int, seq_len: int) -> torch.Tensor | None:
+    """One optimizer step's replay starts, int64 of `shape` (micro-batches x global batch), uniform over
+    [window, seq_len - 1], from a generator seeded by (seed, step) alone: a resumed run draws what the
+    uninterrupted run drew, and n ranks of batch B draw what one process of batch n*B draws (rank r takes
+    columns r*B..). None when seq_len - 1 < window (no start in range: the simulation is skipped)."""
+    if seq_len - 1 < window:
+        return None
+    state = np.random.SeedSequence([seed, step, _REPLAY_STREAM]).generate_state(1, np.uint64)[0]
+    return torch.randint(window, seq_len, shape, generator=torch.Generator().manual_seed(int(state)))
 
 
 @torch.no_grad()
@@ -326,13 +365,21 @@ class Trainer:
 
     def _build_training(self) -> None:
         cfg, model, dist = self.cfg, self.model, self.dist
+        self.replay_layers = None
         if cfg.stage == "dspark":
             from dsv41.train.dspark_stage import DEFAULT_ANCHORS, DSparkTrainModule
             module = DSparkTrainModule(model, DEFAULT_ANCHORS)
             trainable = {n for n, _ in model.named_parameters() if n.startswith("mtp.")}
             prefix = "mtp."
         else:
-            module = LMTrainModule(model, kv_qat=cfg.qat)
+            self.replay_layers = replay_layers(self.model_cfg, cfg.replay)
+            module = LMTrainModule(model, kv_qat=cfg.qat, replay_layers=self.replay_layers)
+            if self.replay_layers is not None:
+                W = self.model_cfg.window_size
+                self.say(f"bounded-replay simulation ({cfg.replay}): layers {sorted(self.replay_layers)}, one start "
+                         f"per sequence uniform over [{W}, {cfg.seq_len - 1}]" if cfg.seq_len - 1 >= W else
+                         f"bounded-replay simulation ({cfg.replay}): skipped, --seq-len {cfg.seq_len} leaves no "
+                         f"start in [W={W}, seq_len-1]")
             trainable = None
             prefix = ""
         for name, p in model.named_parameters():
@@ -350,9 +397,9 @@ class Trainer:
         self.say("optimizer routing (--optimizer " + cfg.optimizer + "):\n" + format_routing(self.routes))
         if cfg.fsdp:
             import torch.distributed as tdist
-            if dist.device.type != "cuda" or not tdist.is_initialized():
-                raise ValueError("--fsdp needs CUDA devices and a torchrun launch (on CPU use plain data "
-                                 "parallelism: torchrun without --fsdp)")
+            if not tdist.is_initialized():
+                raise ValueError("--fsdp needs a torchrun launch (also for one process: FSDP2 needs the process "
+                                 "group)")
             if cfg.stage != "pretrain":
                 raise ValueError("--fsdp is wired for pretraining; the drafter stage is small: run it with DDP")
             from torch.distributed.fsdp import fully_shard
@@ -363,6 +410,9 @@ class Trainer:
                     fully_shard(block.engram)
                 fully_shard(block)
             fully_shard(model)
+            # fully_shard registers new (DTensor) parameters: collect them again, or clipping would act on the
+            # stale unsharded tensors (seen on CPU/gloo: no clipping at all and a wrong grad_norm)
+            self.trainable = [p for p in model.parameters() if p.requires_grad]
             self.module = module
         elif dist.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -490,12 +540,18 @@ class Trainer:
         cfg, dist = self.cfg, self.dist
         total = torch.zeros(1, dtype=torch.float64)
         metrics: dict[str, float] = {}
+        starts = None                                       # replay starts [grad_accum, global batch] or None
+        if self.replay_layers is not None:
+            starts = replay_starts(cfg.seed, self.step, (cfg.grad_accum, cfg.batch_size * dist.world),
+                                   self.model_cfg.window_size, cfg.seq_len)
+        mine = slice(dist.rank * cfg.batch_size, (dist.rank + 1) * cfg.batch_size)
         for micro in range(cfg.grad_accum):
             x, y = (t.to(dist.device) for t in self.loader.next())
+            extra = () if starts is None else (starts[micro, mine],)
             sync = micro == cfg.grad_accum - 1 or not hasattr(self.module, "no_sync")
             with (contextlib.nullcontext() if sync else self.module.no_sync()):
                 with self._autocast():
-                    loss, m = self.module(x, y)
+                    loss, m = self.module(x, y, *extra)
                 (loss / cfg.grad_accum).backward()
             self.balancer.observe()
             total += float(loss.detach())
@@ -562,7 +618,7 @@ class Trainer:
         summary = {"out": str(self.out), "stage": cfg.stage, "steps": self.step, "total_steps": self.total_steps,
                    "tokens": self.step * cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world,
                    "tok_per_s": getattr(self, "tok_per_s", None), "wall_s": time.time() - self.t0,
-                   "optimizer": cfg.optimizer, "qat": cfg.qat, "world": self.dist.world}
+                   "optimizer": cfg.optimizer, "qat": cfg.qat, "replay": cfg.replay, "world": self.dist.world}
         evals = [h for h in self.history if any(k.startswith("val_") for k in h)]
         if evals:
             summary.update({k: v for k, v in evals[-1].items() if k.startswith("val_")})

@@ -1,0 +1,70 @@
+"""Guards FSDP2 (`--fsdp`: `fully_shard` per block, Engram and root; optimizers on full gradients, muon.py): a
+2-process `torchrun` run on CPU (gloo) with batch B per process follows the loss curve of one process with batch
+2B, as data parallelism does (tests/test_train_ddp.py); the bounded-replay simulation is on in both, so the
+per-rank slices of the replay starts are checked too. The slow test resumes an FSDP2 run (sharded optimizer state
+per rank) and requires the uninterrupted run's losses bit for bit. ~15 s / ~40 s on 2 shared cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv41.train.data import stdlib_root
+
+COMMON = ["train", "--preset", "debug", "--seq-len", "32", "--steps", "6", "--lr", "2e-3", "--eval-windows", "8",
+          "--val-fraction", "0.15", "--sample-tokens", "0", "--quiet", "--threads", "1", "--replay", "both"]
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (out / "log.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+def _corpus(tmp_path: Path) -> Path:
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for p in sorted(stdlib_root().glob("*.py"))[:40]:
+        shutil.copy(p, d / p.name)
+    return d
+
+
+def _run(tmp_path: Path, *args: str, procs: int = 0) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)] \
+        if procs else [sys.executable]
+    r = subprocess.run([*launch, "-m", "dsv41.train.cli", *COMMON, "--data", str(tmp_path / "corpus"), *args],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+
+
+def test_two_process_fsdp2_gloo_matches_single_process(tmp_path):
+    _corpus(tmp_path)
+    _run(tmp_path, "--batch-size", "4", "--out", str(tmp_path / "one"))
+    _run(tmp_path, "--batch-size", "2", "--fsdp", "--out", str(tmp_path / "fsdp"), procs=2)
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "fsdp")
+    assert len(a) == len(b) == 6
+    assert max(abs(x - y) for x, y in zip(a, b)) < 2e-3, (a, b)
+    ga, gb = ([json.loads(x)["grad_norm"] for x in (tmp_path / d / "log.jsonl").read_text().splitlines()
+               if '"loss"' in x] for d in ("one", "fsdp"))
+    assert max(abs(x - y) / x for x, y in zip(ga, gb)) < 1e-3, (ga, gb)      # clipping sees the sharded grads
+    s = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
+    assert s["world"] == 2 and s["replay"] == "both"
+    assert {p.name for p in (tmp_path / "fsdp").glob("optimizer.rank*.pt")} == {"optimizer.rank0.pt",
+                                                                                 "optimizer.rank1.pt"}
+
+
+@pytest.mark.slow
+def test_fsdp2_resume_is_exact(tmp_path):
+    _corpus(tmp_path)
+    common = ["--batch-size", "2", "--fsdp"]
+    _run(tmp_path, *common, "--out", str(tmp_path / "full"), procs=2)
+    _run(tmp_path, *common, "--out", str(tmp_path / "split"), "--stop-at", "3", procs=2)
+    assert len(_losses(tmp_path / "split")) == 3
+    _run(tmp_path, *common, "--out", str(tmp_path / "split"), "--resume", procs=2)
+    a, b = _losses(tmp_path / "full"), _losses(tmp_path / "split")
+    assert a == b and len(a) == 6, (a, b)
