@@ -27,7 +27,8 @@ def make_checkpoint(path, preset: str = "debug", seed: int = 0):
 
 
 @contextlib.contextmanager
-def running_server(ckpt, exact: bool = True, max_batch: int = 8, max_seq_len: int = 512, **settings):
+def running_server(ckpt, exact: bool = True, max_batch: int = 8, max_seq_len: int = 512, speculative: str = "off",
+                   **settings):
     """Serve `ckpt`. exact=True switches the FP8/FP4 QDQs off and uses the deterministic tie rule, so batched
     decoding equals one-at-a-time decoding (the engine's own equality tests use the same setting)."""
     model, _ = load_model(ckpt)
@@ -35,7 +36,8 @@ def running_server(ckpt, exact: bool = True, max_batch: int = 8, max_seq_len: in
         set_quantization(model, False)
         set_tie_break(model, "recent")
     ns = argparse.Namespace(checkpoint=str(ckpt), prefill_mode="ced-bounded", max_batch=max_batch,
-                            max_seq_len=max_seq_len, chunk_size=None, cache_dir=None, swa_pool=None)
+                            max_seq_len=max_seq_len, chunk_size=None, cache_dir=None, swa_pool=None,
+                            speculative=speculative, step_profile=None)
     engine = build_engine(ns, model=model)
     settings.setdefault("model_name", MODEL)
     app = create_app(engine, ServerSettings(**settings))

@@ -390,3 +390,34 @@ def test_profile_step_measures_every_shape(debug_model, one_thread):
     assert len(prof.meta["points"]) == 2 * (G + 1)
     assert sorted({p["tokens"] for p in prof.meta["points"]}) == prof.n
     assert all(t > 0 for t in prof.t)
+
+
+# ------------------------------------------------------------------------------------------------ CLI / server
+
+def test_auto_speculation_follows_the_checkpoint(tmp_path, debug_model):
+    import json
+
+    from dsv41.engine.speculative import has_trained_drafter, resolve_speculation
+    cfg, m = debug_model
+    assert not has_trained_drafter(tmp_path) and not has_trained_drafter(None)
+    assert resolve_speculation(m, tmp_path, "auto")[0].mode == "off"
+    (tmp_path / "summary.json").write_text(json.dumps({"stage": "dspark"}))
+    StepProfile([1, 4], [0.1, 0.2]).save(tmp_path / "step_profile.json")
+    spec, prof = resolve_speculation(m, tmp_path, "auto", log=lambda *a: None)
+    assert spec.mode == "dspark" and prof(4) == 0.2
+    assert resolve_speculation(m, tmp_path, "fixed:2", log=lambda *a: None) == (Speculation("fixed", 2), None)
+
+
+def test_server_reports_drafted_and_accepted_tokens(tmp_path):
+    from tests.test_server_fixtures import make_checkpoint, openai_client, running_server
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    outs = {}
+    for spec in ("off", "fixed:2"):
+        with running_server(ckpt, speculative=spec) as (handle, app):
+            r = openai_client(handle).completions.create(model="dbg", prompt="def f(x):", max_tokens=10,
+                                                         temperature=0, extra_body={"ignore_eos": True})
+            outs[spec] = (r.choices[0].text, r.usage)
+    assert outs["off"][0] == outs["fixed:2"][0]
+    d = outs["fixed:2"][1].completion_tokens_details
+    assert d.accepted_prediction_tokens + d.rejected_prediction_tokens > 0
+    assert outs["off"][1].completion_tokens_details.rejected_prediction_tokens == 0
