@@ -617,6 +617,33 @@ class BatchView:
         keep = window_write_mask(count, first, T, W).to(self.device)
         ring[slots[keep], slot_pos[keep]] = records.to(self.device)[keep]
 
+    # ---------------------------------------------------------------- packed inputs of the decode kernels
+    packed = True                     # the model's decode attention reads these bytes in place (packed_decode)
+
+    def packed_ring(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's ring slab uint8 [S, W, bytes], each row's slot [B])."""
+        return self.pool.swa[layer], self.slots
+
+    def packed_pages(self, layer: int | None, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's pages of `kind` uint8 [NP, P, bytes], page table int32 [B, MP]: entry e of row b is row
+        e % P of page table[b, e // P]; padding reads page 0). layer None: an empty stand-in (no global KV)."""
+        if layer is None:
+            width = main_kv_bytes(self.cfg.head_dim) if kind == "main" else index_k_bytes(self.cfg.index_head_dim)
+            return (torch.zeros(1, 1, width, dtype=torch.uint8, device=self.device),
+                    torch.zeros(self.batch, 1, dtype=torch.int32, device=self.device))
+        pl = self.pool.global_layers[layer]
+        key = (layer, "table")
+        hit = self._memo.get(key)
+        if hit is None or hit[0] != pl.version:
+            tables = [s.pages[layer] for s in self.seqs]
+            table = torch.zeros(self.batch, max(1, max(len(t) for t in tables)), dtype=torch.int32)
+            for b, t in enumerate(tables):
+                if t:
+                    table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            hit = (pl.version, None, table.to(self.device))
+            self._memo[key] = hit
+        return pl.data[kind], hit[2]
+
     # ---------------------------------------------------------------- speculative rollback (dsv41.engine.speculative)
     def ring_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """A copy of ring slots [B,K] of every row (packed bytes)."""

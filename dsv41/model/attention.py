@@ -352,6 +352,9 @@ class Attention(QuantSite):
         return cache.compressed(role.kv_from, n_vis), idx
 
     def forward(self, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        from dsv41.model import packed_decode
+        if packed_decode.applies(self, ctx):
+            return packed_decode.attention_decode_packed(self, u, ctx)
         B, T = u.shape[:2]
         freqs = self.rope.freqs(ctx.positions).to(u.device)                        # [B,T,R/2]
         qr, q = self.queries(u, freqs)

@@ -1,0 +1,81 @@
+"""Decode attention straight from the packed store (the engine's `BatchView`): the one-token step of a layer
+reads the FP8 ring rows and only the top-k FP4 main-KV records it selected, and scores the MXFP4 index keys in
+place, through the kernel ops of `dsv41.kernels` (`sparse_attn_packed`, `indexer_topk_packed`; Triton on a GPU,
+their torch references elsewhere). The dense path instead unpacks each source layer's whole compressed history
+every step. Same index lists and order as the dense path (the references are built from the model's own math),
+so on the reference backend the two agree to the last bit (tests/test_kv_paged.py).
+
+Used when: one token per row (decode), a packed store, quantization on, no recording (parity runs), not the
+official decode artifact. `set_packed_decode(False)` forces the dense path everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.kernels import decode_window_rows, indexer_topk_packed, sparse_attn_packed
+from dsv41.model.common import apply_rope
+
+_ENABLED = True
+
+
+def set_packed_decode(enabled: bool) -> None:
+    global _ENABLED
+    _ENABLED = bool(enabled)
+
+
+def applies(attn, ctx) -> bool:
+    return (_ENABLED and ctx.seqlen == 1 and attn.quant and getattr(ctx.cache, "packed", False)
+            and ctx.record is None and not ctx.official_decode_artifact)
+
+
+def _selection(attn, u, qr, freqs, ctx) -> torch.Tensor:
+    """Top-k compressed-entry ids [B,K] (ascending, -1 none) of a layer with m > 0; publishes what layers above
+    read (their top-k source, their candidate pool as block ids)."""
+    role, m, cache = attn.role, attn.role.ratio, ctx.cache
+    B = u.size(0)
+    n_vis = (ctx.start + 1) // m
+    n_max = int(n_vis.max())
+    if not role.is_index_source:
+        return ctx.published[("topk-packed", role.topk_from)]
+    if n_max == 0:
+        idx, pool = torch.empty(B, 0, dtype=torch.int32, device=u.device), None
+        if role.is_candidate_source:
+            pool = idx
+    else:
+        ix = attn.indexer
+        qi = ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim))
+        qi = ix.qdq(apply_rope(qi, freqs))[:, 0]                                     # [B,J,I]
+        w = (ix.weights_proj(u) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))[:, 0]  # [B,J]
+        pages, table = cache.packed_pages(role.kv_from, "index")
+        cand = ctx.published[("pool", role.candidates_from)] if role.uses_candidates else None
+        idx, pool = indexer_topk_packed(qi, w, pages, table, n_vis.to(u.device), ix.topk, cand,
+                                        ix.cand_blocks if role.is_candidate_source else 0, ix.cand_size,
+                                        ix.ties, n_max=n_max)
+    if role.is_candidate_source:
+        ctx.published[("pool", role.layer)] = pool
+    ctx.published[("topk-packed", role.layer)] = idx
+    return idx
+
+
+def attention_decode_packed(attn, u: torch.Tensor, ctx) -> torch.Tensor:
+    """`Attention.forward` for one token per row over the packed store. u [B,1,D] -> [B,1,D]."""
+    cache, L = ctx.cache, attn.layer
+    freqs = attn.rope.freqs(ctx.positions).to(u.device)                              # [B,1,R/2]
+    qr, q = attn.queries(u, freqs)
+    cache.write_window(L, ctx.start, attn.window_kv(u, freqs))                       # the ring now holds pos
+    floor = ctx.window_floor
+    if floor is not None and ctx.window_floor_layers is not None and L not in ctx.window_floor_layers:
+        floor = None
+    win = decode_window_rows(ctx.start.to(u.device), attn.window, floor)
+    if attn.role.ratio:
+        if attn.compressor is not None and ctx.produce_kv:
+            attn.produce_global_kv(u, ctx)
+        topk = _selection(attn, u, qr, freqs, ctx)
+        main, table = cache.packed_pages(attn.role.kv_from, "main")
+    else:
+        topk = torch.empty(u.size(0), 0, dtype=torch.int32, device=u.device)
+        main, table = cache.packed_pages(None, "main")
+    ring, slots = cache.packed_ring(L)
+    o = sparse_attn_packed(q[:, 0], ring, slots, win, main, table, topk, attn.attn_sink, attn.softmax_scale)
+    return attn.output(o.unsqueeze(1), freqs)
