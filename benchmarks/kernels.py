@@ -2,15 +2,18 @@
 
     python benchmarks/kernels.py [--out results.json] [--quick]
 
-Per kernel and shape: median time (triton.testing.do_bench, which clears the L2 before every call, so the packed
-KV is read from HBM as in a long-context decode), achieved TFLOP/s and GB/s, their fraction of the H200's limits
-(4.8 TB/s HBM, ~790 TFLOP/s dense bf16 as measured here), the reference's time and the speed-up, and the
-relative error ||out - ref|| / ||ref|| against the reference. Small configuration sweeps pick each kernel's best
-launch parameters per shape (all of them are listed in the JSON). Prints a table, then one JSON line.
+Per kernel and shape: median time of the Triton kernel replayed from a CUDA graph (triton.testing.do_bench_cudagraph:
+no Python launch cost; the decode attention's packed KV, 14 MB at B=64, then stays in the L2, the indexer's 72 MB
+and the mHC's 420 MB do not), the reference's with triton.testing.do_bench (L2 cleared), achieved TFLOP/s and
+GB/s, their fraction of the H200's limits (4.8 TB/s HBM, ~790 TFLOP/s dense bf16 as measured here), the
+reference's time and the speed-up, and the relative error ||out - ref|| / ||ref|| against the reference. Small
+configuration sweeps pick each kernel's best launch parameters per shape (all of them are listed in the JSON).
+Prints a table, then one JSON line.
 
 Counting. Attention: 4*H*D FLOPs per (query, selected entry) (q.k and p.v), bytes = the packed records read (528
 per window row, 288 per compressed entry) + q and out in bf16 + the int32 index lists. Indexer: 2*J*I FLOPs per
-(row, entry); bytes = the 68-byte key records + the fp32 scores written.
+(row, entry); bytes = the 68-byte key records + the fp32 scores written. mHC: the lower bound (2S+2)*D bf16 values
+per token (streams and f read, streams and h written) + 48 fp32 coefficients; FLOPs = the 24-row projection.
 
 Inputs are random packed bytes built on the GPU (valid codes: no E4M3 NaN, scales in the range real data takes),
 never zeros.
@@ -35,6 +38,17 @@ DEV = os.environ.get("DSV41_BENCH_DEVICE", "cuda")      # "cpu" only for dry run
 def bench(fn, rep: int = 100) -> float:
     from triton.testing import do_bench
     return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e-3
+
+
+def bench_graph(fn, rep: int = 100) -> float:
+    """Median time of fn replayed from a CUDA graph (no Python launch cost between calls; the L2 is not cleared,
+    which matters only for inputs that fit in it); falls back to `bench` when fn cannot be captured."""
+    from triton.testing import do_bench_cudagraph
+    try:
+        return do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e-3
+    except Exception as e:  # capture needs no host syncs inside fn
+        say(f"  (graph capture failed: {type(e).__name__}: {str(e)[:120]}; timing with do_bench)")
+        return bench(fn, rep)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -94,6 +108,15 @@ def index_inputs(B, N, J=32, I=128, P=64, seed=0):
 
 # ------------------------------------------------------------------------------------------ rows
 
+CHECKPOINT: dict = {}      # the record so far and --out: rewritten after every row (a run cut short keeps its rows)
+
+
+def checkpoint(rows, sweeps) -> None:
+    if CHECKPOINT.get("path"):
+        with open(CHECKPOINT["path"], "w") as f:
+            json.dump({**CHECKPOINT["rec"], "rows": rows, "sweeps": sweeps, "partial": True}, f, indent=1)
+
+
 def row(kernel, shape, t, t_ref, flops, nbytes, err, cfg):
     say(f"ROW {kernel} {shape}: {t * 1e6:.1f} us, ref {None if t_ref is None else round(t_ref * 1e6, 1)} us, "
         f"{flops / t / 1e12:.1f} TFLOP/s, {nbytes / t / 1e9:.0f} GB/s, err {err}, {cfg}")
@@ -107,19 +130,23 @@ def say(*a) -> None:
     print(*a, flush=True)
 
 
-def sweep(name, fn, ref_out, configs, sweep_log, which):
+def sweep(name, fn, ref_out, configs, sweep_log, which, err_fn=None, timer=None):
     """Time fn(**cfg) for each config (compile failures recorded, not fatal) -> (best time, best cfg, its error).
-    which: the launcher's key in LAST (registers and spills of the compiled kernel are recorded)."""
+    which: the launcher's key in LAST (registers and spills of the compiled kernel are recorded); err_fn(out, ref)
+    the error measure (default rel_err); timer: bench_graph (default) or bench."""
     from dsv41.kernels.triton.sparse_attn_kernel import LAST
     best = (float("inf"), None, None)
+    err_fn = err_fn or rel_err
+    timer = timer or bench_graph
     for cfg in configs:
         try:
+            LAST.pop(which, None)
             out = fn(**cfg)
             torch.cuda.synchronize()
             k = LAST.get(which)
             regs = {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None)}
-            err = rel_err(out, ref_out) if ref_out is not None else None
-            t = bench(lambda: fn(**cfg))
+            err = err_fn(out, ref_out) if ref_out is not None else None
+            t = timer(lambda: fn(**cfg))
             sweep_log.append({"kernel": name, "config": cfg, "time_us": t * 1e6, "rel_err": err, **regs})
             say(f"  sweep {name} {cfg}: {t * 1e6:.1f} us err {err} {regs}")
             if (err is None or err < 2e-2) and t < best[0]:
@@ -130,27 +157,44 @@ def sweep(name, fn, ref_out, configs, sweep_log, which):
     return best
 
 
-ATTN_CONFIGS = [dict(block_h=32, block_n=32, num_warps=8), dict(block_h=32, block_n=32, num_warps=8, num_stages=2),
-                dict(block_h=32, block_n=32, num_warps=8, num_stages=3), dict(block_h=16, block_n=64, num_warps=8),
-                dict(block_h=16, block_n=64, num_warps=8, num_stages=2), dict(block_h=32, block_n=64, num_warps=8),
-                dict(block_h=64, block_n=32, num_warps=8, vec=False)]
-DENSE_CONFIGS = [dict(block_h=16, block_n=64, num_warps=4, num_stages=2), dict(block_h=64, block_n=32, num_warps=8),
-                 dict(block_h=16, block_n=64, num_warps=4, num_stages=3), dict(block_h=32, block_n=64, num_warps=8,
-                                                                             num_stages=2)]
-INDEX_CONFIGS = [dict(block_n=128, num_warps=8), dict(block_n=128, num_warps=8, num_stages=2),
-                 dict(block_n=128, num_warps=8, num_stages=3), dict(block_n=256, num_warps=8, num_stages=2),
-                 dict(block_n=64, num_warps=4, num_stages=2)]
+# Candidates that compile without register spills for sm_90 (or, block_h 64, the wgmma variant with few), and
+# each first kernel's best, for comparison.
+ATTN_CONFIGS = [dict(impl="v2", block_h=32, block_n=32, num_warps=8),
+                dict(impl="v2", block_h=32, block_n=16, num_warps=8),
+                dict(impl="v2", block_h=64, block_n=16, num_warps=8),
+                dict(impl="v1", block_h=32, block_n=32, num_warps=8)]
+DENSE_CONFIGS = [dict(block_h=16, block_n=64, num_warps=4, num_stages=2), dict(block_h=64, block_n=32, num_warps=8)]
+INDEX_CONFIGS = [dict(impl="v2", block_n=128, num_warps=4), dict(impl="v2", block_n=128, num_warps=8),
+                 dict(impl="v2", block_n=64, num_warps=4), dict(impl="v1", block_n=64, num_warps=4, num_stages=2)]
+MHC_CONFIGS = [dict(block_t=32, block_d=64, num_warps=8), dict(block_t=64, block_d=64, num_warps=8),
+               dict(block_t=32, block_d=128, num_warps=8)]
+
+
+def mhc_inputs(T, D=5120, S=4, seed=0):
+    torch.manual_seed(seed)
+    M = (2 + S) * S
+    comb = torch.rand(1, T, S, S, device=DEV)
+    return (torch.randn(1, T, D, device=DEV).bfloat16(), torch.randn(1, T, S, D, device=DEV).bfloat16(),
+            2 * torch.rand(1, T, S, device=DEV), comb / comb.sum(-2, keepdim=True),
+            torch.rand(1, T, S, device=DEV), torch.randn(M, S * D, device=DEV) / (S * D) ** 0.5,
+            torch.rand(3, device=DEV) + 0.5, torch.randn(M, device=DEV) * 0.5,
+            (1 + 0.1 * torch.randn(D, device=DEV)).bfloat16(), 20, 1e-6, 1e-20, 1e-20)
+
+
+def mhc_err(out, ref) -> float:
+    """Worst of the five outputs' relative errors."""
+    return max(rel_err(o, r) for o, r in zip(out, ref))
 
 
 def run(quick: bool) -> dict:
     from dsv41.kernels import indexer_scores_packed_ref, indexer_topk_packed_ref, sparse_attn_packed_ref
-    from dsv41.kernels import sparse_attn_ref
-    from dsv41.kernels.triton import (indexer_scores_packed_triton, indexer_topk_packed_triton,
+    from dsv41.kernels import mhc_fused_ref, sparse_attn_ref
+    from dsv41.kernels.triton import (indexer_scores_packed_triton, indexer_topk_packed_triton, mhc_fused_triton,
                                       sparse_attn_packed_triton, sparse_attn_triton)
     rows, sweeps = [], []
 
     # sparse attention decode over the packed store (the model's decode shape: 64 heads x 512, 128 + 512 indices)
-    for B in ((1, 64) if quick else (1, 16, 64, 128)):
+    for B in (1, 16, 64, 128):
         args = packed_attn_inputs(B)
         H, D, KW, K = 64, 512, args[3].size(1), args[6].size(1)
         ref = sparse_attn_packed_ref(*args)
@@ -161,26 +205,8 @@ def run(quick: bool) -> dict:
         nbytes = B * (KW * 528 + K * 288 + 2 * H * D * 2 + (KW + K) * 4)
         rows.append(row("sparse_attn_packed (decode)", f"B={B} H={H} D={D} window={KW} topk={K}", t, t_ref, flops,
                         nbytes, err, cfg))
+        checkpoint(rows, sweeps)
         del args, ref
-
-    # dense-KV sparse attention: a prefill chunk and a decode batch
-    for B, T, N in ((1, 2048 if quick else 4096, 6144), (64, 1, 4096)):
-        H, D, K = 64, 512, 640
-        torch.manual_seed(1)
-        q = torch.randn(B, T, H, D, device=DEV).bfloat16()
-        kv = torch.randn(B, N, D, device=DEV).bfloat16()
-        idx = torch.randint(0, N, (B, T, K), device=DEV).int()
-        sink = torch.randn(H, device=DEV)
-        ref = sparse_attn_ref(q, kv, sink, idx, D ** -0.5)
-        t_ref = bench(lambda: sparse_attn_ref(q, kv, sink, idx, D ** -0.5), rep=50)
-        t, cfg, err = sweep(f"sparse_attn B={B} T={T}",
-                            lambda **c: sparse_attn_triton(q, kv, sink, idx, D ** -0.5, **c), ref, DENSE_CONFIGS,
-                            sweeps, 'dense')
-        flops = 4 * B * T * H * D * K
-        nbytes = B * T * (K * D * 2 + 2 * H * D * 2 + K * 4)      # gathered rows (each query re-reads its K rows)
-        rows.append(row("sparse_attn (dense KV)", f"B={B} T={T} H={H} D={D} N={N} K={K}", t, t_ref, flops, nbytes,
-                        err, cfg))
-        del q, kv, idx, ref
 
     # indexer scores over packed MXFP4 keys (32 heads x 128), whole visible context
     for B, N in (((1, 65536), (1, 1 << 20)) if quick else ((1, 65536), (1, 1 << 20), (4, 262144))):
@@ -188,14 +214,16 @@ def run(quick: bool) -> dict:
         ref = indexer_scores_packed_ref(q, w, pages, table, n_vis, None, N)
         t_ref = bench(lambda: indexer_scores_packed_ref(q, w, pages, table, n_vis, None, N), rep=50)
         t, cfg, _ = sweep(f"indexer_scores B={B} N={N}",
-                          lambda **c: indexer_scores_packed_triton(q, w, pages, table, n_vis, None, N, **c), None,
-                          INDEX_CONFIGS, sweeps, 'indexer')
+                          lambda **c: indexer_scores_packed_triton(q, w, pages, table, n_vis, None, N, **c), ref,
+                          INDEX_CONFIGS, sweeps, 'indexer', err_fn=lambda o, r: float((o - r).abs().max()
+                                                                                       / r.abs().max()))
         out = indexer_scores_packed_triton(q, w, pages, table, n_vis, None, N, **(cfg or {}))
         d = (out - ref).abs()
         err = float(d.max() / ref.abs().max())
         mism = float((d > 0).float().mean())
         rows.append(row("indexer_scores (packed)", f"B={B} N={N} J=32 I=128", t, t_ref, 2 * B * N * 32 * 128,
                         B * N * (68 + 4), err, {**(cfg or {}), "bf16_ulp_mismatch_frac": mism}))
+        checkpoint(rows, sweeps)
         if B == 1 and N == 1 << 20:           # the whole decode indexer op of the three layer kinds at 1M entries
             for label, kw in (("full", {}), ("candidate source (pool 2048x8)", dict(pool_blocks=2048)),
                               ("reindex (pool 16384 entries)", None)):
@@ -206,15 +234,50 @@ def run(quick: bool) -> dict:
                 ft = lambda: indexer_topk_packed_triton(q, w, pages, table, n_vis, 512, n_max=N, **kw)    # noqa: E731
                 got, want = ft()[0], fr()[0]
                 same = float((got.sort(-1).values == want.sort(-1).values).float().mean())
-                t_op, t_op_ref = bench(ft, rep=50), bench(fr, rep=30)
+                t_op, t_op_ref = bench_graph(ft, rep=50), bench(fr, rep=30)
                 n_scored = 16384 if "cand_blocks" in kw else N
                 rows.append(row(f"indexer_topk {label}", f"B=1 N={N} topk=512", t_op, t_op_ref,
                                 2 * n_scored * 32 * 128, n_scored * 72, None, {"same_ids_frac": same}))
         del q, w, pages, table, ref
+    # fused mHC step (4 streams x 5120, 20 Sinkhorn iterations): bytes (2S+2)*D bf16 + 48 fp32 coefficients/token
+    for T in (4096, 16384):
+        args = mhc_inputs(T)
+        ref = mhc_fused_ref(*args)
+        t_ref = bench(lambda: mhc_fused_ref(*args), rep=50)
+        t, cfg, err = sweep(f"mhc_fused T={T}", lambda **c: mhc_fused_triton(*args, **c), ref, MHC_CONFIGS, sweeps,
+                            'mhc', err_fn=mhc_err)
+        D, S = 5120, 4
+        rows.append(row("mhc_fused", f"T={T} S={S} D={D}", t, t_ref, T * 2 * 24 * S * D,
+                        T * ((2 * S + 2) * D * 2 + 48 * 4), err, cfg))
+        checkpoint(rows, sweeps)
+        del args, ref
+        torch.cuda.empty_cache()
+
+    # dense-KV sparse attention: a prefill chunk and a decode batch
+    for B, T, N in ((1, 4096, 6144), (64, 1, 4096)):
+        H, D, K = 64, 512, 640
+        torch.manual_seed(1)
+        q = torch.randn(B, T, H, D, device=DEV).bfloat16()
+        kv = torch.randn(B, N, D, device=DEV).bfloat16()
+        idx = torch.randint(0, N, (B, T, K), device=DEV).int()
+        sink = torch.randn(H, device=DEV)
+        ref = sparse_attn_ref(q, kv, sink, idx, D ** -0.5)
+        t_ref = bench(lambda: sparse_attn_ref(q, kv, sink, idx, D ** -0.5), rep=50)
+        t, cfg, err = sweep(f"sparse_attn B={B} T={T}",
+                            lambda **c: sparse_attn_triton(q, kv, sink, idx, D ** -0.5, **c), ref,
+                            DENSE_CONFIGS[1:] if T > 1 else DENSE_CONFIGS[:1], sweeps, 'dense')
+        flops = 4 * B * T * H * D * K
+        nbytes = B * T * (K * D * 2 + 2 * H * D * 2 + K * 4)      # gathered rows (each query re-reads its K rows)
+        rows.append(row("sparse_attn (dense KV)", f"B={B} T={T} H={H} D={D} N={N} K={K}", t, t_ref, flops, nbytes,
+                        err, cfg))
+        del q, kv, idx, ref
+
     return {"rows": rows, "sweeps": sweeps}
 
 
 def git_commit() -> str:
+    if os.environ.get("DSV41_GIT_COMMIT"):
+        return os.environ["DSV41_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
@@ -235,6 +298,7 @@ def main() -> None:
            "triton": triton.__version__, "python": platform.python_version(),
            "command": " ".join(["python"] + sys.argv), "git_commit": git_commit(), "limits": LIMITS,
            "measured": ceilings()}
+    CHECKPOINT.update(path=a.out, rec=dict(rec))
     rec.update(run(a.quick))
     rec["wall_s"] = time.time() - t0
     print(f"\n{'kernel':<40} {'shape':<44} {'time us':>9} {'TFLOP/s':>8} {'GB/s':>7} {'%flop':>6} {'%hbm':>5} "

@@ -253,12 +253,14 @@ ATTN_GPU_CASES = [
     dict(B=3, H=8, D=64, W=32, K=80, P=16, n_entries=(200, 37, 0), pos=(300, 20, 5)),
     dict(B=2, H=20, D=128, W=48, K=100, P=8, n_entries=(300, 50), pos=(700, 60), empty_rows=(1,), floor=(690, 0)),
     dict(B=1, H=64, D=512, W=128, K=512, P=64, n_entries=(3000,), pos=(6001,)),
+    dict(B=2, H=64, D=512, W=128, K=512, P=64, n_entries=(0, 600), pos=(50, 900), floor=(51, 0)),  # row 0: empty
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", ATTN_GPU_CASES)
-@pytest.mark.parametrize("opts", [dict(), dict(num_splits=1), dict(num_splits=3), dict(vec=False)])
+@pytest.mark.parametrize("opts", [dict(), dict(num_splits=1), dict(num_splits=3), dict(sc3d=False, block_n=16),
+                                  dict(impl="v1")])
 def test_sparse_attn_packed_triton(kw, opts):
     from dsv41.kernels.triton import sparse_attn_packed_triton
     c = attn_case(device="cuda", seed=hash((str(kw), str(opts))) % 1000, **kw)
@@ -270,6 +272,8 @@ def test_sparse_attn_packed_triton(kw, opts):
     print(f"\nMAXERR sparse_attn_packed {kw.get('H')}x{kw.get('D')} {opts}: rel {err:.2e} "
           f"max|d| {float((out.float() - ref.float()).abs().max()):.2e}")
     assert err < 2e-2
+    empty = ((c.win < 0).all(1) & (c.topk < 0).all(1)).nonzero().flatten()
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))                # nothing to attend: exactly 0
 
 
 @pytest.mark.gpu
@@ -302,7 +306,7 @@ INDEX_GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", INDEX_GPU_CASES)
+@pytest.mark.parametrize("kw", INDEX_GPU_CASES + [dict(B=2, J=20, I=32, P=16, n_vis=(999, 64))])
 def test_indexer_triton(kw):
     from dsv41.kernels.triton import indexer_scores_packed_triton, indexer_topk_packed_triton
     c = index_case(device="cuda", **kw)
@@ -326,6 +330,25 @@ def test_indexer_triton(kw):
             rwant, _ = indexer_topk_packed_ref(c.q, c.w, c.pages, c.table, c.n_vis, 512, cand_blocks=wpool)
             rgot, _ = indexer_topk_packed_triton(c.q, c.w, c.pages, c.table, c.n_vis, 512, cand_blocks=wpool)
             assert torch.allclose(_picked(ref, rgot), _picked(ref, rwant), rtol=2e-2, atol=0)
+    v1 = indexer_scores_packed_triton(c.q, c.w, c.pages, c.table, c.n_vis, impl="v1", block_n=64)
+    assert torch.equal(torch.isfinite(v1), fin) and (not fin.any() or float((v1[fin] - ref[fin]).abs().max() / scale)
+                                                      < 2e-2)
+
+
+@pytest.mark.gpu
+def test_indexer_triton_gather_negative_and_invisible():
+    """Explicit entry lists (a Reindex pool) with -1 and ids past n_vis: -inf there, the reference elsewhere."""
+    from dsv41.kernels.triton import indexer_scores_packed_triton
+    c = index_case(device="cuda", B=2, J=32, I=128, P=64, n_vis=(5000, 300), seed=4)
+    gen = torch.Generator().manual_seed(4)
+    ent = torch.randint(-1, 6000, (2, 777), generator=gen).int().cuda()
+    ref = indexer_scores_packed_ref(c.q, c.w, c.pages, c.table, c.n_vis, ent)
+    out = indexer_scores_packed_triton(c.q, c.w, c.pages, c.table, c.n_vis, ent)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out)) and fin.any() and (~fin).any()
+    d = (out[fin] - ref[fin]).abs()
+    print(f"\nMAXERR indexer_scores gather: max|d|/max|ref| {float(d.max() / ref[fin].abs().max()):.2e}")
+    assert float(d.max() / ref[fin].abs().max()) < 2e-2
 
 
 @pytest.mark.gpu

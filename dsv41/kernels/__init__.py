@@ -3,6 +3,7 @@
   ref.py         sparse_attn_ref: the model's sparse attention with sinks on dense KV (MODEL.md 3.8)
   packed_ref.py  references over the engine's packed store: sparse_attn_packed_ref (decode: FP8 ring + FP4 pages),
                  indexer_scores_packed_ref / indexer_topk_packed_ref (decode indexer, MXFP4 keys, candidate pool)
+  mhc_ref.py     mhc_fused_ref: one mHC step between sub-layers (hc_post, next hc_mixes, lagged hc_pre + RMSNorm)
   backend.py     set_backend("auto" | "torch" | "triton"), chosen once; auto = Triton on CUDA bf16 inputs without
                  gradients, the reference otherwise (logged once per op and choice); a requested backend that
                  cannot run raises
@@ -26,6 +27,7 @@ from dsv41.kernels.packed_ref import (
     pool_entries,
     sparse_attn_packed_ref,
 )
+from dsv41.kernels.mhc_ref import mhc_fused_ref
 from dsv41.kernels.ref import sparse_attn_ref
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "indexer_scores_packed", "indexer_scores_packed_ref",
     "indexer_topk_packed", "indexer_topk_packed_ref",
     "decode_window_rows", "page_table_of", "pool_entries", "candidate_pool", "indexer_select",
+    "mhc_fused", "mhc_fused_ref",
 ]
 
 
@@ -73,3 +76,13 @@ def indexer_topk_packed(q, w, index_pages, page_table, n_vis, topk, cand_blocks=
         from dsv41.kernels.triton import indexer_topk_packed_triton
         return indexer_topk_packed_triton(*args)
     return indexer_topk_packed_ref(*args)
+
+
+def mhc_fused(f, residual, post, comb, pre_lag, fn, scale, base, norm_weight, iters, eps, norm_eps, rms_eps):
+    """One fused mHC step between sub-layers; see `mhc_fused_ref`. The Triton kernel takes 4 streams."""
+    args = (f, residual, post, comb, pre_lag, fn, scale, base, norm_weight, iters, eps, norm_eps, rms_eps)
+    tensors = [f, residual, post, comb, pre_lag, fn, scale, base, norm_weight]
+    if residual.size(-2) == 4 and resolve("mhc_fused", tensors, bf16=residual) == "triton":
+        from dsv41.kernels.triton import mhc_fused_triton
+        return mhc_fused_triton(*args)
+    return mhc_fused_ref(*args)

@@ -1,0 +1,178 @@
+"""Triton fused mHC step (MODEL.md 2 items 3-6): twin of `dsv41.kernels.mhc_ref.mhc_fused_ref` (same signature).
+
+Legend: N tokens (all leading dims), S = 4 streams, D width, M = 24 coefficients (padded to MP = 32), BT tokens per
+program, BD channels per chunk.
+
+One program per BT tokens walks D in chunks of BD and, per chunk, reads the 4 residual streams and f once:
+  y_k  = post_k * f + sum_j comb[j,k] * x_j        fp32 in the reference's order, stored as bf16 (hc_post),
+  sum of y_k^2 (the mixes' RMS statistic, over all S*D values of the bf16 y),
+  mix += y_k @ fn_k^T on the tensor cores, fn split into bf16 terms hi + mid + lo (fn = hi + mid + lo to ~2^-24,
+         y is exact in bf16 and every product exact in fp32: the fp32 projection up to summation order),
+  h    = sum_k pre_lag_k * y_k (fp32, the reference's order), stored as bf16, and its sum of squares.
+Then mixes = mix * rsqrt(mean y^2 + norm_eps), the Sinkhorn split (pre, post, comb) in registers, and a second
+walk over the program's own h (just written: L2 hits, not HBM) applies the RMSNorm: h * rsqrt(mean h^2 + eps) * w.
+HBM traffic: x and f read once, y and h written once, (2S + 2) * D bf16 values per token, plus 48 fp32
+coefficients per token; fn is read from L2 by every program (S*D*M*2*NSPLIT bytes per BT tokens). Multiply-adds
+are not fused (enable_fp_fusion=False), as the reference's separate torch ops round.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv41.kernels.triton.sparse_attn_kernel import _DOT_BF16, LAST, _sm_count
+
+__all__ = ["mhc_fused_triton", "split_weights", "CONFIG"]
+
+# block_t 32 / block_d 64 / 8 warps: 176 registers, no spills, GPU-tested on ragged shapes. block_d 128 (255
+# registers) ran 1.6x faster at 4096 tokens in benchmarks/kernels.py (results/kernels-2026-12-03b.json) but is not
+# yet through the ragged-shape GPU tests. block_t 16 / block_d 64 / 4 warps gave wrong coefficients at D=5120 with a
+# partly filled token block (see tests/test_kernels_mhc.py): do not use it.
+CONFIG = {"block_t": 32, "block_d": 64, "num_warps": 8, "num_stages": 1, "nsplit": 3}
+MP = 32
+
+
+@triton.jit
+def _mhc_fused_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w3_ptr, scale_ptr, base_ptr, nw_ptr,
+                      y_ptr, h_ptr, coef_ptr, N, D, eps, norm_eps, rms_eps,
+                      M: tl.constexpr, ITERS: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_D: tl.constexpr, DOT_BF16: tl.constexpr):
+    S: tl.constexpr = 4
+    MPAD: tl.constexpr = 32
+    pid = tl.program_id(0)
+    t = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tm = t < N
+    dd = tl.arange(0, BLOCK_D)
+    mc = tl.arange(0, MPAD)
+    SD = S * D
+    sq = tl.zeros([BLOCK_T], tl.float32)
+    hq = tl.zeros([BLOCK_T], tl.float32)
+    mix = tl.zeros([BLOCK_T, MPAD], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + dd
+        dm = d < D
+        m2 = tm[:, None] & dm[None, :]
+        fv = tl.load(f_ptr + t[:, None] * D + d[None, :], mask=m2, other=0.0)
+        xb = x_ptr + t[:, None] * SD + d[None, :]
+        x0 = tl.load(xb, mask=m2, other=0.0)
+        x1 = tl.load(xb + D, mask=m2, other=0.0)
+        x2 = tl.load(xb + 2 * D, mask=m2, other=0.0)
+        x3 = tl.load(xb + 3 * D, mask=m2, other=0.0)
+        hacc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        for k in tl.static_range(S):
+            pk = tl.load(post_ptr + t * S + k, mask=tm, other=0.0)
+            c0 = tl.load(comb_ptr + t * (S * S) + k, mask=tm, other=0.0)             # comb[j, k], j = 0..3
+            c1 = tl.load(comb_ptr + t * (S * S) + S + k, mask=tm, other=0.0)
+            c2 = tl.load(comb_ptr + t * (S * S) + 2 * S + k, mask=tm, other=0.0)
+            c3 = tl.load(comb_ptr + t * (S * S) + 3 * S + k, mask=tm, other=0.0)
+            acc = c0[:, None] * x0.to(tl.float32)
+            acc = acc + c1[:, None] * x1.to(tl.float32)
+            acc = acc + c2[:, None] * x2.to(tl.float32)
+            acc = acc + c3[:, None] * x3.to(tl.float32)
+            yb = (pk[:, None] * fv.to(tl.float32) + acc).to(tl.bfloat16)
+            tl.store(y_ptr + t[:, None] * SD + k * D + d[None, :], yb, mask=m2)
+            yf = yb.to(tl.float32)
+            sq += tl.sum(yf * yf, 1)
+            lk = tl.load(pre_ptr + t * S + k, mask=tm, other=0.0)
+            hacc = hacc + lk[:, None] * yf
+            for sp in range(NSPLIT):                                                   # not unrolled: one tile live
+                wt = tl.load(w3_ptr + (sp * MPAD + mc[None, :]) * SD + k * D + d[:, None],
+                             mask=dm[:, None] & (mc < M)[None, :], other=0.0)              # [BD, MP] bf16
+                if DOT_BF16:                      # a fresh accumulator per chunk, summed in IEEE fp32 (the
+                    mix += tl.dot(yb, wt)             # tensor cores' truncating accumulation stays within BD terms)
+                else:
+                    mix += tl.dot(yf, wt.to(tl.float32))
+        hb = hacc.to(tl.bfloat16)
+        tl.store(h_ptr + t[:, None] * D + d[None, :], hb, mask=m2)
+        hf = hb.to(tl.float32)
+        hq += tl.sum(hf * hf, 1)
+    # the next coefficients: RMS statistic, then hc_split_sinkhorn
+    rstd = 1.0 / tl.sqrt(sq / SD + norm_eps)
+    mixes = mix * rstd[:, None]
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    bs = tl.load(base_ptr + mc, mask=mc < M, other=0.0)
+    smul = tl.where(mc < S, s0, tl.where(mc < 2 * S, s1, s2))
+    z = mixes * smul[None, :] + bs[None, :]
+    z3 = tl.reshape(z, (BLOCK_T, MPAD // S, S))                                           # row r = mixes 4r..4r+3
+    r3 = tl.arange(0, MPAD // S)[None, :, None]
+    cm = (r3 >= 2) & (r3 < 2 + S)                                                         # the comb rows j = r - 2
+    zc = tl.where(cm, z3, 0.0)
+    ex = tl.exp(zc - tl.max(zc, 2)[:, :, None])                                           # softmax over k
+    C = tl.where(cm, ex / tl.sum(ex, 2)[:, :, None] + eps, 0.0)
+    C = C / (tl.sum(C, 1)[:, None, :] + eps)                                              # column normalisation
+    for _ in range(ITERS - 1):
+        C = C / (tl.sum(C, 2)[:, :, None] + eps)                                          # rows
+        C = C / (tl.sum(C, 1)[:, None, :] + eps)                                          # columns
+    sg = tl.sigmoid(z)
+    coef = tl.where(mc[None, :] < S, sg + eps, tl.where(mc[None, :] < 2 * S, 2 * sg, tl.reshape(C, (BLOCK_T, MPAD))))
+    tl.store(coef_ptr + t[:, None] * M + mc[None, :], coef, mask=tm[:, None] & (mc < M)[None, :])
+    # the pre-norm of the lagged collapse, over the h this program wrote
+    hr = 1.0 / tl.sqrt(hq / D + rms_eps)
+    tl.debug_barrier()
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + dd
+        dm = d < D
+        m2 = tm[:, None] & dm[None, :]
+        hv = tl.load(h_ptr + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        wv = tl.load(nw_ptr + d, mask=dm, other=0.0).to(tl.float32)
+        tl.store(h_ptr + t[:, None] * D + d[None, :], (wv[None, :] * (hv * hr[:, None])).to(tl.bfloat16), mask=m2)
+
+
+_W_CACHE: dict = {}
+
+
+def split_weights(fn: torch.Tensor, nsplit: int) -> torch.Tensor:
+    """fn [M, S*D] fp32 -> [nsplit, 32, S*D] bf16 with fn = hi + mid + lo (each the bf16 rounding of the remainder;
+    3 terms carry fn's 24 bits), rows past M zero. Cached per (storage, version)."""
+    key = (fn.data_ptr(), fn._version, tuple(fn.shape), str(fn.device), nsplit)
+    w = _W_CACHE.get(key)
+    if w is None:
+        rest = fn.detach().float()
+        terms = []
+        for _ in range(nsplit):
+            t = rest.bfloat16()
+            terms.append(t)
+            rest = rest - t.float()
+        w = torch.zeros(nsplit, MP, fn.size(1), dtype=torch.bfloat16, device=fn.device)
+        w[:, :fn.size(0)] = torch.stack(terms)
+        if len(_W_CACHE) > 64:
+            _W_CACHE.clear()
+        _W_CACHE[key] = w
+    return w
+
+
+def mhc_fused_triton(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                     pre_lag: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                     norm_weight: torch.Tensor, iters: int, eps: float, norm_eps: float, rms_eps: float, *,
+                     block_t: int | None = None, block_d: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None, nsplit: int | None = None):
+    """Triton twin of `mhc_fused_ref` (bf16 f and residual, S = 4) -> (y, h, pre, post, comb); the keywords
+    override `CONFIG` (nsplit: bf16 terms of fn, 3 = the fp32 projection, 2 = fn to ~2^-16)."""
+    S, D = residual.size(-2), residual.size(-1)
+    M = (2 + S) * S
+    if S != 4:
+        raise ValueError(f"mhc_fused (triton): the kernel is written for 4 streams, got {S}")
+    if f.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16:
+        raise ValueError(f"mhc_fused (triton): f and residual must be bfloat16, got {f.dtype}, {residual.dtype}")
+    if fn.shape != (M, S * D):
+        raise ValueError(f"mhc_fused (triton): fn must be [{M}, {S * D}], got {tuple(fn.shape)}")
+    cfg = {**CONFIG, **{k: v for k, v in dict(block_t=block_t, block_d=block_d, num_warps=num_warps,
+                                              num_stages=num_stages, nsplit=nsplit).items() if v is not None}}
+    lead = residual.shape[:-2]
+    N = residual[..., 0, 0].numel()
+    y = torch.empty(*lead, S, D, dtype=torch.bfloat16, device=f.device)
+    h = torch.empty(*lead, D, dtype=torch.bfloat16, device=f.device)
+    coef = torch.empty(*lead, M, dtype=torch.float32, device=f.device)
+    if N:
+        BT = cfg["block_t"]
+        LAST['mhc'] = _mhc_fused_kernel[(triton.cdiv(N, BT),)](
+            f.contiguous(), residual.contiguous(), post.float().contiguous(), comb.float().contiguous(),
+            pre_lag.float().contiguous(), split_weights(fn, cfg["nsplit"]), scale.float().contiguous(),
+            base.float().contiguous(), norm_weight.contiguous(), y, h, coef, N, D, float(eps), float(norm_eps),
+            float(rms_eps), M=M, ITERS=int(iters), NSPLIT=cfg["nsplit"], BLOCK_T=BT, BLOCK_D=cfg["block_d"],
+            DOT_BF16=_DOT_BF16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)
+    return y, h, coef[..., :S], coef[..., S:2 * S], coef[..., 2 * S:].unflatten(-1, (S, S))

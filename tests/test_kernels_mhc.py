@@ -1,0 +1,112 @@
+"""Guards the fused mHC step: the reference (`mhc_fused_ref`, built from the model's functions) against MODEL.md
+section 2 written out independently in float64 (CPU), the dispatch, and (marked gpu) the Triton kernel against the
+reference on fresh random inputs: ragged token counts, widths that are not a multiple of the chunk, one token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.kernels import backend as kb
+from dsv41.kernels import mhc_fused, mhc_fused_ref
+
+
+def mhc_case(B=2, T=5, D=64, S=4, dtype=torch.bfloat16, device="cpu", seed=0):
+    """Random inputs of one step: coefficients shaped like real ones (post in (0, 2), comb column-stochastic)."""
+    g = torch.Generator().manual_seed(seed)
+    M = (2 + S) * S
+    f = torch.randn(B, T, D, generator=g).to(dtype)
+    x = torch.randn(B, T, S, D, generator=g).to(dtype)
+    post = 2 * torch.rand(B, T, S, generator=g)
+    comb = torch.rand(B, T, S, S, generator=g)
+    comb = comb / comb.sum(-2, keepdim=True)
+    pre = torch.rand(B, T, S, generator=g) + 1e-6
+    fn = torch.randn(M, S * D, generator=g) / (S * D) ** 0.5
+    scale = torch.rand(3, generator=g) + 0.5
+    base = torch.randn(M, generator=g) * 0.5
+    nw = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    args = [f, x, post, comb, pre, fn, scale, base, nw]
+    return [a.to(device) for a in args] + [20, 1e-6, 1e-20, 1e-20]
+
+
+def spec_step(f, x, post, comb, pre, fn, scale, base, nw, iters, eps, norm_eps, rms_eps):
+    """MODEL.md 2 items 3-6 in float64, loops as written there."""
+    f, x, post, comb, pre, fn = (t.double() for t in (f, x, post, comb, pre, fn))
+    scale, base, nw = scale.double(), base.double(), nw.double()
+    S = x.size(-2)
+    y = torch.stack([post[..., k, None] * f + sum(comb[..., j, k, None] * x[..., j, :] for j in range(S))
+                     for k in range(S)], dim=-2)
+    flat = y.flatten(-2)
+    rho = (flat.square().mean(-1, keepdim=True) + norm_eps).rsqrt()
+    mix = (flat @ fn.T) * rho
+    pre_n = torch.sigmoid(mix[..., :S] * scale[0] + base[:S]) + eps
+    post_n = 2 * torch.sigmoid(mix[..., S:2 * S] * scale[1] + base[S:2 * S])
+    C = (mix[..., 2 * S:] * scale[2] + base[2 * S:]).unflatten(-1, (S, S)).softmax(-1) + eps
+    C = C / (C.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        C = C / (C.sum(-1, keepdim=True) + eps)
+        C = C / (C.sum(-2, keepdim=True) + eps)
+    h = sum(pre[..., j, None] * y[..., j, :] for j in range(S))
+    h = h * (h.square().mean(-1, keepdim=True) + rms_eps).rsqrt() * nw
+    return y, h, pre_n, post_n, C
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def test_mhc_fused_ref_is_the_spec():
+    """float32 reference (no bf16 rounding between the stages) = the spec in float64 to fp32 accuracy."""
+    args = mhc_case(B=2, T=7, D=48, dtype=torch.float32, seed=1)
+    got, want = mhc_fused_ref(*args), spec_step(*args)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and rel(g, w) < 1e-5
+
+
+def test_mhc_fused_ref_bf16_roundings():
+    """bf16: y and h are bf16 (the model's casts), the coefficients fp32 and close to the float64 spec."""
+    args = mhc_case(B=1, T=4, D=64, seed=2)
+    y, h, p, q, C = mhc_fused_ref(*args)
+    assert y.dtype == h.dtype == torch.bfloat16 and p.dtype == q.dtype == C.dtype == torch.float32
+    sy, sh, sp, sq, sC = spec_step(*args)
+    assert rel(y, sy) < 1e-2 and rel(h, sh) < 1e-2
+    assert rel(C, sC) < 1e-2 and torch.allclose(C.sum(-2), torch.ones_like(C.sum(-2)), atol=1e-4)
+
+
+def test_mhc_dispatch_cpu_is_reference():
+    saved = dict(kb._state)
+    try:
+        kb.set_backend("auto")
+        args = mhc_case(seed=3)
+        for a, b in zip(mhc_fused(*args), mhc_fused_ref(*args)):
+            assert torch.equal(a, b)
+    finally:
+        kb._state.clear()
+        kb._state.update(saved)
+
+
+MHC_GPU_CASES = [(1, 1, 5120), (2, 37, 5120), (1, 300, 200), (3, 65, 512)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", MHC_GPU_CASES)
+# block_t=16, block_d=64, num_warps=4 gave wrong coefficients (relative error ~1) on the H200 at D=5120 with a
+# partly filled token block, in 3 of 8 runs (y and h right): a suspected shared-memory race in the compiled kernel,
+# not understood yet; that configuration is not offered (see mhc_kernel.CONFIG).
+@pytest.mark.parametrize("opts", [dict(), dict(block_t=32, block_d=128, num_warps=8), dict(nsplit=2)])
+def test_mhc_fused_triton(shape, opts):
+    from dsv41.kernels.triton import mhc_fused_triton
+    B, T, D = shape
+    args = mhc_case(B=B, T=T, D=D, device="cuda", seed=hash((shape, str(opts))) % 1000)
+    ref = mhc_fused_ref(*args)
+    out = mhc_fused_triton(*args, **opts)
+    torch.cuda.synchronize()
+    names = ("y", "h", "pre", "post", "comb")
+    errs = {n: rel(o, r) for n, o, r in zip(names, out, ref)}
+    mism = {n: float((o != r).float().mean()) for n, o, r in zip(names[:2], out, ref)}
+    print(f"\nMAXERR mhc_fused {shape} {opts}: {errs} bf16 mismatches {mism}")
+    for n, o, r in zip(names, out, ref):
+        assert o.shape == r.shape and o.dtype == r.dtype and torch.isfinite(o).all(), n
+    coef_tol = 1e-4                          # fp32 projection over 20480 terms, tensor-core accumulation order
+    assert errs["y"] < 1e-3 and errs["h"] < 4e-3
+    assert max(errs["pre"], errs["post"], errs["comb"]) < coef_tol
