@@ -31,7 +31,8 @@ def _sync(dev: str) -> None:
 def main() -> None:
     dev = os.environ.get("DEVICE", "cuda")
     res: dict = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-                 "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+                 "commit": os.environ.get("DSV41_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                                        text=True).stdout.strip(),
                  "command": " ".join(sys.argv)}
     try:
         import triton

@@ -112,7 +112,8 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0) if dev.startswith("cuda") else "cpu",
            "torch": torch.__version__, "dtype": args.dtype,
-           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+           "commit": os.environ.get("DSV41_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                                        text=True).stdout.strip()
            or None}
     if args.checkpoint:
         from dsv41.engine.tokenizer import load_tokenizer
