@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dsv41.config import LayerRole, ModelConfig, layer_roles
+from dsv41.kernels import mhc_fused
 from dsv41.model.attention import Attention, StepContext
 from dsv41.model.common import RMSNorm, warm_up_transcendentals
 from dsv41.model.mhc import hc_mixes, hc_post, hc_pre, identity_pre_mix
@@ -54,14 +55,17 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, pre_mix: torch.Tensor, ctx, image_mask: torch.Tensor | None = None,
                 attn_extra=None):
         """x [B,T,S,D], pre_mix [B,T,S] (the previous block's FFN pre) -> (x', this block's FFN pre)."""
+        cfg = self.cfg
         residual = x
         a_pre, a_post, a_comb = self.mixes(x, "attn")
         h = self.attn_norm(hc_pre(x, pre_mix))
         h = self.attn(h, ctx) if attn_extra is None else self.attn(h, ctx, attn_extra)
-        x = hc_post(h, residual, a_post, a_comb)
+        # residual update, the FFN's mixes and its lagged, normed input in one pass (`dsv41.kernels.mhc_fused`:
+        # the model's own functions on CPU, the fused Triton kernel on a GPU)
+        x, h, f_pre, f_post, f_comb = mhc_fused(h, residual, a_post, a_comb, a_pre, self.hc_ffn_fn, self.hc_ffn_scale,
+                                                self.hc_ffn_base, self.ffn_norm.weight, cfg.hc_sinkhorn_iters,
+                                                cfg.hc_eps, cfg.norm_eps, self.ffn_norm.eps)
         residual = x
-        f_pre, f_post, f_comb = self.mixes(x, "ffn")
-        h = self.ffn_norm(hc_pre(x, a_pre))
         h = self.ffn(h, image_mask)
         x = hc_post(h, residual, f_post, f_comb)
         return x, f_pre
