@@ -173,12 +173,16 @@ def main() -> None:
             print(f"batch {B:3d}  {mode:9s}  {r['tok_per_s']:8.2f} tok/s  x{r['speedup_vs_off']:.2f}  "
                   f"tokens/forward/row {r['tokens_per_forward_per_row']:.2f}  acceptance [{acc}]  "
                   f"same tokens {r['same_tokens_as_off']}", flush=True)
-    for r in res["runs"]:
-        r.pop("outputs")
-    line = json.dumps(res)
+            if args.out:                                   # after every run: a time limit keeps what was measured
+                Path(args.out).write_text(_json(res) + "\n")
+    line = _json(res)
     if args.out:
         Path(args.out).write_text(line + "\n")
     print(line)
+
+
+def _json(res: dict) -> str:
+    return json.dumps({**res, "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in res["runs"]]})
 
 
 if __name__ == "__main__":

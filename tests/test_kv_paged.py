@@ -364,25 +364,44 @@ def test_packed_store_on_cuda_equals_dense():
 
 
 @pytest.mark.gpu
-def test_packed_decode_with_triton_kernels_matches_dense_path():
-    """bf16 on a GPU: the packed decode path runs the Triton kernels (backend auto); it must agree with the dense
-    path (torch, the whole history unpacked) up to summation order, on the same packed store."""
+def test_packed_decode_kernels_match_their_references_in_the_model():
+    """bf16 on a GPU: every layer's `sparse_attn_packed` / `indexer_topk_packed` call of a real decode step (inputs
+    captured from the model's packed decode path) gives what the torch references give: attention up to bf16
+    summation order, the same top-k selections. (Whole-model logits are not compared: with FP8/FP4 quantization on,
+    summation-order differences flip quantized values and this random model amplifies them to ~0.1; see
+    benchmarks/gpu_decode_check.py.)"""
+    import dsv41.kernels as K
+    from dsv41.kernels.triton import indexer_topk_packed_triton, sparse_attn_packed_triton
     from dsv41.model import packed_decode
     cfg = load_config("tiny")
     m = random_model(cfg, dtype=torch.bfloat16, seed=1, device="cuda")
     set_tie_break(m, "recent")
     ids = tokens(cfg, 2, 300, seed=4).cuda()
-    outs = []
-    for on in (False, True):
-        packed_decode.set_packed_decode(on)
+    calls = {"attn": [], "idx": []}
+    orig_attn, orig_idx = packed_decode.sparse_attn_packed, packed_decode.indexer_topk_packed
+
+    def cap_attn(*a):
+        calls["attn"].append(a)
+        return orig_attn(*a)
+
+    def cap_idx(*a, **kw):
+        calls["idx"].append((a, kw))
+        return orig_idx(*a, **kw)
+
+    pool = PackedKVPool(cfg, device="cuda", dtype=torch.bfloat16)
+    sids = [pool.new_sequence(), pool.new_sequence()]
+    with torch.no_grad():
+        m(ids[:, :290], pool.bind(sids))
+        packed_decode.sparse_attn_packed, packed_decode.indexer_topk_packed = cap_attn, cap_idx
         try:
-            pool = PackedKVPool(cfg, device="cuda", dtype=torch.bfloat16)
-            sids = [pool.new_sequence(), pool.new_sequence()]
-            with torch.no_grad():
-                m(ids[:, :290], pool.bind(sids))
-                outs.append(torch.cat([m(ids[:, k:k + 1], pool.bind(sids)).logits for k in range(290, 300)], 1))
+            m(ids[:, 290:291], pool.bind(sids))
         finally:
-            packed_decode.set_packed_decode(True)
-    err = ((outs[1] - outs[0]).norm(dim=-1) / outs[0].norm(dim=-1)).amax(0)           # per decode step
-    print("packed (Triton) vs dense decode logits, max rel per step:", [f"{e:.2g}" for e in err.tolist()])
-    assert err[0] < 2e-2 and torch.isfinite(outs[1]).all()      # later steps also carry FP8/FP4 flips of the KV
+            packed_decode.sparse_attn_packed, packed_decode.indexer_topk_packed = orig_attn, orig_idx
+        assert len(calls["attn"]) == cfg.n_layers and calls["idx"]
+        for a in calls["attn"]:
+            r, t = K.sparse_attn_packed_ref(*a).float(), sparse_attn_packed_triton(*a).float()
+            assert ((t - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-30)).max() < 1e-2
+        for a, kw in calls["idx"]:
+            r, t = K.indexer_topk_packed_ref(*a, **kw), indexer_topk_packed_triton(*a, **kw)
+            assert torch.equal(r[0], t[0])
+            assert (r[1] is None) == (t[1] is None) and (r[1] is None or torch.equal(r[1], t[1]))
