@@ -44,6 +44,11 @@ def register(subparsers) -> None:
     p.add_argument("--clip", type=float, default=d.clip, help="gradient-norm clip (0: off)")
     p.add_argument("--optimizer", choices=("muon", "adamw"), default=d.optimizer,
                    help="muon: head-wise Muon + Muon + Sinkhorn + AdamW by route; adamw: AdamW for everything")
+    p.add_argument("--muon-ns", choices=("auto", "fp32", "bf16"), default=d.muon_ns,
+                   help="Newton-Schulz dtype of the Muon routes (auto: bf16 on GPUs and on CPUs with AMX, else fp32)")
+    p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=d.fast,
+                   help="the training-only fast forward (same function as the model's, dense masked attention, "
+                        "batched experts; dsv41/train/fast.py); --no-fast: the reference forward")
     p.add_argument("--qat", action="store_true", help="fake-quantize the FP4 main KV (straight-through)")
     p.add_argument("--replay", choices=REPLAY_MODES, default=d.replay,
                    help="simulate bounded replay: truncate the sliding windows of the decoder / encoder / all "
@@ -68,7 +73,7 @@ def run(args) -> int:
     cfg = TrainConfig(preset=args.preset, stage=args.stage, data=args.data, out=out, init=args.init,
                       steps=args.steps, minutes=args.minutes, seq_len=args.seq_len, batch_size=args.batch_size,
                       grad_accum=args.grad_accum, lr=args.lr, weight_decay=args.weight_decay, warmup=args.warmup,
-                      clip=args.clip, optimizer=args.optimizer, qat=args.qat, balance_rate=args.balance_rate,
+                      clip=args.clip, optimizer=args.optimizer, muon_ns=args.muon_ns, fast=args.fast, qat=args.qat, balance_rate=args.balance_rate,
                       seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows,
                       val_fraction=args.val_fraction, replay=args.replay,
                       threads=args.threads, device=args.device, fsdp=args.fsdp, sample_tokens=args.sample_tokens,

@@ -130,10 +130,11 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def build_optimizers(model: torch.nn.Module, routes: list[Route], lr: float, weight_decay: float = 0.1,
-                     betas: tuple[float, float] = (0.9, 0.95), momentum: float = 0.95, eps: float = 1e-8
-                     ) -> OptimizerSet:
+                     betas: tuple[float, float] = (0.9, 0.95), momentum: float = 0.95, eps: float = 1e-8,
+                     muon_ns_dtype: torch.dtype | None = None) -> OptimizerSet:
     """One optimizer per kind present, param groups by (heads, lr multiplier, decay). Every group records its
-    `base_lr`; `OptimizerSet.set_lr_factor` scales them all by the schedule."""
+    `base_lr`; `OptimizerSet.set_lr_factor` scales them all by the schedule. `muon_ns_dtype`: the Newton-Schulz
+    compute dtype of the Muon routes (None: fp32 on CPU, bf16 on GPUs)."""
     params = dict(model.named_parameters())
     groups: dict[str, dict[tuple, list]] = {}
     for r in routes:
@@ -152,7 +153,7 @@ def build_optimizers(model: torch.nn.Module, routes: list[Route], lr: float, wei
                 pg.update(weight_decay=weight_decay if decay else 0.0)
             pgs.append(pg)
         if kind in ("muon", "muon_headwise"):
-            opts[kind] = Muon(pgs, lr=lr, beta=momentum)
+            opts[kind] = Muon(pgs, lr=lr, beta=momentum, ns_dtype=muon_ns_dtype)
         elif kind == "sinkhorn":
             opts[kind] = SinkhornMomentum(pgs, lr=lr, beta=momentum)
         else:
