@@ -3,6 +3,8 @@
 Each `step()` admits waiting requests (prefill, one sequence at a time, in the configured CED mode and chunk
 size), then runs ONE batched decode step for every running sequence (rows at different positions), samples,
 applies stop conditions, and returns what each request produced. Sequences join and leave between steps.
+With speculative decoding (`speculative="fixed:N"` or `"dspark"`, `dsv41.engine.speculative`) that step is one
+draft-verify step instead: each row may emit several tokens, with exactly the target's distribution.
 Bad requests are rejected at `add_request` with a ValueError and never reach the batch.
 """
 
@@ -197,7 +199,8 @@ class Engine:
             view.engram_history = engram_history_at(self.model.engram_hasher, ids, start - replay).view(1, -1)
         body = ids[start - replay:-1]
         if body:
-            pf = prefill(self.model, torch.tensor([body], device=self.device), view, self.prefill_mode, self.chunk_size, replay=replay)
+            pf = prefill(self.model, torch.tensor([body], device=self.device), view, self.prefill_mode,
+                         self.chunk_size, replay=replay)
             if self.drafter is not None and pf.main_hidden is not None:
                 self.drafter.seed(view, pf.main_hidden, pf.tap_start)
         self._save_unit(seq, ids[:-1])
