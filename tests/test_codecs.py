@@ -510,3 +510,19 @@ def test_cuda_qdq_does_not_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isnan(y[0, 0]).item() for y in ys)
+
+
+def test_fast_e4m3_rounding_equals_the_explicit_rule():
+    """`round_to_e4m3` (torch's float8_e4m3fn cast) == `round_to_e4m3_reference` (the rounding written out) on
+    every fp32 binade from 2^-140 to 2^140, at ties, subnormals, saturation, signed zeros and NaN."""
+    from dsv41.codecs.fp8 import round_to_e4m3, round_to_e4m3_reference
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.ldexp(1 + torch.rand(4096, generator=g), torch.full((4096,), e)) for e in range(-140, 141)]
+    x = torch.cat(parts)
+    ties = torch.arange(-512, 513, dtype=torch.float32) * 2.0 ** -10        # halfway points of the subnormal grid
+    edge = torch.tensor([0.0, -0.0, 448.0, -448.0, 464.0, 480.0, 1e38, -1e38, float("inf"), -float("inf")])
+    x = torch.cat([x, -x, ties, ties * 2 ** 7, edge])
+    a, b = round_to_e4m3(x), round_to_e4m3_reference(x)
+    assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+    n = torch.tensor([float("nan")])
+    assert torch.isnan(round_to_e4m3(n)).all() and torch.isnan(round_to_e4m3_reference(n)).all()

@@ -134,6 +134,15 @@ def grouped(x: torch.Tensor, group: int, what: str) -> torch.Tensor:
 def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 values to the nearest E4M3 value (ties to even), saturating at +-448; returns fp32.
 
+    Through torch's own float8_e4m3fn cast (round to nearest even, subnormals included): 3 kernels instead of
+    the ~10 of `round_to_e4m3_reference`, which states the rounding explicitly and is checked equal to this on
+    every finite fp32 binade and the edge values (tests/test_codecs.py)."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def round_to_e4m3_reference(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to the nearest E4M3 value (ties to even), saturating at +-448; returns fp32.
+
     The quantum at |x| is 2^(max(floor(log2|x|), -6) - 3): 3 mantissa bits for normals, and the fixed
     subnormal step 2^-9 below 2^-6. Dividing by a power of two is exact, so ``round(|x| / quantum)`` (which
     is round-half-even in torch) performs exactly one RNE rounding. A carry such as 15.5 -> 16 quanta lands
@@ -237,7 +246,7 @@ def _fp8_quant(x: torch.Tensor, group: int, what: str):
     amax = g.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
     sbyte = ue8m0_scale_byte(amax * FP8_MAX_INV)
     scale = e8m0_to_float(sbyte)
-    q = round_to_e4m3((g / scale).clamp(-E4M3_MAX, E4M3_MAX))
+    q = round_to_e4m3(g / scale)                                  # saturates at +-448
     return q, scale, sbyte
 
 
