@@ -526,3 +526,20 @@ def test_fast_e4m3_rounding_equals_the_explicit_rule():
     assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
     n = torch.tensor([float("nan")])
     assert torch.isnan(round_to_e4m3(n)).all() and torch.isnan(round_to_e4m3_reference(n)).all()
+
+
+def test_fast_qdq_equals_pack_unpack_and_the_byte_rule():
+    """qdq_fp8 / qdq_index_k take the scale from the bits (`pow2_ceil`); they must equal unpack(pack(x)) (which
+    goes through the UE8M0 bytes) on values spanning every scale the floors allow."""
+    from dsv41.codecs.fp8 import e8m0_to_float, pow2_ceil, ue8m0_scale_byte
+    g = torch.Generator().manual_seed(1)
+    y = torch.ldexp(1 + torch.rand(200_000, generator=g), torch.randint(-126, 127, (200_000,), generator=g))
+    y = torch.cat([y, torch.ldexp(torch.ones(253), torch.arange(-126, 127))])            # exact powers of two
+    assert torch.equal(pow2_ceil(y), e8m0_to_float(ue8m0_scale_byte(y)))
+    for scale in (1e-7, 1e-5, 1e-3, 0.1, 1.0, 100.0, 1e5):
+        x = torch.randn(4096, 128, generator=g) * scale
+        x[::7, :32] = 0.0                                                                  # all-zero groups
+        assert torch.equal(C.qdq_fp8(x), C.unpack_swa_kv(C.pack_swa_kv(x))[..., :128]), scale
+        assert torch.equal(C.qdq_index_k(x), C.unpack_index_k(C.pack_index_k(x))), scale
+        xb = x.bfloat16()
+        assert torch.equal(C.qdq_fp8(xb), C.unpack_swa_kv(C.pack_swa_kv(xb)).bfloat16()), scale

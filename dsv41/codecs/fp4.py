@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from .fp8 import as_u8, byte_ints, e4m3_to_float, e8m0_to_float, f32, float_to_e4m3, grouped, pow2, require_finite
-from .fp8 import round_to_e4m3, ue8m0_scale_byte
+from .fp8 import pow2_ceil, round_to_e4m3, ue8m0_scale_byte
 
 __all__ = [
     "E2M1_MAX",
@@ -215,8 +215,9 @@ def qdq_index_k(x: torch.Tensor, group: int = INDEX_K_GROUP) -> torch.Tensor:
     RoPE); ``qdq_index_q`` is an alias. Equal to ``unpack_index_k(pack_index_k(x))`` in x's dtype.
     No raise on non-finite (the group becomes NaN), no host sync.
     """
-    r, scale, _ = _index_k_quant(x, group, "qdq_index_k")
-    return (r * scale).flatten(-2).to(x.dtype)
+    g = grouped(x, group, "qdq_index_k")                  # `_index_k_quant` without the scale bytes
+    scale = pow2_ceil(g.abs().amax(dim=-1, keepdim=True).clamp_min(INDEX_K_AMAX_FLOOR) * FP4_MAX_INV)
+    return (round_to_e2m1((g / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale).flatten(-2).to(x.dtype)
 
 
 qdq_index_q = qdq_index_k
