@@ -101,6 +101,10 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=None, help="default: off, fixed:1, fixed:G/2, fixed:G, dspark")
     ap.add_argument("--agree", type=float, default=0.8, help="random-weight runs: the drafter's agreement")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ties", choices=["official", "recent"], default="recent",
+                    help="top-k tie rule; 'recent' makes greedy outputs independent of chunking and batch company, "
+                         "so 'same tokens' checks speculation itself (with 'official' ties among exactly equal "
+                         "indexer scores are broken by tensor shape)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -137,6 +141,9 @@ def main() -> None:
         prompts_all = [torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist()
                        for _ in range(max(args.batches))]
     model.eval()
+    from dsv41.model.attention import set_tie_break
+    set_tie_break(model, args.ties)
+    res["ties"] = args.ties
     G = cfg.dspark_block_size
     modes = args.modes or ["off", "fixed:1", f"fixed:{max(1, G // 2)}", f"fixed:{G}", "dspark"]
     modes = ["off"] + [m for m in modes if m != "off"]                 # the baseline runs first
