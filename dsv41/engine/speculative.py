@@ -131,7 +131,6 @@ class DSparkDrafter:
         if not model.cfg.dspark_enabled or len(model.mtp) == 0:
             raise ValueError("speculative decoding needs a model with the DSpark drafter (dspark_enabled)")
         self.model = model
-        self.block = model.cfg.dspark_block_size
 
     def seed(self, view, main_hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor | None = None) -> None:
         """Write the target's taps main_hidden [B,T,taps*D] of positions start_b.. (first count_b) to the rings."""
@@ -186,6 +185,8 @@ class VerifyJournal:
         self.layers = range(cfg.n_layers)                                              # the target's rings
         self.rings = {L: view.ring_rows(L, self.slots) for L in self.layers}
         h = view.engram_history
+        if h is None and model.engram_hasher is not None:                             # before any token: all DEAD
+            h = model.engram_hasher.init_history(self.start.numel())
         self.history = None if h is None else h.clone()
         self.model_journal: dict = {}
 
