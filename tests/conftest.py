@@ -48,6 +48,25 @@ def continuous_model(name: str = "debug", seed: int = 1):
     return cfg, m
 
 
+def small_corpus(tmp_path: Path, n: int = 40) -> Path:
+    """The first n top-level stdlib modules (sorted), copied to tmp_path/corpus: a small, always-present code
+    corpus for training tests."""
+    import shutil
+
+    from dsv41.train.data import stdlib_root
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for p in sorted(stdlib_root().glob("*.py"))[:n]:
+        shutil.copy(p, d / p.name)
+    return d
+
+
+def logged_losses(out: Path) -> list[float]:
+    """Per-step training losses from a run's log.jsonl."""
+    import json
+    return [json.loads(x)["loss"] for x in (out / "log.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
 def rel(a, b) -> float:
     """Max over rows of the relative L2 error along the last axis."""
     return ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()

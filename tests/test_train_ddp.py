@@ -4,25 +4,16 @@ Takes ~10-30 s (two interpreter start-ups), so it runs in the default suite."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from dsv41.train.data import stdlib_root
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(x)["loss"] for x in (out / "log.jsonl").read_text().splitlines() if '"loss"' in x]
+from tests.conftest import logged_losses, small_corpus
 
 
 def test_two_process_gloo_matches_single_process(tmp_path):
-    d = tmp_path / "corpus"
-    d.mkdir()
-    for p in sorted(stdlib_root().glob("*.py"))[:40]:
-        shutil.copy(p, d / p.name)
+    d = small_corpus(tmp_path)
     common = ["train", "--preset", "debug", "--data", str(d), "--seq-len", "32", "--steps", "6", "--lr", "2e-3",
               "--eval-windows", "8", "--val-fraction", "0.15", "--sample-tokens", "0", "--quiet", "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -33,6 +24,6 @@ def test_two_process_gloo_matches_single_process(tmp_path):
                             "-m", "dsv41.train.cli", *common, "--batch-size", "2", "--out", str(tmp_path / "two")],
                            env=env, capture_output=True, text=True, timeout=600)
     assert multi.returncode == 0, multi.stderr[-2000:]
-    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    a, b = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "two")
     assert len(a) == len(b) == 6
     assert max(abs(x - y) for x, y in zip(a, b)) < 2e-3, (a, b)

@@ -4,7 +4,6 @@ drafter-stage run trains `mtp.*` while leaving every backbone tensor bit-identic
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -13,10 +12,10 @@ from dsv41.config import load_config
 from dsv41.model.cache import DenseCache
 from dsv41.model.common import set_quantization
 from dsv41.model.init import random_model
-from dsv41.train.data import stdlib_root
 from dsv41.train.dspark_stage import (acceptance_counts, acceptance_rates, anchor_ids, anchor_positions,
                                       draft_forward)
 from dsv41.train.trainer import TrainConfig, train
+from tests.conftest import small_corpus
 
 
 @pytest.fixture(autouse=True)
@@ -66,10 +65,7 @@ def test_acceptance_counting():
 
 
 def test_dspark_stage_freezes_backbone(tmp_path):
-    d = tmp_path / "corpus"
-    d.mkdir()
-    for p in sorted(stdlib_root().glob("*.py"))[:40]:
-        shutil.copy(p, d / p.name)
+    d = small_corpus(tmp_path)
     common = dict(preset="debug", data=str(d), seq_len=24, batch_size=2, eval_windows=2, val_fraction=0.15,
                   quiet=True, sample_tokens=0, threads=1)
     train(TrainConfig(out=str(tmp_path / "base"), steps=2, **common))

@@ -22,6 +22,7 @@ from dsv41.model.init import init_weights
 from dsv41.model.transformer import Transformer
 from dsv41.train import fast as fast_mod
 from dsv41.train.trainer import LMTrainModule, replay_layers, replay_starts
+from tests.conftest import small_corpus
 
 SHAPES = {"debug": (4, 32), "tiny": (2, 128)}       # tiny: T = 2W, so compressed top-k and pools really select
 
@@ -124,14 +125,8 @@ def test_dense_sparse_attn_equals_reference_with_empty_rows_and_sinks():
 
 
 def test_trainer_uses_fast_path_and_no_fast_falls_back(tmp_path):
-    import shutil
-
-    from dsv41.train.data import stdlib_root
     from dsv41.train.trainer import TrainConfig, Trainer
-    data = tmp_path / "corpus"
-    data.mkdir()
-    for p in sorted(stdlib_root().glob("*.py"))[:12]:
-        shutil.copy(p, data / p.name)
+    data = small_corpus(tmp_path, 12)
     kw = dict(preset="debug", data=str(data), seq_len=32, batch_size=2, eval_windows=2, val_fraction=0.2,
               sample_tokens=0, quiet=True, threads=1, steps=1)
     assert Trainer(TrainConfig(out=str(tmp_path / "a"), **kw)).module.fast

@@ -8,29 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from dsv41.train.data import stdlib_root
+from tests.conftest import logged_losses, small_corpus
 
 COMMON = ["train", "--preset", "debug", "--seq-len", "32", "--steps", "6", "--lr", "2e-3", "--eval-windows", "8",
           "--val-fraction", "0.15", "--sample-tokens", "0", "--quiet", "--threads", "1", "--replay", "both"]
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(x)["loss"] for x in (out / "log.jsonl").read_text().splitlines() if '"loss"' in x]
-
-
-def _corpus(tmp_path: Path) -> Path:
-    d = tmp_path / "corpus"
-    d.mkdir()
-    for p in sorted(stdlib_root().glob("*.py"))[:40]:
-        shutil.copy(p, d / p.name)
-    return d
 
 
 def _run(tmp_path: Path, *args: str, procs: int = 0) -> None:
@@ -43,12 +30,12 @@ def _run(tmp_path: Path, *args: str, procs: int = 0) -> None:
 
 
 def test_two_process_fsdp2_gloo_matches_single_process(tmp_path):
-    _corpus(tmp_path)
+    small_corpus(tmp_path)
     # FSDP2 runs the reference forward (the fast one bypasses its unshard hooks): so does the single process here;
     # fp32 Newton-Schulz on both sides, so that bf16 rounding does not amplify the gradients' reduction order
     _run(tmp_path, "--batch-size", "4", "--no-fast", "--muon-ns", "fp32", "--out", str(tmp_path / "one"))
     _run(tmp_path, "--batch-size", "2", "--fsdp", "--muon-ns", "fp32", "--out", str(tmp_path / "fsdp"), procs=2)
-    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "fsdp")
+    a, b = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "fsdp")
     assert len(a) == len(b) == 6
     assert max(abs(x - y) for x, y in zip(a, b)) < 2e-3, (a, b)
     ga, gb = ([json.loads(x)["grad_norm"] for x in (tmp_path / d / "log.jsonl").read_text().splitlines()
@@ -62,11 +49,11 @@ def test_two_process_fsdp2_gloo_matches_single_process(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp2_resume_is_exact(tmp_path):
-    _corpus(tmp_path)
+    small_corpus(tmp_path)
     common = ["--batch-size", "2", "--fsdp"]
     _run(tmp_path, *common, "--out", str(tmp_path / "full"), procs=2)
     _run(tmp_path, *common, "--out", str(tmp_path / "split"), "--stop-at", "3", procs=2)
-    assert len(_losses(tmp_path / "split")) == 3
+    assert len(logged_losses(tmp_path / "split")) == 3
     _run(tmp_path, *common, "--out", str(tmp_path / "split"), "--resume", procs=2)
-    a, b = _losses(tmp_path / "full"), _losses(tmp_path / "split")
+    a, b = logged_losses(tmp_path / "full"), logged_losses(tmp_path / "split")
     assert a == b and len(a) == 6, (a, b)

@@ -4,15 +4,13 @@ checkpoint loads with `load_model` (tokenizer and Engram token map included) int
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from dsv41.train.data import stdlib_root
 from dsv41.train.trainer import TrainConfig, Trainer, train
+from tests.conftest import logged_losses, small_corpus
 
 
 @pytest.fixture(autouse=True)
@@ -21,15 +19,6 @@ def _restore_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
-
-
-def small_corpus(tmp_path: Path, n: int = 40) -> Path:
-    """The first n top-level stdlib modules (sorted), copied: a small, always-present code corpus."""
-    d = tmp_path / "corpus"
-    d.mkdir()
-    for p in sorted(stdlib_root().glob("*.py"))[:n]:
-        shutil.copy(p, d / p.name)
-    return d
 
 
 def _cfg(tmp_path: Path, out: str, **kw) -> TrainConfig:
@@ -41,14 +30,9 @@ def _cfg(tmp_path: Path, out: str, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()
-            if '"loss"' in line]
-
-
 def test_loss_decreases(tmp_path):
     s = train(_cfg(tmp_path, "run", steps=20, eval_every=20))
-    losses = _losses(tmp_path / "run")
+    losses = logged_losses(tmp_path / "run")
     assert len(losses) == 20
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, losses
     assert s["val_loss"] < 6.3 and s["val_bpb"] > 0 and (tmp_path / "run" / "loss_curve.png").is_file()
@@ -59,9 +43,9 @@ def test_exact_resume(tmp_path):
     N = 6
     train(_cfg(tmp_path, "full", steps=N, eval_every=3))
     train(_cfg(tmp_path, "split", steps=N, eval_every=3), stop_at=N // 2)
-    assert len(_losses(tmp_path / "split")) == N // 2
+    assert len(logged_losses(tmp_path / "split")) == N // 2
     train(_cfg(tmp_path, "split", steps=N, eval_every=3), resume=True)
-    a, b = _losses(tmp_path / "full"), _losses(tmp_path / "split")
+    a, b = logged_losses(tmp_path / "full"), logged_losses(tmp_path / "split")
     assert a == b and len(a) == N                                     # bit-identical losses, step by step
     from safetensors.torch import load_file
     wa, wb = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "split" /
