@@ -18,7 +18,8 @@ from dsv41.model.attention import window_indices
 from dsv41.model.cache import DenseCache
 from dsv41.train.trainer import replay_layers, replay_starts, train
 from tests.conftest import continuous_model, rel
-from tests.test_train_trainer import _cfg, _losses
+from tests.conftest import logged_losses
+from tests.test_train_trainer import _cfg
 
 
 @pytest.fixture(autouse=True)
@@ -149,11 +150,11 @@ def test_training_decoder_floor_equals_ced_bounded_prefill(N):
 def test_trainer_replay_runs_and_resumes_exactly(tmp_path):
     N = 4
     s = train(_cfg(tmp_path, "full", steps=N, eval_every=2, replay="both", sample_tokens=0))
-    a = _losses(tmp_path / "full")
+    a = logged_losses(tmp_path / "full")
     assert len(a) == N and all(math.isfinite(x) for x in a) and s["replay"] == "both"
     train(_cfg(tmp_path, "split", steps=N, eval_every=2, replay="both", sample_tokens=0), stop_at=N // 2)
     train(_cfg(tmp_path, "split", steps=N, eval_every=2, sample_tokens=0), resume=True)   # mode from the checkpoint
-    assert _losses(tmp_path / "split") == a                           # bit-identical, step by step
+    assert logged_losses(tmp_path / "split") == a                     # bit-identical, step by step
     from safetensors.torch import load_file
     wa, wb = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("full", "split"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -161,7 +162,7 @@ def test_trainer_replay_runs_and_resumes_exactly(tmp_path):
     assert state["config"]["replay"] == "both"
     assert json.loads((tmp_path / "split" / "summary.json").read_text())["replay"] == "both"
     train(_cfg(tmp_path, "off", steps=1, eval_every=1, sample_tokens=0))
-    off = _losses(tmp_path / "off")[0]                                # same weights and data, no floor
+    off = logged_losses(tmp_path / "off")[0]                          # same weights and data, no floor
     assert off != a[0] and abs(off - a[0]) < 0.5, (off, a[0])
 
 
