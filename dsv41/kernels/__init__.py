@@ -4,18 +4,20 @@
   packed_ref.py  references over the engine's packed store: sparse_attn_packed_ref (decode: FP8 ring + FP4 pages),
                  indexer_scores_packed_ref / indexer_topk_packed_ref (decode indexer, MXFP4 keys, candidate pool)
   mhc_ref.py     mhc_fused_ref: one mHC step between sub-layers (hc_post, next hc_mixes, lagged hc_pre + RMSNorm)
+  (codecs)       qdq_fp8's reference is `dsv41.codecs.qdq_fp8` itself (the FP8 activation QDQ of MODEL.md 3.3)
   backend.py     set_backend("auto" | "torch" | "triton"), chosen once; auto = Triton on CUDA bf16 inputs without
                  gradients, the reference otherwise (logged once per op and choice); a requested backend that
                  cannot run raises
   triton/        the Triton kernels, imported lazily (CPU installs never need Triton)
 
-The public ops below dispatch through the switch; the model imports `sparse_attn`.
+The public ops below dispatch through the switch; the model imports them from here.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dsv41.codecs import qdq_fp8 as qdq_fp8_ref
 from dsv41.kernels.backend import BACKENDS, get_backend, resolve, set_backend, triton_available
 from dsv41.kernels.packed_ref import (
     candidate_pool,
@@ -37,7 +39,7 @@ __all__ = [
     "indexer_scores_packed", "indexer_scores_packed_ref",
     "indexer_topk_packed", "indexer_topk_packed_ref",
     "decode_window_rows", "page_table_of", "pool_entries", "candidate_pool", "indexer_select",
-    "mhc_fused", "mhc_fused_ref",
+    "mhc_fused", "mhc_fused_ref", "qdq_fp8", "qdq_fp8_ref",
 ]
 
 
@@ -86,3 +88,14 @@ def mhc_fused(f, residual, post, comb, pre_lag, fn, scale, base, norm_weight, it
         from dsv41.kernels.triton import mhc_fused_triton
         return mhc_fused_triton(*args)
     return mhc_fused_ref(*args)
+
+
+def qdq_fp8(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """FP8 activation quantize-dequantize; see `dsv41.codecs.qdq_fp8` (bit-identical Triton twin on Hopper)."""
+    if resolve("qdq_fp8", [x]) == "triton":
+        if torch.cuda.get_device_capability(x.device) >= (8, 9):       # the E4M3 conversion needs sm_89+
+            from dsv41.kernels.triton import qdq_fp8_triton
+            return qdq_fp8_triton(x, group)
+        if get_backend() == "triton":
+            raise ValueError("kernel backend 'triton': qdq_fp8 needs a GPU of compute capability 8.9 or newer")
+    return qdq_fp8_ref(x, group)

@@ -19,7 +19,6 @@ from types import SimpleNamespace
 
 import torch
 
-from dsv41.model.common import RMSNorm
 from dsv41.model.mhc import hc_mixes, hc_post, hc_pre
 
 __all__ = ["mhc_fused_ref"]
@@ -34,6 +33,7 @@ def mhc_fused_ref(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
     that stream; pre_lag [..,S] the lagged collapse weights; fn [M,S*D] fp32, scale [3], base [M] the next mixes'
     parameters; norm_weight [D] the next sub-layer's RMSNorm weight; iters Sinkhorn iterations, eps hc_eps,
     norm_eps the mixes' RMS epsilon, rms_eps the RMSNorm's."""
+    from dsv41.model.common import RMSNorm         # here: dsv41.model.common imports this package's ops
     S = residual.size(-2)
     y = hc_post(f, residual, post, comb)
     pre_n, post_n, comb_n = hc_mixes(y, fn, scale, base, S, iters, eps, norm_eps)

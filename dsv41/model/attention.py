@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dsv41.codecs import qdq_fp8, qdq_index_k, qdq_main_kv
+from dsv41.codecs import qdq_index_k, qdq_main_kv
 from dsv41.config import LayerRole, ModelConfig
-from dsv41.kernels import sparse_attn
+from dsv41.kernels import qdq_fp8, sparse_attn
 from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope
 
 

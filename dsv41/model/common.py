@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.codecs import qdq_fp8
+from dsv41.kernels import qdq_fp8
 
 # Checkpoint storage kinds of a Linear weight (MODEL.md 9). Quantized kinds quantize their activation to FP8
 # (per 32 along K, ue8m0 scales) before the matmul; the weight itself is held dequantized (exact in bf16).
@@ -66,8 +66,13 @@ class Linear(QuantSite):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant and self.kind in QUANT_KINDS:
+    @property
+    def quantizes_input(self) -> bool:
+        return self.quant and self.kind in QUANT_KINDS
+
+    def forward(self, x: torch.Tensor, input_quantized: bool = False) -> torch.Tensor:
+        """input_quantized: x is already `qdq_fp8`'d (a caller feeding one input to several Linears)."""
+        if self.quantizes_input and not input_quantized:
             x = qdq_fp8(x)
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 

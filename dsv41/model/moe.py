@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv41.kernels import qdq_fp8
 from dsv41.model.common import Linear
 
 
@@ -58,7 +59,9 @@ class Expert(nn.Module):
         self.limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.w1(x).float(), self.w3(x).float()
+        shared = self.w1.quantizes_input and self.w3.quantizes_input      # one activation QDQ for w1 and w3
+        xq = qdq_fp8(x) if shared else x
+        gate, up = self.w1(xq, input_quantized=shared).float(), self.w3(xq, input_quantized=shared).float()
         if self.limit > 0:
             up = up.clamp(-self.limit, self.limit)
             gate = gate.clamp(max=self.limit)
@@ -88,11 +91,16 @@ class MoE(nn.Module):
         weights, indices, _ = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         self.last_route = (indices.view(*shape[:-1], -1), weights.view(*shape[:-1], -1))
         y = torch.zeros_like(x, dtype=torch.float32)
-        counts = torch.bincount(indices.flatten(), minlength=self.n_experts).tolist()
+        flat = indices.flatten()
+        order = torch.argsort(flat, stable=True)              # (token, slot) pairs grouped by expert, tokens ascending
+        rows_of, w_of = order // indices.size(1), weights.flatten()[order].unsqueeze(-1)
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            rows, slot = torch.where(indices == e)
-            y = y.index_add(0, rows, self.experts[e](x[rows], weights[rows, slot, None]).float())
+            rows, w = rows_of[start:start + n], w_of[start:start + n]
+            start += n
+            y = y.index_add(0, rows, self.experts[e](x[rows], w).float())
         y = y + self.shared_experts(x).float()
         return y.type_as(x).view(shape)

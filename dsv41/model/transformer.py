@@ -52,23 +52,40 @@ class Block(nn.Module):
         fn, scale, base = (getattr(self, f"hc_{which}_{k}") for k in ("fn", "scale", "base"))
         return hc_mixes(x, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, pre_mix: torch.Tensor, ctx, image_mask: torch.Tensor | None = None,
-                attn_extra=None):
-        """x [B,T,S,D], pre_mix [B,T,S] (the previous block's FFN pre) -> (x', this block's FFN pre)."""
+    def head(self, x: torch.Tensor, pre_mix: torch.Tensor):
+        """The attention side's mHC step on its own: (normed attention input [B,T,D], (pre, post, comb))."""
+        return self.attn_norm(hc_pre(x, pre_mix)), self.mixes(x, "attn")
+
+    def body(self, x: torch.Tensor, h: torch.Tensor, a_mix, ctx, image_mask: torch.Tensor | None = None,
+             attn_extra=None, nxt: "Block | None" = None):
+        """Attention and MoE from the block's input stream x, its normed attention input h and attention mixes
+        a_mix (from `head`) -> (x', this block's FFN pre, nxt's head or None).
+
+        Each mHC step between two sub-layers is one `dsv41.kernels.mhc_fused` call (the model's own functions on
+        CPU, the fused Triton kernel on a GPU): the residual update, the next sub-layer's mixes and its lagged,
+        normed input in one pass. The attention -> FFN step always is; with `nxt` (the next block, when nothing
+        runs between the two) the FFN -> next attention step is too, and the third item is nxt's `head`."""
         cfg = self.cfg
         residual = x
-        a_pre, a_post, a_comb = self.mixes(x, "attn")
-        h = self.attn_norm(hc_pre(x, pre_mix))
+        a_pre, a_post, a_comb = a_mix
         h = self.attn(h, ctx) if attn_extra is None else self.attn(h, ctx, attn_extra)
-        # residual update, the FFN's mixes and its lagged, normed input in one pass (`dsv41.kernels.mhc_fused`:
-        # the model's own functions on CPU, the fused Triton kernel on a GPU)
         x, h, f_pre, f_post, f_comb = mhc_fused(h, residual, a_post, a_comb, a_pre, self.hc_ffn_fn, self.hc_ffn_scale,
                                                 self.hc_ffn_base, self.ffn_norm.weight, cfg.hc_sinkhorn_iters,
                                                 cfg.hc_eps, cfg.norm_eps, self.ffn_norm.eps)
         residual = x
         h = self.ffn(h, image_mask)
-        x = hc_post(h, residual, f_post, f_comb)
-        return x, f_pre
+        if nxt is None:
+            return hc_post(h, residual, f_post, f_comb), f_pre, None
+        x, h, n_pre, n_post, n_comb = mhc_fused(h, residual, f_post, f_comb, f_pre, nxt.hc_attn_fn,
+                                                nxt.hc_attn_scale, nxt.hc_attn_base, nxt.attn_norm.weight,
+                                                cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, nxt.attn_norm.eps)
+        return x, f_pre, (h, (n_pre, n_post, n_comb))
+
+    def forward(self, x: torch.Tensor, pre_mix: torch.Tensor, ctx, image_mask: torch.Tensor | None = None,
+                attn_extra=None):
+        """x [B,T,S,D], pre_mix [B,T,S] (the previous block's FFN pre) -> (x', this block's FFN pre)."""
+        x, pre, _ = self.body(x, *self.head(x, pre_mix), ctx, image_mask, attn_extra)
+        return x, pre
 
 
 @dataclass
@@ -170,6 +187,8 @@ class Transformer(nn.Module):
         h = h.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
         pre_mix = identity_pre_mix(B, T, self.cfg.hc_mult, h.device)
         taps = []
+        head = None                      # this block's attention input, when the previous block computed it
+        n = len(self.layers)
         for L, layer in enumerate(self.layers):
             if layer.engram is not None:
                 h = self.apply_engram(L, h, hashes, token_mask)
@@ -177,7 +196,10 @@ class Transformer(nn.Module):
                     record[("engram_out", L)] = h
             if self.cfg.dspark_enabled and L in self.cfg.dspark_target_layer_ids:
                 taps.append(h.mean(dim=2))
-            h, pre_mix = layer(h, pre_mix, ctx, image_mask)
+            if head is None:
+                head = layer.head(h, pre_mix)
+            nxt = self.layers[L + 1] if L + 1 < n and self.layers[L + 1].engram is None else None
+            h, pre_mix, head = layer.body(h, *head, ctx, image_mask, nxt=nxt)
             if record is not None:
                 record[("block_out", L)] = h
                 record[("block_pre_out", L)] = pre_mix

@@ -1,0 +1,59 @@
+"""Triton FP8 activation QDQ: twin of `dsv41.codecs.qdq_fp8` (same signature), one kernel instead of ~12.
+
+The reference runs before every quantized Linear and on every sliding-window KV row; in a decode step of the
+40-layer model that is ~900 calls of a dozen small torch kernels each, so the step was launch-bound. Here one
+program takes BLOCK groups of GROUP channels:
+  amax  = max(|x| over the group, fp32(1e-4))                      (MODEL.md 3.3)
+  scale = 2^ceil(log2(amax * fp32(1/448)))                        from the fp32 bits, exactly as `pow2_ceil`
+  out   = e4m3_rne_satfinite(x / scale) * scale                   in x's dtype
+Every step is exact in fp32 (the max, the multiply by the fp32 reciprocal, the bit ceiling, the division by a
+power of two (a multiply by the exact reciprocal), the Hopper `cvt.rn.satfinite` to E4M3, the multiply back), so the result is bit-identical to the
+reference, checked on the GPU by tests/test_kernels_quant.py. A group holding a NaN or an inf decodes to NaN, as
+in the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
+
+__all__ = ["qdq_fp8_triton"]
+
+
+@triton.jit
+def _qdq_fp8_kernel(x_ptr, y_ptr, n_groups, floor, max_inv, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    g = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    c = tl.arange(0, GROUP)
+    gm = g < n_groups
+    offs = g[:, None] * GROUP + c[None, :]
+    x = tl.load(x_ptr + offs, mask=gm[:, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), 1), floor)
+    bad = (tl.max((x != x).to(tl.int32), 1) > 0) | (amax == float("inf"))  # NaN (tl.max drops it) or inf
+    y = amax * max_inv
+    e = ((y.to(tl.int32, bitcast=True) + 0x7FFFFF) >> 23) & 0xFF         # biased exponent of 2^ceil(log2 y)
+    scale = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)                  # 1 / scale, exact (e <= 247 here)
+    q = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)           # == x / scale: a power-of-two scaling
+    q = q.to(tl.float8e4nv).to(tl.float32)
+    out = tl.where(bad[:, None], float("nan"), q * scale[:, None])
+    tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=gm[:, None])
+
+
+def qdq_fp8_triton(x: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:
+    """Triton twin of `dsv41.codecs.qdq_fp8` for CUDA tensors (fp32 / bf16 / fp16) -> x's dtype and shape."""
+    if x.dim() == 0 or x.shape[-1] % group:
+        raise ValueError(f"qdq_fp8: last dim must be a multiple of {group}, got shape {tuple(x.shape)}")
+    if group & (group - 1) or group > 256:
+        raise ValueError(f"qdq_fp8 (triton): group must be a power of two up to 256, got {group}")
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    n_groups = xc.numel() // group
+    if n_groups:
+        block = max(1, min(64, 2048 // group))
+        _qdq_fp8_kernel[(triton.cdiv(n_groups, block),)](xc, y, n_groups, FP8_AMAX_FLOOR, FP8_MAX_INV, GROUP=group,
+                                                         BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return y

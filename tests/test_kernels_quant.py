@@ -1,0 +1,87 @@
+"""Guards the FP8 activation QDQ op: the dispatch (CPU: the codec itself; an explicit Triton backend on CPU is an
+error), and (marked gpu) the Triton kernel bit-identical to the reference on fresh random inputs: bf16 and fp32,
+one group to many, magnitudes across the fp32 range, exact ties, values past 448 * scale, zeros, NaN and inf."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.codecs import qdq_fp8 as codec_qdq_fp8
+from dsv41.kernels import backend as kb
+from dsv41.kernels import qdq_fp8, qdq_fp8_ref
+
+
+@pytest.fixture
+def restore_backend():
+    saved = dict(kb._state)
+    yield
+    kb._state.clear()
+    kb._state.update(saved)
+
+
+def quant_case(shape, dtype, seed):
+    """Random activations with a per-group magnitude spread over many binades, some exact E4M3 ties, zero groups."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    groups = x.unflatten(-1, (shape[-1] // 32, 32))
+    groups *= torch.exp2(torch.randint(-30, 30, groups.shape[:-1] + (1,), generator=g).float())
+    flat = x.view(-1)
+    n = flat.numel()
+    pick = torch.randint(0, n, (max(1, n // 50),), generator=g)
+    flat[pick] = torch.exp2(torch.randint(-8, 8, pick.shape, generator=g).float()) * 1.0625   # halfway mantissas
+    if n >= 64:
+        flat[:32] = 0.0                                                                       # an all-zero group
+    return x.to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan]) and \
+        torch.equal(torch.signbit(a[~nan]), torch.signbit(b[~nan]))
+
+
+def test_qdq_fp8_dispatch_cpu_is_the_codec(restore_backend):
+    assert qdq_fp8_ref is codec_qdq_fp8
+    kb.set_backend("auto")
+    x = quant_case((3, 5, 96), torch.bfloat16, 0)
+    assert torch.equal(qdq_fp8(x), codec_qdq_fp8(x))
+    kb._state["triton"] = True                         # present, but CPU inputs: an explicit request is an error
+    kb.set_backend("triton")
+    with pytest.raises(ValueError, match="CUDA"):
+        qdq_fp8(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 32), (1, 1, 5120), (3, 7, 2304), (2, 1, 64 * 512), (4099, 96)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qdq_fp8_triton_is_bit_identical(shape, dtype, restore_backend):
+    from dsv41.kernels.triton import qdq_fp8_triton
+    for seed in range(3):
+        x = quant_case(shape, dtype, seed).cuda()
+        ref = codec_qdq_fp8(x)
+        out = qdq_fp8_triton(x)
+        assert out.dtype == x.dtype and out.shape == x.shape
+        assert same_bits(out, ref), f"shape {shape} {dtype} seed {seed}: {int((out != ref).sum())} values differ"
+    kb.set_backend("triton")
+    with torch.no_grad():
+        assert same_bits(qdq_fp8(x), ref)
+
+
+@pytest.mark.gpu
+def test_qdq_fp8_triton_nonfinite_groups():
+    from dsv41.kernels.triton import qdq_fp8_triton
+    x = quant_case((4, 128), torch.float32, 7)
+    x[0, 3] = float("nan")
+    x[1, 40] = float("inf")
+    x[2, 70] = -float("inf")
+    x[3, 100] = 3.0e38                                   # finite, the largest scales
+    x = x.cuda()
+    out, ref = qdq_fp8_triton(x), codec_qdq_fp8(x)
+    assert same_bits(out, ref)
+    assert torch.isnan(out[0, :32]).all() and torch.isnan(out[1, 32:64]).all() and torch.isfinite(out[0, 32:]).all()
+    # a non-contiguous input and a non-multiple of 32 as in the reference
+    y = quant_case((6, 64), torch.bfloat16, 8).cuda().t().contiguous().t()
+    assert same_bits(qdq_fp8_triton(y), codec_qdq_fp8(y))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qdq_fp8_triton(torch.zeros(3, 40, device="cuda"))
