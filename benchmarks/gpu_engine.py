@@ -28,6 +28,25 @@ def _sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
+def launch_profile(model, pool, sid, tok) -> dict:
+    """One more decode step under torch.profiler: kernel launches, and the GPU's busy time (sum of kernel
+    durations) against the step's wall time; busy << wall means the step is bound by launching, not by the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        a = time.perf_counter()
+        model(tok, pool.bind([sid]), last_only=True)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - a
+    ka = prof.key_averages()
+    launches = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                    "cudaLaunchKernelExC"))
+    syncs = sum(e.count for e in ka if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
+    busy = sum(e.self_device_time_total for e in ka) / 1e6
+    top = sorted(ka, key=lambda e: -e.self_device_time_total)[:8]
+    return {"profiled_step_s": wall, "kernel_launches": launches, "host_syncs": syncs, "gpu_busy_s": busy,
+            "top_gpu_ms": [(e.key[:60], round(e.self_device_time_total / 1e3, 2), e.count) for e in top]}
+
+
 def main() -> None:
     dev = os.environ.get("DEVICE", "cuda")
     res: dict = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
@@ -45,8 +64,8 @@ def main() -> None:
     def out_of_time() -> bool:
         return time.perf_counter() - t_start > budget
 
-    lengths = [int(x) for x in os.environ.get("PREFILL_LENGTHS", "8192,32768").split(",")]
-    contexts = [int(x) for x in os.environ.get("DECODE_CONTEXTS", "4096,65536,262144,1048576").split(",")]
+    lengths = [int(x) for x in os.environ.get("PREFILL_LENGTHS", "8192,32768").split(",") if x]   # "" = none
+    contexts = [int(x) for x in os.environ.get("DECODE_CONTEXTS", "4096,65536,262144,1048576").split(",") if x]
     from dsv41.config import load_config
     from dsv41.engine.bench import analytic_ratio, bench_prefill
     from dsv41.engine.prefill import prefill
@@ -134,6 +153,8 @@ def main() -> None:
                     times.append(time.perf_counter() - a)
             row = {"context": n, "global_kv_bytes": gbytes, "bytes_per_token": gbytes / n,
                    "step_s": statistics.median(times[1:]), "fill_s": fill["seconds"]}
+            if dev == "cuda":
+                row.update(launch_profile(model, pool, sid, tok))
             print(row, flush=True)
             drows.append(row)
             del pool
