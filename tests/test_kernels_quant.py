@@ -1,4 +1,4 @@
-"""Guards the FP8 activation QDQ op: the dispatch (CPU: the codec itself; an explicit Triton backend on CPU is an
+"""Guards the FP8 quantizer ops (activation QDQ, packed SWA-KV rows): the dispatch (CPU: the codec itself; an explicit Triton backend on CPU is an
 error), and (marked gpu) the Triton kernel bit-identical to the reference on fresh random inputs: bf16 and fp32,
 one group to many, magnitudes across the fp32 range, exact ties, values past 448 * scale, zeros, NaN and inf."""
 
@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv41.codecs import pack_swa_kv as codec_pack_swa_kv
 from dsv41.codecs import qdq_fp8 as codec_qdq_fp8
+from dsv41.codecs import unpack_swa_kv
 from dsv41.kernels import backend as kb
-from dsv41.kernels import qdq_fp8, qdq_fp8_ref
+from dsv41.kernels import pack_swa_kv, qdq_fp8, qdq_fp8_ref
 
 
 @pytest.fixture
@@ -46,10 +48,14 @@ def test_qdq_fp8_dispatch_cpu_is_the_codec(restore_backend):
     kb.set_backend("auto")
     x = quant_case((3, 5, 96), torch.bfloat16, 0)
     assert torch.equal(qdq_fp8(x), codec_qdq_fp8(x))
+    assert torch.equal(pack_swa_kv(x), codec_pack_swa_kv(x))
+    assert torch.equal(unpack_swa_kv(pack_swa_kv(x)).to(x.dtype), qdq_fp8(x))
     kb._state["triton"] = True                         # present, but CPU inputs: an explicit request is an error
     kb.set_backend("triton")
     with pytest.raises(ValueError, match="CUDA"):
         qdq_fp8(x)
+    with pytest.raises(ValueError, match="CUDA"):
+        pack_swa_kv(x)
 
 
 @pytest.mark.gpu
@@ -85,3 +91,17 @@ def test_qdq_fp8_triton_nonfinite_groups():
     assert same_bits(qdq_fp8_triton(y), codec_qdq_fp8(y))
     with pytest.raises(ValueError, match="multiple of 32"):
         qdq_fp8_triton(torch.zeros(3, 40, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 32), (2, 1, 512), (3, 9, 512), (5, 160), (700, 64)])
+def test_pack_swa_kv_triton_is_bit_identical(shape):
+    from dsv41.kernels.triton import pack_swa_kv_triton
+    for seed in range(3):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = quant_case(shape, dtype, seed).cuda()
+            out, ref = pack_swa_kv_triton(x), codec_pack_swa_kv(x)
+            assert out.dtype == torch.uint8 and out.shape == ref.shape
+            assert torch.equal(out, ref), f"{shape} {dtype} seed {seed}: {int((out != ref).sum())} bytes differ"
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_swa_kv_triton(torch.zeros(3, 40, device="cuda"))

@@ -4,7 +4,7 @@
   packed_ref.py  references over the engine's packed store: sparse_attn_packed_ref (decode: FP8 ring + FP4 pages),
                  indexer_scores_packed_ref / indexer_topk_packed_ref (decode indexer, MXFP4 keys, candidate pool)
   mhc_ref.py     mhc_fused_ref: one mHC step between sub-layers (hc_post, next hc_mixes, lagged hc_pre + RMSNorm)
-  (codecs)       qdq_fp8's reference is `dsv41.codecs.qdq_fp8` itself (the FP8 activation QDQ of MODEL.md 3.3)
+  (codecs)       the references of qdq_fp8 and pack_swa_kv are the codecs themselves (MODEL.md 3.3)
   backend.py     set_backend("auto" | "torch" | "triton"), chosen once; auto = Triton on CUDA bf16 inputs without
                  gradients, the reference otherwise (logged once per op and choice); a requested backend that
                  cannot run raises
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv41.codecs import pack_swa_kv as _pack_swa_kv_codec
 from dsv41.codecs import qdq_fp8 as qdq_fp8_ref
 from dsv41.kernels.backend import BACKENDS, get_backend, resolve, set_backend, triton_available
 from dsv41.kernels.packed_ref import (
@@ -40,6 +41,7 @@ __all__ = [
     "indexer_topk_packed", "indexer_topk_packed_ref",
     "decode_window_rows", "page_table_of", "pool_entries", "candidate_pool", "indexer_select",
     "mhc_fused", "mhc_fused_ref", "qdq_fp8", "qdq_fp8_ref",
+    "pack_swa_kv", "pack_swa_kv_ref",
 ]
 
 
@@ -90,12 +92,33 @@ def mhc_fused(f, residual, post, comb, pre_lag, fn, scale, base, norm_weight, it
     return mhc_fused_ref(*args)
 
 
+def _fp8_triton_ok(op: str, x: torch.Tensor) -> bool:
+    """The switch's choice for an FP8 quantizer: the Triton kernels convert to E4M3 in hardware (sm_89+)."""
+    if resolve(op, [x]) != "triton":
+        return False
+    if torch.cuda.get_device_capability(x.device) >= (8, 9):
+        return True
+    if get_backend() == "triton":
+        raise ValueError(f"kernel backend 'triton': {op} needs a GPU of compute capability 8.9 or newer")
+    return False
+
+
 def qdq_fp8(x: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """FP8 activation quantize-dequantize; see `dsv41.codecs.qdq_fp8` (bit-identical Triton twin on Hopper)."""
-    if resolve("qdq_fp8", [x]) == "triton":
-        if torch.cuda.get_device_capability(x.device) >= (8, 9):       # the E4M3 conversion needs sm_89+
-            from dsv41.kernels.triton import qdq_fp8_triton
-            return qdq_fp8_triton(x, group)
-        if get_backend() == "triton":
-            raise ValueError("kernel backend 'triton': qdq_fp8 needs a GPU of compute capability 8.9 or newer")
+    """FP8 activation quantize-dequantize; see `dsv41.codecs.qdq_fp8` (bit-identical Triton twin)."""
+    if _fp8_triton_ok("qdq_fp8", x):
+        from dsv41.kernels.triton import qdq_fp8_triton
+        return qdq_fp8_triton(x, group)
     return qdq_fp8_ref(x, group)
+
+
+def pack_swa_kv_ref(x: torch.Tensor) -> torch.Tensor:
+    """`dsv41.codecs.pack_swa_kv` without its finiteness check (a host sync): the store's writes."""
+    return _pack_swa_kv_codec(x, check_finite=False)
+
+
+def pack_swa_kv(x: torch.Tensor) -> torch.Tensor:
+    """Packed SWA-KV rows of finite x [..., d]; see `pack_swa_kv_ref` (bit-identical Triton twin)."""
+    if _fp8_triton_ok("pack_swa_kv", x):
+        from dsv41.kernels.triton import pack_swa_kv_triton
+        return pack_swa_kv_triton(x)
+    return pack_swa_kv_ref(x)

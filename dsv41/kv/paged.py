@@ -78,6 +78,7 @@ from dsv41.codecs import (
     unpack_swa_kv,
 )
 from dsv41.config import ModelConfig
+from dsv41.kernels import pack_swa_kv as pack_swa_rows
 from dsv41.model.cache import LayerCacheSpec, cache_spec, window_write_mask
 
 __all__ = ["PackedKVPool", "BatchView", "pack_main_kv_exact", "KINDS", "GlobalState", "GlobalLayerState", "SwaState",
@@ -606,7 +607,7 @@ class BatchView:
         if T == 0:
             return
         x = kv[:, first:].detach()
-        records = pack_swa_kv(x, check_finite=False)
+        records = pack_swa_rows(x)                                # the Triton kernel on a GPU
         self._verify("swa", records, x)
         pos = torch.as_tensor(start, dtype=torch.long).cpu().view(-1, 1) + torch.arange(first, T)
         slots = self.slots.view(-1, 1).expand(-1, pos.size(1))

@@ -1,4 +1,5 @@
-"""Triton FP8 activation QDQ: twin of `dsv41.codecs.qdq_fp8` (same signature), one kernel instead of ~12.
+"""Triton FP8 quantizers: twins of `dsv41.codecs.qdq_fp8` (the activation QDQ) and `dsv41.codecs.pack_swa_kv`
+(the packed sliding-window KV row), one kernel each instead of ~12 and ~25 small torch kernels.
 
 The reference runs before every quantized Linear and on every sliding-window KV row; in a decode step of the
 40-layer model that is ~900 calls of a dozen small torch kernels each, so the step was launch-bound. Here one
@@ -9,7 +10,9 @@ program takes BLOCK groups of GROUP channels:
 Every step is exact in fp32 (the max, the multiply by the fp32 reciprocal, the bit ceiling, the division by a
 power of two (a multiply by the exact reciprocal), the Hopper `cvt.rn.satfinite` to E4M3, the multiply back), so the result is bit-identical to the
 reference, checked on the GPU by tests/test_kernels_quant.py. A group holding a NaN or an inf decodes to NaN, as
-in the reference.
+in the reference. The SWA pack stores the same quantities as bytes: the E4M3 codes of q and the UE8M0 byte of the
+scale (its biased exponent), in the row layout [d codes | d/32 scale bytes]; finite inputs only (the engine's
+writes; the reference's `check_finite` raise is a host sync, left to callers that want it).
 """
 
 from __future__ import annotations
@@ -20,7 +23,20 @@ import triton.language as tl
 
 from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
 
-__all__ = ["qdq_fp8_triton"]
+__all__ = ["qdq_fp8_triton", "pack_swa_kv_triton"]
+
+
+@triton.jit
+def _fp8_groups(x, floor, max_inv):
+    """x [BLOCK, GROUP] fp32 -> (E4M3-rounded x / scale, scale's biased exponent, group is NaN/inf)."""
+    amax = tl.maximum(tl.max(tl.abs(x), 1), floor)
+    bad = (tl.max((x != x).to(tl.int32), 1) > 0) | (amax == float("inf"))  # NaN (tl.max drops it) or inf
+    y = amax * max_inv
+    e = ((y.to(tl.int32, bitcast=True) + 0x7FFFFF) >> 23) & 0xFF         # biased exponent of 2^ceil(log2 y)
+    scale = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)                  # 1 / scale, exact (e <= 247 here)
+    q = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)           # == x / scale: a power-of-two scaling
+    return q.to(tl.float8e4nv), e, scale, bad
 
 
 @triton.jit
@@ -31,16 +47,25 @@ def _qdq_fp8_kernel(x_ptr, y_ptr, n_groups, floor, max_inv, GROUP: tl.constexpr,
     gm = g < n_groups
     offs = g[:, None] * GROUP + c[None, :]
     x = tl.load(x_ptr + offs, mask=gm[:, None], other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), 1), floor)
-    bad = (tl.max((x != x).to(tl.int32), 1) > 0) | (amax == float("inf"))  # NaN (tl.max drops it) or inf
-    y = amax * max_inv
-    e = ((y.to(tl.int32, bitcast=True) + 0x7FFFFF) >> 23) & 0xFF         # biased exponent of 2^ceil(log2 y)
-    scale = (e << 23).to(tl.float32, bitcast=True)
-    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)                  # 1 / scale, exact (e <= 247 here)
-    q = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)           # == x / scale: a power-of-two scaling
-    q = q.to(tl.float8e4nv).to(tl.float32)
-    out = tl.where(bad[:, None], float("nan"), q * scale[:, None])
+    q, e, scale, bad = _fp8_groups(x, floor, max_inv)
+    out = tl.where(bad[:, None], float("nan"), q.to(tl.float32) * scale[:, None])
     tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=gm[:, None])
+
+
+@triton.jit
+def _pack_swa_kernel(x_ptr, out_ptr, n_groups, floor, max_inv, GPR: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """GPR groups per row; row r's record starts at r * GPR * (GROUP + 1): codes, then one scale byte per group."""
+    pid = tl.program_id(0)
+    g = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    c = tl.arange(0, GROUP)
+    gm = g < n_groups
+    x = tl.load(x_ptr + g[:, None] * GROUP + c[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+    q, e, scale, bad = _fp8_groups(x, floor, max_inv)
+    row, j = g // GPR, g % GPR
+    base = row * (GPR * (GROUP + 1))
+    tl.store(out_ptr + base[:, None] + j[:, None] * GROUP + c[None, :], q.to(tl.uint8, bitcast=True), mask=gm[:, None])
+    tl.store(out_ptr + base + GPR * GROUP + j, tl.where(bad, 255, e).to(tl.uint8), mask=gm)
 
 
 def qdq_fp8_triton(x: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:
@@ -57,3 +82,20 @@ def qdq_fp8_triton(x: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:
         _qdq_fp8_kernel[(triton.cdiv(n_groups, block),)](xc, y, n_groups, FP8_AMAX_FLOOR, FP8_MAX_INV, GROUP=group,
                                                          BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return y
+
+
+def pack_swa_kv_triton(x: torch.Tensor) -> torch.Tensor:
+    """Triton twin of `dsv41.codecs.pack_swa_kv(x, check_finite=False)` for finite CUDA x [..., d] -> uint8
+    [..., d + d/32]."""
+    d = x.shape[-1] if x.dim() else 0
+    if d <= 0 or d % FP8_GROUP:
+        raise ValueError(f"pack_swa_kv: last dim must be a positive multiple of {FP8_GROUP}, got shape {tuple(x.shape)}")
+    xc = x.contiguous()
+    out = torch.empty(*x.shape[:-1], d + d // FP8_GROUP, dtype=torch.uint8, device=x.device)
+    n_groups = xc.numel() // FP8_GROUP
+    if n_groups:
+        block = 64
+        _pack_swa_kernel[(triton.cdiv(n_groups, block),)](xc, out, n_groups, FP8_AMAX_FLOOR, FP8_MAX_INV,
+                                                          GPR=d // FP8_GROUP, GROUP=FP8_GROUP, BLOCK=block,
+                                                          num_warps=4, enable_fp_fusion=False)
+    return out
