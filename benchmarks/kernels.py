@@ -186,15 +186,37 @@ def mhc_err(out, ref) -> float:
     return max(rel_err(o, r) for o, r in zip(out, ref))
 
 
-def run(quick: bool) -> dict:
+SECTIONS = ("attn", "indexer", "mhc", "dense", "quant")
+
+
+def run(quick: bool, only: tuple = SECTIONS) -> dict:
+    from dsv41.codecs import pack_swa_kv, qdq_fp8
     from dsv41.kernels import indexer_scores_packed_ref, indexer_topk_packed_ref, sparse_attn_packed_ref
     from dsv41.kernels import mhc_fused_ref, sparse_attn_ref
     from dsv41.kernels.triton import (indexer_scores_packed_triton, indexer_topk_packed_triton, mhc_fused_triton,
-                                      sparse_attn_packed_triton, sparse_attn_triton)
+                                      pack_swa_kv_triton, qdq_fp8_triton, sparse_attn_packed_triton,
+                                      sparse_attn_triton)
     rows, sweeps = [], []
 
+    # FP8 quantizers (memory-bound): activation QDQ at a decode row and a prefill chunk, SWA-KV row packing
+    for T in ((1, 4096) if "quant" in only else ()):
+        x = torch.randn(T, 5120, device=DEV).bfloat16()
+        ref = qdq_fp8(x)
+        out = qdq_fp8_triton(x)
+        same = bool(torch.equal(out, ref))
+        t, t_ref = bench_graph(lambda: qdq_fp8_triton(x)), bench(lambda: qdq_fp8(x), rep=50)
+        rows.append(row("qdq_fp8", f"T={T} K=5120 bf16", t, t_ref, 0, T * 5120 * 4, 0.0 if same else None,
+                        {"bit_identical": same}))
+        kv = torch.randn(T, 512, device=DEV).bfloat16()
+        same = bool(torch.equal(pack_swa_kv_triton(kv), pack_swa_kv(kv, check_finite=False)))
+        t = bench_graph(lambda: pack_swa_kv_triton(kv))
+        t_ref = bench(lambda: pack_swa_kv(kv, check_finite=False), rep=50)
+        rows.append(row("pack_swa_kv", f"T={T} d=512 bf16", t, t_ref, 0, T * (512 * 2 + 528), 0.0 if same else None,
+                        {"bit_identical": same}))
+        checkpoint(rows, sweeps)
+
     # sparse attention decode over the packed store (the model's decode shape: 64 heads x 512, 128 + 512 indices)
-    for B in (1, 16, 64, 128):
+    for B in ((1, 16, 64, 128) if "attn" in only else ()):
         args = packed_attn_inputs(B)
         H, D, KW, K = 64, 512, args[3].size(1), args[6].size(1)
         ref = sparse_attn_packed_ref(*args)
@@ -209,7 +231,8 @@ def run(quick: bool) -> dict:
         del args, ref
 
     # indexer scores over packed MXFP4 keys (32 heads x 128), whole visible context
-    for B, N in (((1, 65536), (1, 1 << 20)) if quick else ((1, 65536), (1, 1 << 20), (4, 262144))):
+    for B, N in ((() if "indexer" not in only else ((1, 65536), (1, 1 << 20)) if quick
+                  else ((1, 65536), (1, 1 << 20), (4, 262144)))):
         q, w, pages, table, n_vis = index_inputs(B, N)
         ref = indexer_scores_packed_ref(q, w, pages, table, n_vis, None, N)
         t_ref = bench(lambda: indexer_scores_packed_ref(q, w, pages, table, n_vis, None, N), rep=50)
@@ -240,7 +263,7 @@ def run(quick: bool) -> dict:
                                 2 * n_scored * 32 * 128, n_scored * 72, None, {"same_ids_frac": same}))
         del q, w, pages, table, ref
     # fused mHC step (4 streams x 5120, 20 Sinkhorn iterations): bytes (2S+2)*D bf16 + 48 fp32 coefficients/token
-    for T in (4096, 16384):
+    for T in ((4096, 16384) if "mhc" in only else ()):
         args = mhc_inputs(T)
         ref = mhc_fused_ref(*args)
         t_ref = bench(lambda: mhc_fused_ref(*args), rep=50)
@@ -254,7 +277,7 @@ def run(quick: bool) -> dict:
         torch.cuda.empty_cache()
 
     # dense-KV sparse attention: a prefill chunk and a decode batch
-    for B, T, N in ((1, 4096, 6144), (64, 1, 4096)):
+    for B, T, N in (((1, 4096, 6144), (64, 1, 4096)) if "dense" in only else ()):
         H, D, K = 64, 512, 640
         torch.manual_seed(1)
         q = torch.randn(B, T, H, D, device=DEV).bfloat16()
@@ -289,6 +312,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the JSON record here")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="these kernels only")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
@@ -299,7 +323,7 @@ def main() -> None:
            "command": " ".join(["python"] + sys.argv), "git_commit": git_commit(), "limits": LIMITS,
            "measured": ceilings()}
     CHECKPOINT.update(path=a.out, rec=dict(rec))
-    rec.update(run(a.quick))
+    rec.update(run(a.quick, tuple(a.only)))
     rec["wall_s"] = time.time() - t0
     print(f"\n{'kernel':<40} {'shape':<44} {'time us':>9} {'TFLOP/s':>8} {'GB/s':>7} {'%flop':>6} {'%hbm':>5} "
           f"{'ref us':>9} {'speedup':>7} {'rel err':>8}")
