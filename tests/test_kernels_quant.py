@@ -1,4 +1,4 @@
-"""Guards the FP8 quantizer ops (activation QDQ, packed SWA-KV rows): the dispatch (CPU: the codec itself; an explicit Triton backend on CPU is an
+"""Guards the FP8 quantizer ops (activation QDQ, packed SWA-KV rows, the expert's SwiGLU + QDQ): the dispatch (CPU: the codec itself; an explicit Triton backend on CPU is an
 error), and (marked gpu) the Triton kernel bit-identical to the reference on fresh random inputs: bf16 and fp32,
 one group to many, magnitudes across the fp32 range, exact ties, values past 448 * scale, zeros, NaN and inf."""
 
@@ -11,7 +11,7 @@ from dsv41.codecs import pack_swa_kv as codec_pack_swa_kv
 from dsv41.codecs import qdq_fp8 as codec_qdq_fp8
 from dsv41.codecs import unpack_swa_kv
 from dsv41.kernels import backend as kb
-from dsv41.kernels import pack_swa_kv, qdq_fp8, qdq_fp8_ref
+from dsv41.kernels import expert_act, expert_act_ref, pack_swa_kv, qdq_fp8, qdq_fp8_ref
 
 
 @pytest.fixture
@@ -105,3 +105,45 @@ def test_pack_swa_kv_triton_is_bit_identical(shape):
             assert torch.equal(out, ref), f"{shape} {dtype} seed {seed}: {int((out != ref).sum())} bytes differ"
     with pytest.raises(ValueError, match="multiple of 32"):
         pack_swa_kv_triton(torch.zeros(3, 40, device="cuda"))
+
+
+def act_case(n, F, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    gate = (torch.randn(n, F, generator=g) * 6).bfloat16()          # past the clamp limit of 10 at the tails
+    up = (torch.randn(n, F, generator=g) * 6).bfloat16()
+    w = torch.rand(n, 1, generator=g)
+    return gate.to(device), up.to(device), w.to(device)
+
+
+def test_expert_act_ref_is_the_expert_middle(restore_backend):
+    """The op is the expert's own math: with it, Expert.forward = w2(QDQ(bf16(weights * silu(min(w1 x, L)) *
+    clamp(w3 x, -L, L)))) written out here."""
+    from dsv41.model.moe import Expert
+    torch.manual_seed(0)
+    ex = Expert(64, 96, "fp4", torch.bfloat16, 10.0)
+    for p in ex.parameters():
+        p.data.normal_(0, 0.3)
+    x = torch.randn(5, 64).bfloat16() * 4
+    w = torch.rand(5, 1)
+    xq = codec_qdq_fp8(x)
+    gate, up = (xq @ ex.w1.weight.T).float().clamp(max=10.0), (xq @ ex.w3.weight.T).float().clamp(-10.0, 10.0)
+    h = codec_qdq_fp8((w * (torch.nn.functional.silu(gate) * up)).bfloat16())
+    with torch.no_grad():
+        assert torch.equal(ex(x, w), h @ ex.w2.weight.T)
+    gate, up, w = act_case(3, 64, 1)
+    assert torch.equal(expert_act(gate, up, w, 10.0, True, torch.bfloat16),
+                       expert_act_ref(gate, up, w, 10.0, True, torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,F", [(1, 2304), (7, 2304), (33, 96), (300, 2048)])
+def test_expert_act_triton_is_bit_identical(n, F):
+    from dsv41.kernels.triton import expert_act_triton
+    for seed in range(3):
+        gate, up, w = act_case(n, F, seed, "cuda")
+        for kw in (dict(weights=w, limit=10.0, quantize=True), dict(weights=None, limit=10.0, quantize=True),
+                   dict(weights=w, limit=0.0, quantize=True), dict(weights=w, limit=10.0, quantize=False)):
+            ref = expert_act_ref(gate, up, dtype=torch.bfloat16, **kw)
+            out = expert_act_triton(gate, up, dtype=torch.bfloat16, **kw)
+            assert same_bits(out, ref), f"{n}x{F} seed {seed} {[(k, v if k != 'weights' else v is not None) for k, v in kw.items()]}: " \
+                f"{int((out != ref).sum())} of {out.numel()} differ"

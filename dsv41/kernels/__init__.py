@@ -16,6 +16,7 @@ The public ops below dispatch through the switch; the model imports them from he
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dsv41.codecs import pack_swa_kv as _pack_swa_kv_codec
 from dsv41.codecs import qdq_fp8 as qdq_fp8_ref
@@ -41,7 +42,7 @@ __all__ = [
     "indexer_topk_packed", "indexer_topk_packed_ref",
     "decode_window_rows", "page_table_of", "pool_entries", "candidate_pool", "indexer_select",
     "mhc_fused", "mhc_fused_ref", "qdq_fp8", "qdq_fp8_ref",
-    "pack_swa_kv", "pack_swa_kv_ref",
+    "pack_swa_kv", "pack_swa_kv_ref", "expert_act", "expert_act_ref",
 ]
 
 
@@ -122,3 +123,28 @@ def pack_swa_kv(x: torch.Tensor) -> torch.Tensor:
         from dsv41.kernels.triton import pack_swa_kv_triton
         return pack_swa_kv_triton(x)
     return pack_swa_kv_ref(x)
+
+
+def expert_act_ref(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, limit: float, quantize: bool,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The expert's middle (MODEL.md 5): silu(min(gate, L)) * clamp(up, -L, L) in fp32 (no clamp when L <= 0), times
+    the routing weight, cast to `dtype`, then (quantize) the FP8 QDQ that w2 applies to its input."""
+    g, u = gate.float(), up.float()
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    h = F.silu(g) * u
+    if weights is not None:
+        h = weights * h
+    h = h.to(dtype)
+    return qdq_fp8_ref(h) if quantize else h
+
+
+def expert_act(gate, up, weights, limit, quantize, dtype):
+    """See `expert_act_ref` (Triton twin: one kernel instead of ~9)."""
+    tensors = [gate, up] + ([weights] if weights is not None else [])
+    if gate.dim() == 2 and gate.size(-1) % 32 == 0 and _fp8_triton_ok("expert_act", gate) and \
+            not any(t.requires_grad for t in tensors if torch.is_grad_enabled()):
+        from dsv41.kernels.triton import expert_act_triton
+        return expert_act_triton(gate, up, weights, limit, quantize, dtype)
+    return expert_act_ref(gate, up, weights, limit, quantize, dtype)

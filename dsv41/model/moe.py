@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.kernels import qdq_fp8
+from dsv41.kernels import expert_act, qdq_fp8
 from dsv41.model.common import Linear
 
 
@@ -61,14 +61,10 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         shared = self.w1.quantizes_input and self.w3.quantizes_input      # one activation QDQ for w1 and w3
         xq = qdq_fp8(x) if shared else x
-        gate, up = self.w1(xq, input_quantized=shared).float(), self.w3(xq, input_quantized=shared).float()
-        if self.limit > 0:
-            up = up.clamp(-self.limit, self.limit)
-            gate = gate.clamp(max=self.limit)
-        h = F.silu(gate) * up
-        if weights is not None:
-            h = weights * h
-        return self.w2(h.to(x.dtype))
+        gate, up = self.w1(xq, input_quantized=shared), self.w3(xq, input_quantized=shared)
+        q2 = self.w2.quantizes_input
+        h = expert_act(gate, up, weights, self.limit, q2, x.dtype)         # w2's input, QDQ'd when w2 quantizes
+        return self.w2(h, input_quantized=q2)
 
 
 class MoE(nn.Module):

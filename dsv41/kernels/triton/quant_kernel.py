@@ -21,9 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+try:                                                     # the accurate expf (Triton 3.x; older: tl.math.exp)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover
+    from triton.language import math as libdevice
+
 from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
 
-__all__ = ["qdq_fp8_triton", "pack_swa_kv_triton"]
+__all__ = ["qdq_fp8_triton", "pack_swa_kv_triton", "expert_act_triton"]
 
 
 @triton.jit
@@ -50,6 +55,32 @@ def _qdq_fp8_kernel(x_ptr, y_ptr, n_groups, floor, max_inv, GROUP: tl.constexpr,
     q, e, scale, bad = _fp8_groups(x, floor, max_inv)
     out = tl.where(bad[:, None], float("nan"), q.to(tl.float32) * scale[:, None])
     tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=gm[:, None])
+
+
+@triton.jit
+def _expert_act_kernel(g_ptr, u_ptr, w_ptr, y_ptr, n_groups, F, limit, floor, max_inv, HAS_W: tl.constexpr,
+                       CLAMP: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """SwiGLU with the asymmetric clamp and the routing weight, rounded to y's dtype, then (QUANT) the FP8 QDQ of
+    w2's input: the torch ops of `expert_act_ref` in their order, silu as x / (1 + exp(-x)) with IEEE division and
+    the accurate exp (as torch's CUDA silu)."""
+    pid = tl.program_id(0)
+    g = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    c = tl.arange(0, GROUP)
+    gm = g < n_groups
+    offs = g[:, None] * GROUP + c[None, :]
+    a = tl.load(g_ptr + offs, mask=gm[:, None], other=0.0).to(tl.float32)
+    b = tl.load(u_ptr + offs, mask=gm[:, None], other=0.0).to(tl.float32)
+    if CLAMP:
+        b = tl.where(b < -limit, -limit, tl.where(b > limit, limit, b))      # NaN stays NaN, as torch.clamp
+        a = tl.where(a > limit, limit, a)
+    h = tl.math.div_rn(a, 1.0 + libdevice.exp(-a)) * b
+    if HAS_W:
+        h = tl.load(w_ptr + offs // F, mask=gm[:, None], other=0.0) * h
+    h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
+    if QUANT:
+        q, e, scale, bad = _fp8_groups(h, floor, max_inv)
+        h = tl.where(bad[:, None], float("nan"), q.to(tl.float32) * scale[:, None])
+    tl.store(y_ptr + offs, h.to(y_ptr.dtype.element_ty), mask=gm[:, None])
 
 
 @triton.jit
@@ -99,3 +130,22 @@ def pack_swa_kv_triton(x: torch.Tensor) -> torch.Tensor:
                                                           GPR=d // FP8_GROUP, GROUP=FP8_GROUP, BLOCK=block,
                                                           num_warps=4, enable_fp_fusion=False)
     return out
+
+
+def expert_act_triton(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, limit: float,
+                      quantize: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Triton twin of `dsv41.kernels.expert_act_ref`: gate, up [n, F] (F % 32 == 0), weights [n, 1] fp32 or None."""
+    n, F = gate.shape
+    if F % FP8_GROUP or up.shape != gate.shape:
+        raise ValueError(f"expert_act: gate and up must be [n, F] with F % 32 == 0, got {tuple(gate.shape)}, "
+                         f"{tuple(up.shape)}")
+    y = torch.empty(n, F, dtype=dtype, device=gate.device)
+    n_groups = n * F // FP8_GROUP
+    if n_groups:
+        w = weights.float().contiguous() if weights is not None else y
+        block = 64
+        _expert_act_kernel[(triton.cdiv(n_groups, block),)](
+            gate.contiguous(), up.contiguous(), w, y, n_groups, F, float(limit), FP8_AMAX_FLOOR, FP8_MAX_INV,
+            HAS_W=weights is not None, CLAMP=limit > 0, QUANT=bool(quantize), GROUP=FP8_GROUP, BLOCK=block,
+            num_warps=4, enable_fp_fusion=False)
+    return y
