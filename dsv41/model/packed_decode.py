@@ -61,13 +61,20 @@ def _selection(attn, u, qr, freqs, ctx) -> torch.Tensor:
 def attention_decode_packed(attn, u: torch.Tensor, ctx) -> torch.Tensor:
     """`Attention.forward` for one token per row over the packed store. u [B,1,D] -> [B,1,D]."""
     cache, L = ctx.cache, attn.layer
-    freqs = attn.rope.freqs(ctx.positions).to(u.device)                              # [B,1,R/2]
+    memo = ctx.published                             # per forward: what every layer of this step shares
+    key = ("rope-freqs", id(attn.rope.inv_freq))        # one table per theta / YaRN setting (lru-cached)
+    if key not in memo:
+        memo[key] = attn.rope.freqs(ctx.positions).to(u.device)
+    freqs = memo[key]                                                                # [B,1,R/2]
     qr, q = attn.queries(u, freqs)
     cache.write_window(L, ctx.start, attn.window_kv(u, freqs))                       # the ring now holds pos
     floor = ctx.window_floor
     if floor is not None and ctx.window_floor_layers is not None and L not in ctx.window_floor_layers:
         floor = None
-    win = decode_window_rows(ctx.start.to(u.device), attn.window, floor)
+    key = ("window-rows", attn.window, floor is None)
+    if key not in memo:
+        memo[key] = decode_window_rows(ctx.start.to(u.device), attn.window, floor)
+    win = memo[key]
     if attn.role.ratio:
         if attn.compressor is not None and ctx.produce_kv:
             attn.produce_global_kv(u, ctx)
