@@ -14,9 +14,16 @@ walk over the program's own h (just written: L2 hits, not HBM) applies the RMSNo
 HBM traffic: x and f read once, y and h written once, (2S + 2) * D bf16 values per token, plus 48 fp32
 coefficients per token; fn is read from L2 by every program (S*D*M*2*NSPLIT bytes per BT tokens). Multiply-adds
 are not fused (enable_fp_fusion=False), as the reference's separate torch ops round.
+
+Few tokens (a decode step) leave that design with one program on one SM walking all of D (~435 us per call at one
+token on the H200). There the "split" path runs a program per (token, BD-chunk) computing y, the unnormalised h and
+the chunk's partial projections (fp32 fn, fp32 products) and squares, and a finishing kernel sums the partials in
+chunk order, computes the coefficients and applies the RMSNorm to h.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import triton
@@ -27,11 +34,44 @@ from dsv41.kernels.triton.sparse_attn_kernel import _DOT_BF16, LAST, _sm_count
 __all__ = ["mhc_fused_triton", "split_weights", "CONFIG"]
 
 # block_t 32 / block_d 64 / 8 warps: 176 registers, no spills, GPU-tested on ragged shapes. block_d 128 (255
-# registers) ran 1.6x faster at 4096 tokens in benchmarks/kernels.py (results/kernels-2026-12-03b.json) but is not
-# yet through the ragged-shape GPU tests. block_t 16 / block_d 64 / 4 warps gave wrong coefficients at D=5120 with a
-# partly filled token block (see tests/test_kernels_mhc.py): do not use it.
-CONFIG = {"block_t": 32, "block_d": 64, "num_warps": 8, "num_stages": 1, "nsplit": 3}
+# registers) ran 1.6x faster at 4096 tokens in benchmarks/kernels.py (results/kernels-2026-12-03b.json).
+# The "wrong coefficients" that earlier GPU test runs showed for some non-default configs (in some runs, never y or h)
+# were a stale `split_weights` cache entry: it was keyed by data_ptr, which a test's fresh fn could share with a
+# freed one of the previous test. The cache now holds the tensor weakly and checks identity.
+CONFIG = {"block_t": 32, "block_d": 64, "num_warps": 8, "num_stages": 1, "nsplit": 3, "split_max_tokens": 64,
+          "split_block_d": 256}
 MP = 32
+
+
+@triton.jit
+def _coefs(mix, sq, SD, norm_eps, scale_ptr, base_ptr, eps, M: tl.constexpr, ITERS: tl.constexpr,
+           BLOCK_T: tl.constexpr):
+    """[BLOCK_T, 32] projections (unnormalised) and sums of squares over the S*D stream values -> the coefficients
+    [BLOCK_T, 32]: (pre | post | comb row-major | padding), the RMS statistic then `hc_split_sinkhorn`."""
+    S: tl.constexpr = 4
+    MPAD: tl.constexpr = 32
+    mc = tl.arange(0, MPAD)
+    rstd = 1.0 / tl.sqrt(sq / SD + norm_eps)
+    mixes = mix * rstd[:, None]
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    bs = tl.load(base_ptr + mc, mask=mc < M, other=0.0)
+    smul = tl.where(mc < S, s0, tl.where(mc < 2 * S, s1, s2))
+    z = mixes * smul[None, :] + bs[None, :]
+    z3 = tl.reshape(z, (BLOCK_T, MPAD // S, S))                                           # row r = mixes 4r..4r+3
+    r3 = tl.arange(0, MPAD // S)[None, :, None]
+    cm = (r3 >= 2) & (r3 < 2 + S)                                                         # the comb rows j = r - 2
+    zc = tl.where(cm, z3, 0.0)
+    ex = tl.exp(zc - tl.max(zc, 2)[:, :, None])                                           # softmax over k
+    C = tl.where(cm, ex / tl.sum(ex, 2)[:, :, None] + eps, 0.0)
+    C = C / (tl.sum(C, 1)[:, None, :] + eps)                                              # column normalisation
+    for _ in range(ITERS - 1):
+        C = C / (tl.sum(C, 2)[:, :, None] + eps)                                          # rows
+        C = C / (tl.sum(C, 1)[:, None, :] + eps)                                          # columns
+    sg = tl.sigmoid(z)
+    coef = tl.where(mc[None, :] < S, sg + eps, tl.where(mc[None, :] < 2 * S, 2 * sg, tl.reshape(C, (BLOCK_T, MPAD))))
+    return coef
 
 
 @triton.jit
@@ -88,31 +128,81 @@ def _mhc_fused_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w3_ptr, scale_p
         tl.store(h_ptr + t[:, None] * D + d[None, :], hb, mask=m2)
         hf = hb.to(tl.float32)
         hq += tl.sum(hf * hf, 1)
-    # the next coefficients: RMS statistic, then hc_split_sinkhorn
-    rstd = 1.0 / tl.sqrt(sq / SD + norm_eps)
-    mixes = mix * rstd[:, None]
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    bs = tl.load(base_ptr + mc, mask=mc < M, other=0.0)
-    smul = tl.where(mc < S, s0, tl.where(mc < 2 * S, s1, s2))
-    z = mixes * smul[None, :] + bs[None, :]
-    z3 = tl.reshape(z, (BLOCK_T, MPAD // S, S))                                           # row r = mixes 4r..4r+3
-    r3 = tl.arange(0, MPAD // S)[None, :, None]
-    cm = (r3 >= 2) & (r3 < 2 + S)                                                         # the comb rows j = r - 2
-    zc = tl.where(cm, z3, 0.0)
-    ex = tl.exp(zc - tl.max(zc, 2)[:, :, None])                                           # softmax over k
-    C = tl.where(cm, ex / tl.sum(ex, 2)[:, :, None] + eps, 0.0)
-    C = C / (tl.sum(C, 1)[:, None, :] + eps)                                              # column normalisation
-    for _ in range(ITERS - 1):
-        C = C / (tl.sum(C, 2)[:, :, None] + eps)                                          # rows
-        C = C / (tl.sum(C, 1)[:, None, :] + eps)                                          # columns
-    sg = tl.sigmoid(z)
-    coef = tl.where(mc[None, :] < S, sg + eps, tl.where(mc[None, :] < 2 * S, 2 * sg, tl.reshape(C, (BLOCK_T, MPAD))))
+    coef = _coefs(mix, sq, SD, norm_eps, scale_ptr, base_ptr, eps, M, ITERS, BLOCK_T)
     tl.store(coef_ptr + t[:, None] * M + mc[None, :], coef, mask=tm[:, None] & (mc < M)[None, :])
     # the pre-norm of the lagged collapse, over the h this program wrote
     hr = 1.0 / tl.sqrt(hq / D + rms_eps)
     tl.debug_barrier()
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + dd
+        dm = d < D
+        m2 = tm[:, None] & dm[None, :]
+        hv = tl.load(h_ptr + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        wv = tl.load(nw_ptr + d, mask=dm, other=0.0).to(tl.float32)
+        tl.store(h_ptr + t[:, None] * D + d[None, :], (wv[None, :] * (hv * hr[:, None])).to(tl.bfloat16), mask=m2)
+
+
+@triton.jit
+def _mhc_split_partial_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, y_ptr, h_ptr, ws_ptr, D, NC,
+                              M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Few tokens (decode): program (token t, chunk c) of BLOCK_D channels: y and the unnormalised h of the chunk
+    (stored), and the chunk's partial projections (fp32 fn, exact fp32 products summed in registers) and sums of
+    squares into ws[t, c, :] = (mix 0..M-1, sum y^2 at 30, sum h^2 at 31)."""
+    S: tl.constexpr = 4
+    MPAD: tl.constexpr = 32
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    mc = tl.arange(0, MPAD)
+    SD = S * D
+    fv = tl.load(f_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+    x0 = tl.load(x_ptr + t * SD + d, mask=dm, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + t * SD + D + d, mask=dm, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + t * SD + 2 * D + d, mask=dm, other=0.0).to(tl.float32)
+    x3 = tl.load(x_ptr + t * SD + 3 * D + d, mask=dm, other=0.0).to(tl.float32)
+    sq = 0.0
+    hacc = tl.zeros([BLOCK_D], tl.float32)
+    mix = tl.zeros([MPAD], tl.float32)
+    for k in tl.static_range(S):
+        acc = tl.load(comb_ptr + t * (S * S) + k) * x0                                # comb[j, k], j = 0..3
+        acc = acc + tl.load(comb_ptr + t * (S * S) + S + k) * x1
+        acc = acc + tl.load(comb_ptr + t * (S * S) + 2 * S + k) * x2
+        acc = acc + tl.load(comb_ptr + t * (S * S) + 3 * S + k) * x3
+        yb = (tl.load(post_ptr + t * S + k) * fv + acc).to(tl.bfloat16)
+        tl.store(y_ptr + t * SD + k * D + d, yb, mask=dm)
+        yf = yb.to(tl.float32)
+        sq += tl.sum(yf * yf, 0)
+        hacc = hacc + tl.load(pre_ptr + t * S + k) * yf
+        w = tl.load(fn_ptr + mc[:, None] * SD + k * D + d[None, :], mask=(mc < M)[:, None] & dm[None, :], other=0.0)
+        mix += tl.sum(w * yf[None, :], 1)
+    hb = hacc.to(tl.bfloat16)
+    tl.store(h_ptr + t * D + d, hb, mask=dm)
+    hf = hb.to(tl.float32)
+    hq = tl.sum(hf * hf, 0)
+    part = tl.where(mc == MPAD - 2, sq, tl.where(mc == MPAD - 1, hq, mix))
+    tl.store(ws_ptr + (t * NC + c) * MPAD + mc, part)
+
+
+@triton.jit
+def _mhc_split_finish_kernel(ws_ptr, scale_ptr, base_ptr, nw_ptr, h_ptr, coef_ptr, N, D, NC, eps, norm_eps, rms_eps,
+                             M: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Sum the chunks' partials (in chunk order), the coefficients (`_coefs`), and the RMSNorm of h in place."""
+    S: tl.constexpr = 4
+    MPAD: tl.constexpr = 32
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tm = t < N
+    mc = tl.arange(0, MPAD)
+    tot = tl.zeros([BLOCK_T, MPAD], tl.float32)
+    for c in range(NC):
+        tot += tl.load(ws_ptr + (t[:, None] * NC + c) * MPAD + mc[None, :], mask=tm[:, None], other=0.0)
+    sq = tl.sum(tl.where(mc[None, :] == MPAD - 2, tot, 0.0), 1)
+    hq = tl.sum(tl.where(mc[None, :] == MPAD - 1, tot, 0.0), 1)
+    mix = tl.where(mc[None, :] < M, tot, 0.0)
+    coef = _coefs(mix, sq, S * D, norm_eps, scale_ptr, base_ptr, eps, M, ITERS, BLOCK_T)
+    tl.store(coef_ptr + t[:, None] * M + mc[None, :], coef, mask=tm[:, None] & (mc < M)[None, :])
+    hr = 1.0 / tl.sqrt(hq / D + rms_eps)
+    dd = tl.arange(0, BLOCK_D)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + dd
         dm = d < D
@@ -127,9 +217,11 @@ _W_CACHE: dict = {}
 
 def split_weights(fn: torch.Tensor, nsplit: int) -> torch.Tensor:
     """fn [M, S*D] fp32 -> [nsplit, 32, S*D] bf16 with fn = hi + mid + lo (each the bf16 rounding of the remainder;
-    3 terms carry fn's 24 bits), rows past M zero. Cached per (storage, version)."""
-    key = (fn.data_ptr(), fn._version, tuple(fn.shape), str(fn.device), nsplit)
-    w = _W_CACHE.get(key)
+    3 terms carry fn's 24 bits), rows past M zero. Cached per tensor (held weakly, so a new tensor that reuses a
+    freed one's memory or id never hits its entry) and version (in-place updates re-split)."""
+    key = (id(fn), nsplit)
+    hit = _W_CACHE.get(key)
+    w = hit[2] if hit is not None and hit[0]() is fn and hit[1] == fn._version else None
     if w is None:
         rest = fn.detach().float()
         terms = []
@@ -139,9 +231,9 @@ def split_weights(fn: torch.Tensor, nsplit: int) -> torch.Tensor:
             rest = rest - t.float()
         w = torch.zeros(nsplit, MP, fn.size(1), dtype=torch.bfloat16, device=fn.device)
         w[:, :fn.size(0)] = torch.stack(terms)
-        if len(_W_CACHE) > 64:
+        if len(_W_CACHE) > 256:
             _W_CACHE.clear()
-        _W_CACHE[key] = w
+        _W_CACHE[key] = (weakref.ref(fn), fn._version, w)
     return w
 
 
@@ -149,9 +241,12 @@ def mhc_fused_triton(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor
                      pre_lag: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                      norm_weight: torch.Tensor, iters: int, eps: float, norm_eps: float, rms_eps: float, *,
                      block_t: int | None = None, block_d: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, nsplit: int | None = None):
+                     num_stages: int | None = None, nsplit: int | None = None, impl: str | None = None):
     """Triton twin of `mhc_fused_ref` (bf16 f and residual, S = 4) -> (y, h, pre, post, comb); the keywords
-    override `CONFIG` (nsplit: bf16 terms of fn, 3 = the fp32 projection, 2 = fn to ~2^-16)."""
+    override `CONFIG` (nsplit: bf16 terms of fn, 3 = the fp32 projection, 2 = fn to ~2^-16). impl: "fused" (one
+    program per block_t tokens walks all of D), "split" (programs per token and D chunk, then a finishing kernel),
+    default: split up to CONFIG["split_max_tokens"] tokens, where one program per token block would leave the GPU
+    idle (a decode step: 1 token took ~435 us fused)."""
     S, D = residual.size(-2), residual.size(-1)
     M = (2 + S) * S
     if S != 4:
@@ -167,7 +262,23 @@ def mhc_fused_triton(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor
     y = torch.empty(*lead, S, D, dtype=torch.bfloat16, device=f.device)
     h = torch.empty(*lead, D, dtype=torch.bfloat16, device=f.device)
     coef = torch.empty(*lead, M, dtype=torch.float32, device=f.device)
-    if N:
+    if impl not in (None, "fused", "split"):
+        raise ValueError(f"mhc_fused (triton): impl must be 'fused' or 'split', got {impl!r}")
+    if N and (impl == "split" or (impl is None and N <= cfg["split_max_tokens"])):
+        f_, x_ = f.contiguous(), residual.contiguous()
+        post_, comb_, pre_ = post.float().contiguous(), comb.float().contiguous(), pre_lag.float().contiguous()
+        BD = cfg["split_block_d"]
+        NC = triton.cdiv(D, BD)
+        ws = torch.empty(N, NC, MP, dtype=torch.float32, device=f.device)
+        LAST['mhc_split'] = _mhc_split_partial_kernel[(N, NC)](
+            f_, x_, post_, comb_, pre_, fn.float().contiguous(), y, h, ws, D, NC, M=M, BLOCK_D=BD, num_warps=4,
+            enable_fp_fusion=False)
+        BT = 4
+        _mhc_split_finish_kernel[(triton.cdiv(N, BT),)](
+            ws, scale.float().contiguous(), base.float().contiguous(), norm_weight.contiguous(), h, coef, N, D, NC,
+            float(eps), float(norm_eps), float(rms_eps), M=M, ITERS=int(iters), BLOCK_T=BT, BLOCK_D=256,
+            num_warps=4, enable_fp_fusion=False)
+    elif N:
         BT = cfg["block_t"]
         LAST['mhc'] = _mhc_fused_kernel[(triton.cdiv(N, BT),)](
             f.contiguous(), residual.contiguous(), post.float().contiguous(), comb.float().contiguous(),
