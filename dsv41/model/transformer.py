@@ -88,6 +88,12 @@ class Block(nn.Module):
         return x, pre
 
 
+def _hooked(m: nn.Module) -> bool:
+    """A module with forward hooks must be entered through its __call__ (its parameters may only be valid there),
+    so the model does not fuse across its boundary."""
+    return bool(m._forward_pre_hooks or m._forward_hooks)
+
+
 @dataclass
 class ForwardOut:
     logits: torch.Tensor                 # [B,T,V] fp32 (or [B,1,V] with last_only)
@@ -196,10 +202,14 @@ class Transformer(nn.Module):
                     record[("engram_out", L)] = h
             if self.cfg.dspark_enabled and L in self.cfg.dspark_target_layer_ids:
                 taps.append(h.mean(dim=2))
-            if head is None:
-                head = layer.head(h, pre_mix)
-            nxt = self.layers[L + 1] if L + 1 < n and self.layers[L + 1].engram is None else None
-            h, pre_mix, head = layer.body(h, *head, ctx, image_mask, nxt=nxt)
+            if _hooked(layer):             # e.g. FSDP2 unshards a block's parameters in its forward hooks
+                h, pre_mix = layer(h, pre_mix, ctx, image_mask)
+            else:
+                if head is None:
+                    head = layer.head(h, pre_mix)
+                nxt = self.layers[L + 1] if L + 1 < n else None
+                nxt = nxt if nxt is not None and nxt.engram is None and not _hooked(nxt) else None
+                h, pre_mix, head = layer.body(h, *head, ctx, image_mask, nxt=nxt)
             if record is not None:
                 record[("block_out", L)] = h
                 record[("block_pre_out", L)] = pre_mix
