@@ -151,6 +151,7 @@ class _PagedLayer:
                      for k, b in self.record_bytes.items()}
         self.free: list[int] = list(range(n_pages - 1, -1, -1))       # pop() hands out the lowest id first
         self.version = 0                                               # bumped on every write (view memos)
+        self.page_epoch = 0                                            # bumped whenever pages are released
 
     @property
     def n_pages(self) -> int:
@@ -167,6 +168,7 @@ class _PagedLayer:
 
     def release(self, pages: list[int]) -> None:
         self.free.extend(reversed(pages))
+        self.page_epoch += 1
 
     def _grow(self) -> None:
         """Double the page count (copying the held pages); the new pages join the free list uninitialised (reads
@@ -634,14 +636,17 @@ class BatchView:
                     torch.zeros(self.batch, 1, dtype=torch.int32, device=self.device))
         pl = self.pool.global_layers[layer]
         key = (layer, "table")
+        tables = [s.pages[layer] for s in self.seqs]
+        # the table changes only when a row gains or loses pages (every P entries), not on every record write:
+        # between two releases a page list only grows at its tail
+        shape = (pl.page_epoch, tuple((id(t), len(t)) for t in tables))
         hit = self._memo.get(key)
-        if hit is None or hit[0] != pl.version:
-            tables = [s.pages[layer] for s in self.seqs]
+        if hit is None or hit[0] != shape:
             table = torch.zeros(self.batch, max(1, max(len(t) for t in tables)), dtype=torch.int32)
             for b, t in enumerate(tables):
                 if t:
                     table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
-            hit = (pl.version, None, table.to(self.device))
+            hit = (shape, None, table.to(self.device))
             self._memo[key] = hit
         return pl.data[kind], hit[2]
 
@@ -690,9 +695,11 @@ class BatchView:
             c, r = int(cnt[b]), int(r0[b])
             if c <= 0:
                 continue
-            pages = torch.tensor(pool._ensure_pages(s, layer, r + c), dtype=torch.long)
+            pages = pool._ensure_pages(s, layer, r + c)
+            p0 = r // P                                      # only the pages this write touches (O(c), not O(context))
+            sub = torch.tensor(pages[p0:(r + c - 1) // P + 1], dtype=torch.long)
             e = torch.arange(r, r + c)
-            flat = (pages[e // P] * P + e % P).to(self.device)
+            flat = (sub[e // P - p0] * P + e % P).to(self.device)
             data = pl.data[kind]
             data.view(-1, data.size(2))[flat] = records[b, :c]
             s.rows[(layer, kind)] = max(s.rows[(layer, kind)], r + c)
