@@ -43,8 +43,11 @@ def launch_profile(model, pool, sid, tok) -> dict:
     syncs = sum(e.count for e in ka if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
     busy = sum(e.self_device_time_total for e in ka) / 1e6
     top = sorted(ka, key=lambda e: -e.self_device_time_total)[:8]
+    top_cpu = sorted(ka, key=lambda e: -e.self_cpu_time_total)[:10]
     return {"profiled_step_s": wall, "kernel_launches": launches, "host_syncs": syncs, "gpu_busy_s": busy,
-            "top_gpu_ms": [(e.key[:60], round(e.self_device_time_total / 1e3, 2), e.count) for e in top]}
+            "top_gpu_ms": [(e.key[:60], round(e.self_device_time_total / 1e3, 2), e.count) for e in top],
+            "top_self_cpu_ms": [(e.key[:60], round(e.self_cpu_time_total / 1e3, 2), e.count) for e in top_cpu],
+            "profiled_cpu_ms": round(sum(e.self_cpu_time_total for e in ka) / 1e3, 1)}
 
 
 def main() -> None:
@@ -144,7 +147,7 @@ def main() -> None:
             tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
             times = []
             with torch.no_grad():
-                for _ in range(4):
+                for _ in range(int(os.environ.get("DECODE_STEPS", "4"))):
                     v = pool.bind([sid])
                     _sync(dev)
                     a = time.perf_counter()
@@ -152,7 +155,7 @@ def main() -> None:
                     _sync(dev)
                     times.append(time.perf_counter() - a)
             row = {"context": n, "global_kv_bytes": gbytes, "bytes_per_token": gbytes / n,
-                   "step_s": statistics.median(times[1:]), "fill_s": fill["seconds"]}
+                   "step_s": statistics.median(times[1:]), "steps_s": times, "fill_s": fill["seconds"]}
             if dev == "cuda":
                 row.update(launch_profile(model, pool, sid, tok))
             print(row, flush=True)
