@@ -93,11 +93,18 @@ def mhc_fused(f, residual, post, comb, pre_lag, fn, scale, base, norm_weight, it
     return mhc_fused_ref(*args)
 
 
+_CAPABILITY: dict = {}
+
+
 def _fp8_triton_ok(op: str, x: torch.Tensor) -> bool:
     """The switch's choice for an FP8 quantizer: the Triton kernels convert to E4M3 in hardware (sm_89+)."""
     if resolve(op, [x]) != "triton":
         return False
-    if torch.cuda.get_device_capability(x.device) >= (8, 9):
+    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(idx)
+    if cap is None:
+        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    if cap >= (8, 9):
         return True
     if get_backend() == "triton":
         raise ValueError(f"kernel backend 'triton': {op} needs a GPU of compute capability 8.9 or newer")
