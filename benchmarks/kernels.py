@@ -166,8 +166,12 @@ ATTN_CONFIGS = [dict(impl="v2", block_h=32, block_n=32, num_warps=8),
 DENSE_CONFIGS = [dict(block_h=16, block_n=64, num_warps=4, num_stages=2), dict(block_h=64, block_n=32, num_warps=8)]
 INDEX_CONFIGS = [dict(impl="v2", block_n=128, num_warps=4), dict(impl="v2", block_n=128, num_warps=8),
                  dict(impl="v2", block_n=64, num_warps=4), dict(impl="v1", block_n=64, num_warps=4, num_stages=2)]
-MHC_CONFIGS = [dict(block_t=32, block_d=64, num_warps=8), dict(block_t=64, block_d=64, num_warps=8),
-               dict(block_t=32, block_d=128, num_warps=8)]
+MHC_CONFIGS = [dict(impl="fused", block_t=32, block_d=64, num_warps=8),
+               dict(impl="fused", block_t=32, block_d=128, num_warps=8),
+               dict(impl="tiles", block_t=32, block_d=128, num_warps=8), dict(impl="tiles", block_t=64, block_d=64,
+                                                                              num_warps=8),
+               dict(impl="tiles", block_t=16, block_d=128, num_warps=4), dict(impl="tiles", block_t=64, block_d=128,
+                                                                              num_warps=8)]
 
 
 def mhc_inputs(T, D=5120, S=4, seed=0):

@@ -1,7 +1,7 @@
 """Guards the fused mHC step: the reference (`mhc_fused_ref`, built from the model's functions) against MODEL.md
 section 2 written out independently in float64 (CPU), the dispatch, and (marked gpu) the Triton kernel against the
 reference on fresh random inputs: ragged token counts, widths that are not a multiple of the chunk, one token; both
-the fused one-pass kernel and the split path for few tokens."""
+the fused one-pass kernel, the split path for few tokens and the tiled path for many."""
 
 from __future__ import annotations
 
@@ -91,7 +91,9 @@ MHC_GPU_CASES = [(1, 1, 5120), (2, 37, 5120), (1, 300, 200), (3, 65, 512)]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", MHC_GPU_CASES)
-@pytest.mark.parametrize("opts", [dict(), dict(impl="split"), dict(impl="fused"),
+@pytest.mark.parametrize("opts", [dict(), dict(impl="split"), dict(impl="tiles"), dict(impl="fused"),
+                                  dict(impl="tiles", block_t=16, block_d=64, num_warps=4),
+                                  dict(impl="tiles", block_t=64, block_d=64, num_warps=8),
                                   dict(impl="fused", block_t=32, block_d=128, num_warps=8),
                                   dict(impl="fused", nsplit=2), dict(impl="fused", block_t=16, block_d=64, num_warps=4)])
 def test_mhc_fused_triton(shape, opts):

@@ -18,7 +18,10 @@ are not fused (enable_fp_fusion=False), as the reference's separate torch ops ro
 Few tokens (a decode step) leave that design with one program on one SM walking all of D (~435 us per call at one
 token on the H200). There the "split" path runs a program per (token, BD-chunk) computing y, the unnormalised h and
 the chunk's partial projections (fp32 fn, fp32 products) and squares, and a finishing kernel sums the partials in
-chunk order, computes the coefficients and applies the RMSNorm to h.
+chunk order, computes the coefficients and applies the RMSNorm to h. Many tokens: the "tiles" path does the same
+with a block of tokens per program and the projections on the tensor cores (the fused kernel's per-chunk work), so
+blocks x chunks programs fill the GPU; its traffic is the lower bound plus a second pass over h (read + write) and the
+fp32 partials (32 per token and chunk).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ __all__ = ["mhc_fused_triton", "split_weights", "CONFIG"]
 # were a stale `split_weights` cache entry: it was keyed by data_ptr, which a test's fresh fn could share with a
 # freed one of the previous test. The cache now holds the tensor weakly and checks identity.
 CONFIG = {"block_t": 32, "block_d": 64, "num_warps": 8, "num_stages": 1, "nsplit": 3, "split_max_tokens": 64,
-          "split_block_d": 256}
+          "split_block_d": 256, "large_impl": "tiles", "tiles_block_t": 32, "tiles_block_d": 128, "tiles_num_warps": 8}
 MP = 32
 
 
@@ -185,6 +188,59 @@ def _mhc_split_partial_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
 
 
 @triton.jit
+def _mhc_tiles_partial_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w3_ptr, y_ptr, h_ptr, ws_ptr, N, D, NC,
+                              M: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                              DOT_BF16: tl.constexpr):
+    """Many tokens: program (token block, chunk c of BLOCK_D channels) does the fused kernel's per-chunk work (y and
+    the unnormalised h stored; projections on the tensor cores against the bf16-split fn) and writes the chunk's
+    partials to ws[t, c, :] as `_mhc_split_partial_kernel` does; `_mhc_split_finish_kernel` completes the step.
+    Blocks x chunks programs instead of blocks: the fused kernel's one program per 32 tokens walking all of D is
+    latency-bound (17% of HBM at 4096 tokens)."""
+    S: tl.constexpr = 4
+    MPAD: tl.constexpr = 32
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tm = t < N
+    c = tl.program_id(1)
+    d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    mc = tl.arange(0, MPAD)
+    SD = S * D
+    m2 = tm[:, None] & dm[None, :]
+    fv = tl.load(f_ptr + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    xb = x_ptr + t[:, None] * SD + d[None, :]
+    x0 = tl.load(xb, mask=m2, other=0.0).to(tl.float32)
+    x1 = tl.load(xb + D, mask=m2, other=0.0).to(tl.float32)
+    x2 = tl.load(xb + 2 * D, mask=m2, other=0.0).to(tl.float32)
+    x3 = tl.load(xb + 3 * D, mask=m2, other=0.0).to(tl.float32)
+    sq = tl.zeros([BLOCK_T], tl.float32)
+    hacc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    mix = tl.zeros([BLOCK_T, MPAD], tl.float32)
+    for k in tl.static_range(S):
+        acc = tl.load(comb_ptr + t * (S * S) + k, mask=tm, other=0.0)[:, None] * x0       # comb[j, k], j = 0..3
+        acc = acc + tl.load(comb_ptr + t * (S * S) + S + k, mask=tm, other=0.0)[:, None] * x1
+        acc = acc + tl.load(comb_ptr + t * (S * S) + 2 * S + k, mask=tm, other=0.0)[:, None] * x2
+        acc = acc + tl.load(comb_ptr + t * (S * S) + 3 * S + k, mask=tm, other=0.0)[:, None] * x3
+        yb = (tl.load(post_ptr + t * S + k, mask=tm, other=0.0)[:, None] * fv + acc).to(tl.bfloat16)
+        tl.store(y_ptr + t[:, None] * SD + k * D + d[None, :], yb, mask=m2)
+        yf = yb.to(tl.float32)
+        sq += tl.sum(yf * yf, 1)
+        hacc = hacc + tl.load(pre_ptr + t * S + k, mask=tm, other=0.0)[:, None] * yf
+        for sp in range(NSPLIT):
+            wt = tl.load(w3_ptr + (sp * MPAD + mc[None, :]) * SD + k * D + d[:, None],
+                         mask=dm[:, None] & (mc < M)[None, :], other=0.0)                  # [BD, MP] bf16
+            if DOT_BF16:
+                mix += tl.dot(yb, wt)
+            else:
+                mix += tl.dot(yf, wt.to(tl.float32))
+    hb = hacc.to(tl.bfloat16)
+    tl.store(h_ptr + t[:, None] * D + d[None, :], hb, mask=m2)
+    hf = hb.to(tl.float32)
+    hq = tl.sum(hf * hf, 1)
+    part = tl.where(mc[None, :] == MPAD - 2, sq[:, None], tl.where(mc[None, :] == MPAD - 1, hq[:, None], mix))
+    tl.store(ws_ptr + (t[:, None] * NC + c) * MPAD + mc[None, :], part, mask=tm[:, None])
+
+
+@triton.jit
 def _mhc_split_finish_kernel(ws_ptr, scale_ptr, base_ptr, nw_ptr, h_ptr, coef_ptr, N, D, NC, eps, norm_eps, rms_eps,
                              M: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Sum the chunks' partials (in chunk order), the coefficients (`_coefs`), and the RMSNorm of h in place."""
@@ -245,8 +301,9 @@ def mhc_fused_triton(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor
     """Triton twin of `mhc_fused_ref` (bf16 f and residual, S = 4) -> (y, h, pre, post, comb); the keywords
     override `CONFIG` (nsplit: bf16 terms of fn, 3 = the fp32 projection, 2 = fn to ~2^-16). impl: "fused" (one
     program per block_t tokens walks all of D), "split" (programs per token and D chunk, then a finishing kernel),
-    default: split up to CONFIG["split_max_tokens"] tokens, where one program per token block would leave the GPU
-    idle (a decode step: 1 token took ~435 us fused)."""
+    "tiles" (programs per token block and D chunk on the tensor cores, then the same finishing kernel; block_t,
+    block_d, num_warps then set its tile). Default: split up to CONFIG["split_max_tokens"] tokens (a decode step: 1
+    token took ~435 us fused), CONFIG["large_impl"] above."""
     S, D = residual.size(-2), residual.size(-1)
     M = (2 + S) * S
     if S != 4:
@@ -262,17 +319,30 @@ def mhc_fused_triton(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor
     y = torch.empty(*lead, S, D, dtype=torch.bfloat16, device=f.device)
     h = torch.empty(*lead, D, dtype=torch.bfloat16, device=f.device)
     coef = torch.empty(*lead, M, dtype=torch.float32, device=f.device)
-    if impl not in (None, "fused", "split"):
-        raise ValueError(f"mhc_fused (triton): impl must be 'fused' or 'split', got {impl!r}")
-    if N and (impl == "split" or (impl is None and N <= cfg["split_max_tokens"])):
+    if impl not in (None, "fused", "split", "tiles"):
+        raise ValueError(f"mhc_fused (triton): impl must be 'fused', 'split' or 'tiles', got {impl!r}")
+    if impl is None:
+        impl = "split" if N <= cfg["split_max_tokens"] else cfg["large_impl"]
+    if N and impl in ("split", "tiles"):
         f_, x_ = f.contiguous(), residual.contiguous()
         post_, comb_, pre_ = post.float().contiguous(), comb.float().contiguous(), pre_lag.float().contiguous()
-        BD = cfg["split_block_d"]
-        NC = triton.cdiv(D, BD)
-        ws = torch.empty(N, NC, MP, dtype=torch.float32, device=f.device)
-        LAST['mhc_split'] = _mhc_split_partial_kernel[(N, NC)](
-            f_, x_, post_, comb_, pre_, fn.float().contiguous(), y, h, ws, D, NC, M=M, BLOCK_D=BD, num_warps=4,
-            enable_fp_fusion=False)
+        if impl == "split":
+            BD = cfg["split_block_d"]
+            NC = triton.cdiv(D, BD)
+            ws = torch.empty(N, NC, MP, dtype=torch.float32, device=f.device)
+            LAST['mhc_split'] = _mhc_split_partial_kernel[(N, NC)](
+                f_, x_, post_, comb_, pre_, fn.float().contiguous(), y, h, ws, D, NC, M=M, BLOCK_D=BD, num_warps=4,
+                enable_fp_fusion=False)
+        else:
+            BT, BD = cfg["tiles_block_t"] if block_t is None else block_t, \
+                cfg["tiles_block_d"] if block_d is None else block_d
+            NC = triton.cdiv(D, BD)
+            ws = torch.empty(N, NC, MP, dtype=torch.float32, device=f.device)
+            LAST['mhc_tiles'] = _mhc_tiles_partial_kernel[(triton.cdiv(N, BT), NC)](
+                f_, x_, post_, comb_, pre_, split_weights(fn, cfg["nsplit"]), y, h, ws, N, D, NC, M=M,
+                NSPLIT=cfg["nsplit"], BLOCK_T=BT, BLOCK_D=BD, DOT_BF16=_DOT_BF16,
+                num_warps=cfg["tiles_num_warps"] if num_warps is None else num_warps, num_stages=cfg["num_stages"],
+                enable_fp_fusion=False)
         BT = 4
         _mhc_split_finish_kernel[(triton.cdiv(N, BT),)](
             ws, scale.float().contiguous(), base.float().contiguous(), norm_weight.contiguous(), h, coef, N, D, NC,
