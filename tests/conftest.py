@@ -33,6 +33,16 @@ def pytest_sessionstart(session):
     warm_up_transcendentals()
 
 
+@pytest.fixture
+def restore_backend():
+    """Put the kernel backend switch's state back after a test that changes it."""
+    from dsv41.kernels import backend as kb
+    saved = dict(kb._state)
+    yield
+    kb._state.clear()
+    kb._state.update(saved)
+
+
 def continuous_model(name: str = "debug", seed: int = 1):
     """A random model made continuous (FP8/FP4 QDQs off) with the deterministic top-k tie rule: the setting in
     which dataflow equalities (decode == prefill, chunked == one-shot, batched == alone) hold to ~1e-5."""

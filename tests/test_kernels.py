@@ -205,14 +205,6 @@ def test_candidate_pool_pins_newest_block():
 
 # ------------------------------------------------------------------------------------------ CPU: the switch
 
-@pytest.fixture
-def restore_backend():
-    saved = dict(kb._state)
-    yield
-    kb._state.clear()
-    kb._state.update(saved)
-
-
 def test_backend_switch(restore_backend, monkeypatch):
     with pytest.raises(ValueError):
         kb.set_backend("cuda")

@@ -14,14 +14,6 @@ from dsv41.kernels import backend as kb
 from dsv41.kernels import expert_act, expert_act_ref, pack_swa_kv, qdq_fp8, qdq_fp8_ref
 
 
-@pytest.fixture
-def restore_backend():
-    saved = dict(kb._state)
-    yield
-    kb._state.clear()
-    kb._state.update(saved)
-
-
 def quant_case(shape, dtype, seed):
     """Random activations with a per-group magnitude spread over many binades, some exact E4M3 ties, zero groups."""
     g = torch.Generator().manual_seed(seed)

@@ -78,6 +78,19 @@ def _coefs(mix, sq, SD, norm_eps, scale_ptr, base_ptr, eps, M: tl.constexpr, ITE
 
 
 @triton.jit
+def _norm_rows(h_ptr, nw_ptr, t, tm, hr, D, BLOCK_D: tl.constexpr):
+    """The RMSNorm of rows t of h in place, given their rsqrt statistics hr: w * (h * hr), rounded to bf16."""
+    dd = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + dd
+        dm = d < D
+        m2 = tm[:, None] & dm[None, :]
+        hv = tl.load(h_ptr + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        wv = tl.load(nw_ptr + d, mask=dm, other=0.0).to(tl.float32)
+        tl.store(h_ptr + t[:, None] * D + d[None, :], (wv[None, :] * (hv * hr[:, None])).to(tl.bfloat16), mask=m2)
+
+
+@triton.jit
 def _mhc_fused_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w3_ptr, scale_ptr, base_ptr, nw_ptr,
                       y_ptr, h_ptr, coef_ptr, N, D, eps, norm_eps, rms_eps,
                       M: tl.constexpr, ITERS: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -136,13 +149,7 @@ def _mhc_fused_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w3_ptr, scale_p
     # the pre-norm of the lagged collapse, over the h this program wrote
     hr = 1.0 / tl.sqrt(hq / D + rms_eps)
     tl.debug_barrier()
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + dd
-        dm = d < D
-        m2 = tm[:, None] & dm[None, :]
-        hv = tl.load(h_ptr + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        wv = tl.load(nw_ptr + d, mask=dm, other=0.0).to(tl.float32)
-        tl.store(h_ptr + t[:, None] * D + d[None, :], (wv[None, :] * (hv * hr[:, None])).to(tl.bfloat16), mask=m2)
+    _norm_rows(h_ptr, nw_ptr, t, tm, hr, D, BLOCK_D)
 
 
 @triton.jit
@@ -258,14 +265,7 @@ def _mhc_split_finish_kernel(ws_ptr, scale_ptr, base_ptr, nw_ptr, h_ptr, coef_pt
     coef = _coefs(mix, sq, S * D, norm_eps, scale_ptr, base_ptr, eps, M, ITERS, BLOCK_T)
     tl.store(coef_ptr + t[:, None] * M + mc[None, :], coef, mask=tm[:, None] & (mc < M)[None, :])
     hr = 1.0 / tl.sqrt(hq / D + rms_eps)
-    dd = tl.arange(0, BLOCK_D)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + dd
-        dm = d < D
-        m2 = tm[:, None] & dm[None, :]
-        hv = tl.load(h_ptr + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        wv = tl.load(nw_ptr + d, mask=dm, other=0.0).to(tl.float32)
-        tl.store(h_ptr + t[:, None] * D + d[None, :], (wv[None, :] * (hv * hr[:, None])).to(tl.bfloat16), mask=m2)
+    _norm_rows(h_ptr, nw_ptr, t, tm, hr, D, BLOCK_D)
 
 
 _W_CACHE: dict = {}

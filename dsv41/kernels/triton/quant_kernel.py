@@ -45,16 +45,20 @@ def _fp8_groups(x, floor, max_inv):
 
 
 @triton.jit
-def _qdq_fp8_kernel(x_ptr, y_ptr, n_groups, floor, max_inv, GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    g = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+def _group_tile(n_groups, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's BLOCK groups of GROUP contiguous values: (group ids, offsets [BLOCK, GROUP], valid [BLOCK, 1])."""
+    g = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     c = tl.arange(0, GROUP)
-    gm = g < n_groups
-    offs = g[:, None] * GROUP + c[None, :]
-    x = tl.load(x_ptr + offs, mask=gm[:, None], other=0.0).to(tl.float32)
+    return g, g[:, None] * GROUP + c[None, :], (g < n_groups)[:, None]
+
+
+@triton.jit
+def _qdq_fp8_kernel(x_ptr, y_ptr, n_groups, floor, max_inv, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    g, offs, gm = _group_tile(n_groups, GROUP, BLOCK)
+    x = tl.load(x_ptr + offs, mask=gm, other=0.0).to(tl.float32)
     q, e, scale, bad = _fp8_groups(x, floor, max_inv)
     out = tl.where(bad[:, None], float("nan"), q.to(tl.float32) * scale[:, None])
-    tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=gm[:, None])
+    tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=gm)
 
 
 @triton.jit
@@ -63,40 +67,34 @@ def _expert_act_kernel(g_ptr, u_ptr, w_ptr, y_ptr, n_groups, F, limit, floor, ma
     """SwiGLU with the asymmetric clamp and the routing weight, rounded to y's dtype, then (QUANT) the FP8 QDQ of
     w2's input: the torch ops of `expert_act_ref` in their order, silu as x / (1 + exp(-x)) with IEEE division and
     the accurate exp (as torch's CUDA silu)."""
-    pid = tl.program_id(0)
-    g = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    c = tl.arange(0, GROUP)
-    gm = g < n_groups
-    offs = g[:, None] * GROUP + c[None, :]
-    a = tl.load(g_ptr + offs, mask=gm[:, None], other=0.0).to(tl.float32)
-    b = tl.load(u_ptr + offs, mask=gm[:, None], other=0.0).to(tl.float32)
+    g, offs, gm = _group_tile(n_groups, GROUP, BLOCK)
+    a = tl.load(g_ptr + offs, mask=gm, other=0.0).to(tl.float32)
+    b = tl.load(u_ptr + offs, mask=gm, other=0.0).to(tl.float32)
     if CLAMP:
         b = tl.where(b < -limit, -limit, tl.where(b > limit, limit, b))      # NaN stays NaN, as torch.clamp
         a = tl.where(a > limit, limit, a)
     h = tl.math.div_rn(a, 1.0 + libdevice.exp(-a)) * b
     if HAS_W:
-        h = tl.load(w_ptr + offs // F, mask=gm[:, None], other=0.0) * h
+        h = tl.load(w_ptr + offs // F, mask=gm, other=0.0) * h
     h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
     if QUANT:
         q, e, scale, bad = _fp8_groups(h, floor, max_inv)
         h = tl.where(bad[:, None], float("nan"), q.to(tl.float32) * scale[:, None])
-    tl.store(y_ptr + offs, h.to(y_ptr.dtype.element_ty), mask=gm[:, None])
+    tl.store(y_ptr + offs, h.to(y_ptr.dtype.element_ty), mask=gm)
 
 
 @triton.jit
 def _pack_swa_kernel(x_ptr, out_ptr, n_groups, floor, max_inv, GPR: tl.constexpr, GROUP: tl.constexpr,
                      BLOCK: tl.constexpr):
     """GPR groups per row; row r's record starts at r * GPR * (GROUP + 1): codes, then one scale byte per group."""
-    pid = tl.program_id(0)
-    g = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    c = tl.arange(0, GROUP)
-    gm = g < n_groups
-    x = tl.load(x_ptr + g[:, None] * GROUP + c[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+    g, offs, gm = _group_tile(n_groups, GROUP, BLOCK)
+    x = tl.load(x_ptr + offs, mask=gm, other=0.0).to(tl.float32)
     q, e, scale, bad = _fp8_groups(x, floor, max_inv)
-    row, j = g // GPR, g % GPR
-    base = row * (GPR * (GROUP + 1))
-    tl.store(out_ptr + base[:, None] + j[:, None] * GROUP + c[None, :], q.to(tl.uint8, bitcast=True), mask=gm[:, None])
-    tl.store(out_ptr + base + GPR * GROUP + j, tl.where(bad, 255, e).to(tl.uint8), mask=gm)
+    row = g // GPR
+    # value i of group g sits at offs = g * GROUP + i; in the record: row * GPR * (GROUP + 1) + (g % GPR) * GROUP + i
+    tl.store(out_ptr + offs + (row * GPR)[:, None], q.to(tl.uint8, bitcast=True), mask=gm)
+    tl.store(out_ptr + row * (GPR * (GROUP + 1)) + GPR * GROUP + g % GPR, tl.where(bad, 255, e).to(tl.uint8),
+             mask=g < n_groups)
 
 
 def qdq_fp8_triton(x: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:
