@@ -36,8 +36,9 @@ from dsv41.kernels.triton.sparse_attn_kernel import _DOT_BF16, LAST, _sm_count
 
 __all__ = ["mhc_fused_triton", "split_weights", "CONFIG"]
 
-# block_t 32 / block_d 64 / 8 warps: 176 registers, no spills, GPU-tested on ragged shapes. block_d 128 (255
-# registers) ran 1.6x faster at 4096 tokens in benchmarks/kernels.py (results/kernels-2026-12-03b.json).
+# Fused path: block_t 32 / block_d 64 / 8 warps (176 registers, no spills). Tiled path (the default above
+# split_max_tokens): 32 / 128 / 8 warps, 357 us at 4096 tokens vs 513 us for the best fused config
+# (results/kernels-mhc-2026-12-03.json). Every config below is GPU-tested on ragged shapes (tests/test_kernels_mhc.py).
 # The "wrong coefficients" that earlier GPU test runs showed for some non-default configs (in some runs, never y or h)
 # were a stale `split_weights` cache entry: it was keyed by data_ptr, which a test's fresh fn could share with a
 # freed one of the previous test. The cache now holds the tensor weakly and checks identity.
