@@ -96,9 +96,9 @@ def mhc_fused(f, residual, post, comb, pre_lag, fn, scale, base, norm_weight, it
 _CAPABILITY: dict = {}
 
 
-def _fp8_triton_ok(op: str, x: torch.Tensor) -> bool:
+def _fp8_triton_ok(op: str, x: torch.Tensor, *more: torch.Tensor) -> bool:
     """The switch's choice for an FP8 quantizer: the Triton kernels convert to E4M3 in hardware (sm_89+)."""
-    if resolve(op, [x]) != "triton":
+    if resolve(op, [x, *more]) != "triton":
         return False
     idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
     cap = _CAPABILITY.get(idx)
@@ -149,9 +149,8 @@ def expert_act_ref(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor |
 
 def expert_act(gate, up, weights, limit, quantize, dtype):
     """See `expert_act_ref` (Triton twin: one kernel instead of ~9)."""
-    tensors = [gate, up] + ([weights] if weights is not None else [])
-    if gate.dim() == 2 and gate.size(-1) % 32 == 0 and _fp8_triton_ok("expert_act", gate) and \
-            not any(t.requires_grad for t in tensors if torch.is_grad_enabled()):
+    more = [up] + ([weights] if weights is not None else [])
+    if gate.dim() == 2 and gate.size(-1) % 32 == 0 and _fp8_triton_ok("expert_act", gate, *more):
         from dsv41.kernels.triton import expert_act_triton
         return expert_act_triton(gate, up, weights, limit, quantize, dtype)
     return expert_act_ref(gate, up, weights, limit, quantize, dtype)
