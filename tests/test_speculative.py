@@ -15,8 +15,8 @@ import torch
 from dsv41.config import load_config
 from dsv41.engine.engine import Engine
 from dsv41.engine.sampling import SamplingParams, target_probs
-from dsv41.engine.speculative import (Proposal, Speculation, StepProfile, VerifyJournal, accept_drafts,
-                                      choose_verify_lengths, expected_tokens, profile_step)
+from dsv41.engine.speculative import (AcceptanceCalibration, Proposal, Speculation, StepProfile, VerifyJournal,
+                                      accept_drafts, choose_verify_lengths, expected_tokens, profile_step)
 from dsv41.engine.store import make_pool
 from dsv41.model.attention import set_tie_break
 from dsv41.model.common import set_quantization
@@ -89,7 +89,7 @@ def test_greedy_with_speculation_equals_greedy(debug_model, one_thread):
     plain = Engine(m, prefill_mode="full", max_seq_len=256).generate(prompts, params)
     want = [c.output_ids for c in plain]
     G = cfg.dspark_block_size
-    for spec in ("fixed:1", f"fixed:{G}", "dspark"):
+    for spec in ("fixed:1", f"fixed:{G}", "dspark", "dspark:raw"):
         eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative=spec, step_profile=FLAT)
         eng.drafter = OracleDrafter({f"req-{i}": w for i, w in enumerate(want)}, G, cfg.vocab_size)
         got = eng.generate(prompts, params)
@@ -384,11 +384,52 @@ def test_step_profile_and_parse(tmp_path):
     again = StepProfile.load(tmp_path / "p.json")
     assert again.n == prof.n and again.t == prof.t and again.meta["device"] == "cpu"
     assert Speculation.parse("fixed:3") == Speculation("fixed", 3) and str(Speculation.parse("dspark")) == "dspark"
+    raw = Speculation.parse("dspark:raw")
+    assert raw.mode == "dspark" and not raw.calibrate and str(raw) == "dspark:raw" and Speculation.parse("dspark").calibrate
     for bad in ("fixed", "fixed:-1", "fixed:x", "maybe"):
         with pytest.raises(ValueError):
             Speculation.parse(bad)
     with pytest.raises(ValueError):
         StepProfile([], [])
+
+
+def test_acceptance_calibration():
+    """Identity without data; an over-confident head is scaled to the measured rate (n0 pseudo-drafts shrink the
+    correction while there are few); a right one is left alone; results stay probabilities."""
+    cal = AcceptanceCalibration(3, n0=8.0)
+    a = torch.tensor([[0.9, 0.8, 0.7]])
+    assert torch.equal(cal.apply(a), a)
+    for i in range(200):                          # position 0: predicted 0.9, accepted 30%; position 1: calibrated
+        cal.update(0, 0.9, i % 10 < 3)
+        cal.update(1, 0.5, i % 2 == 0)
+    r = cal.ratios()
+    assert abs(float(r[0]) - (60 + 8) / (180 + 8)) < 1e-6 and abs(float(r[1]) - 1.0) < 1e-6 and float(r[2]) == 1.0
+    out = cal.apply(torch.tensor([[0.9, 0.5, 1.0], [1.0, 1.0, 1.0]]))
+    assert abs(float(out[0, 0]) - 0.9 * 68 / 188) < 1e-6 and float(out.max()) <= 1.0
+    few = AcceptanceCalibration(1, n0=8.0)
+    few.update(0, 0.9, False)
+    assert 0.85 < float(few.ratios()[0]) < 1.0                   # one rejection barely moves it
+
+
+def test_calibrated_scheduler_verifies_fewer_when_the_head_over_predicts(debug_model, one_thread):
+    """With a T(n) that makes long verifies pay only at high acceptance, an over-confident drafter (reports
+    0.9..0.5, wrong on most steps) gets long verifies from the raw scheduler and shorter ones once calibrated;
+    both keep greedy output token for token."""
+    cfg, m = debug_model
+    prompts = _prompts(cfg.vocab_size, (5, 17, 40))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [c.output_ids for c in Engine(m, prefill_mode="full", max_seq_len=256).generate(prompts, params)]
+    G = cfg.dspark_block_size
+    prof = StepProfile([3, 3 * (1 + G)], [1.0, 2.0])
+    drafted = {}
+    for spec in ("dspark:raw", "dspark"):
+        eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative=spec, step_profile=prof)
+        eng.drafter = OracleDrafter({f"req-{i}": w for i, w in enumerate(want)}, G, cfg.vocab_size, wrong=1)
+        got = eng.generate(prompts, params)
+        assert [c.output_ids for c in got] == want, spec
+        st = [c.stats["speculative"] for c in got]
+        drafted[spec] = sum(s["drafted_tokens"] for s in st) / sum(s["target_forwards"] for s in st)
+    assert drafted["dspark"] < drafted["dspark:raw"], drafted
 
 
 def test_engine_speculation_errors(debug_model):

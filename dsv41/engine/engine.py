@@ -19,7 +19,8 @@ import torch
 
 from dsv41.engine.prefill import MODES, prefill
 from dsv41.engine.sampling import SamplingParams, make_generator, sample_token, top_logprobs
-from dsv41.engine.speculative import DSparkDrafter, Speculation, VerifyJournal, accept_drafts, choose_verify_lengths
+from dsv41.engine.speculative import (AcceptanceCalibration, DSparkDrafter, Speculation, VerifyJournal, accept_drafts,
+                                      choose_verify_lengths)
 from dsv41.engine.store import make_pool
 
 
@@ -113,6 +114,7 @@ class Engine:
         # engine-wide speculative counters: per draft position k, rows that verified it with drafts < k accepted
         # ("reached") and rows that accepted it; target forwards and rows decoded
         self.spec_counts = {"reached": [0] * G, "accepted": [0] * G, "forwards": 0, "row_steps": 0, "tokens": 0}
+        self.calibration = AcceptanceCalibration(G) if self.speculation.calibrate else None
         if self.speculation.mode == "dspark" and step_profile is None:
             raise ValueError("the dspark scheduler needs the step latency profile T(n): run `dsv41 profile-step` "
                              "on the checkpoint, or choose --speculative fixed:N")
@@ -276,6 +278,8 @@ class Engine:
             for k in range(min(v, n + 1)):
                 sc["reached"][k] += 1
                 sc["accepted"][k] += int(k < n)
+                if self.calibration is not None:
+                    self.calibration.update(k, float(prop.accept[b, k]), k < n)
             sc["row_steps"] += 1
             sc["tokens"] += len(s.output_ids) - before
         self.spec_counts["forwards"] += 1
@@ -292,7 +296,7 @@ class Engine:
         G = prop.tokens.size(1)
         if self.speculation.mode == "fixed":
             return min(self.speculation.n, G, max(caps))
-        return choose_verify_lengths(prop.survival(), self.step_profile, caps, ragged=False)[0]
+        return choose_verify_lengths(prop.survival(self.calibration), self.step_profile, caps, ragged=False)[0]
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         return sample_token(logits, seq.params, seq.gen)

@@ -57,9 +57,11 @@ PROFILE_FILE = "step_profile.json"
 
 @dataclass(frozen=True)
 class Speculation:
-    """`off`, `fixed:N` (verify N drafts every step) or `dspark` (the confidence scheduler)."""
+    """`off`, `fixed:N` (verify N drafts every step), `dspark` (the confidence scheduler on calibrated acceptance
+    estimates, `AcceptanceCalibration`) or `dspark:raw` (the scheduler on the confidence head's a_r,k as given)."""
     mode: str = "off"
     n: int = 0
+    calibrate: bool = True
 
     @classmethod
     def parse(cls, text: "str | Speculation | None") -> "Speculation":
@@ -68,6 +70,8 @@ class Speculation:
         t = (text or "off").strip().lower()
         if t in ("off", "dspark"):
             return cls(t)
+        if t == "dspark:raw":
+            return cls("dspark", calibrate=False)
         if t.startswith("fixed:"):
             try:
                 n = int(t.split(":", 1)[1])
@@ -75,10 +79,38 @@ class Speculation:
                 n = -1
             if n >= 0:
                 return cls("fixed", n)
-        raise ValueError(f"speculative must be off, fixed:N (N >= 0) or dspark, got {text!r}")
+        raise ValueError(f"speculative must be off, fixed:N (N >= 0), dspark or dspark:raw, got {text!r}")
 
     def __str__(self) -> str:
-        return f"fixed:{self.n}" if self.mode == "fixed" else self.mode
+        if self.mode == "fixed":
+            return f"fixed:{self.n}"
+        return "dspark:raw" if self.mode == "dspark" and not self.calibrate else self.mode
+
+
+class AcceptanceCalibration:
+    """Online per-position correction of the drafter's acceptance estimates a_r,k for the scheduler.
+
+    Over the drafts verified so far at position k (those reached with drafts < k accepted), accepted_k counts the
+    accepted ones and predicted_k sums their a_r,k; ratio_k = (accepted_k + n0) / (predicted_k + n0) (n0 pseudo-
+    drafts pull it to 1 while there are few) and the scheduler uses min(1, a_r,k * ratio_k). A confidence head that
+    over-predicts (the tiny model's at batch 8 chose 4 drafts where 1 was best) is scaled down by what the engine
+    measures; one that is right is left alone. Only the choice of V changes, never the output distribution."""
+
+    def __init__(self, G: int, n0: float = 8.0):
+        self.n0 = n0
+        self.accepted = [0.0] * G
+        self.predicted = [0.0] * G
+
+    def update(self, k: int, predicted: float, accepted: bool) -> None:
+        self.predicted[k] += predicted
+        self.accepted[k] += float(accepted)
+
+    def ratios(self) -> torch.Tensor:
+        return torch.tensor([(a + self.n0) / (p + self.n0) for a, p in zip(self.accepted, self.predicted)])
+
+    def apply(self, accept: torch.Tensor) -> torch.Tensor:
+        """a [B, G] -> calibrated a [B, G]."""
+        return (accept * self.ratios()[:accept.size(1)]).clamp(max=1.0)
 
 
 # ------------------------------------------------------------------------------------------------ acceptance
@@ -119,9 +151,10 @@ class Proposal:
     q: list                           # per row: [G, V] proposal distributions (CPU), or None (point masses)
     accept: torch.Tensor              # [B, G] a_r,k = sigmoid(confidence), CPU float
 
-    def survival(self) -> torch.Tensor:
-        """S_r,k = prod_{i<=k} a_r,i  [B, G]."""
-        return torch.cumprod(self.accept, dim=1)
+    def survival(self, calibration: "AcceptanceCalibration | None" = None) -> torch.Tensor:
+        """S_r,k = prod_{i<=k} a_r,i  [B, G] (a_r,k calibrated first when given)."""
+        a = self.accept if calibration is None else calibration.apply(self.accept)
+        return torch.cumprod(a, dim=1)
 
 
 class DSparkDrafter:
