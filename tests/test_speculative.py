@@ -15,8 +15,9 @@ import torch
 from dsv41.config import load_config
 from dsv41.engine.engine import Engine
 from dsv41.engine.sampling import SamplingParams, target_probs
-from dsv41.engine.speculative import (AcceptanceCalibration, Proposal, Speculation, StepProfile, VerifyJournal,
-                                      accept_drafts, choose_verify_lengths, expected_tokens, profile_step)
+from dsv41.engine.speculative import (AcceptanceCalibration, MeasuredCost, Proposal, Speculation, StepProfile,
+                                      VerifyJournal, accept_drafts, choose_verify_lengths, expected_tokens,
+                                      profile_step)
 from dsv41.engine.store import make_pool
 from dsv41.model.attention import set_tie_break
 from dsv41.model.common import set_quantization
@@ -411,6 +412,34 @@ def test_acceptance_calibration():
     assert 0.85 < float(few.ratios()[0]) < 1.0                   # one rejection barely moves it
 
 
+def test_measured_cost_corrects_the_profile(debug_model, one_thread):
+    """The profile until measured; warm-up steps dropped; measured n at their mean; the rest scaled onto the
+    measured scale; a profile that calls long verifies free stops winning once one is measured as dear. The engine
+    records every dspark step (not with dspark:raw)."""
+    prof = StepProfile([1, 5], [1.0, 1.0])                                  # flat: long verifies look free
+    c = MeasuredCost(prof)
+    assert c(5) == 1.0
+    c.record(5, 9.0)                                                        # warm-up, dropped
+    assert c(5) == 1.0
+    c.record(5, 0.05)
+    c.record(5, 0.07)
+    assert abs(c(5) - 0.06) < 1e-12 and abs(c(1) - 0.06) < 1e-12          # n = 1 scaled by 0.06 / 1.0
+    S = torch.tensor([[0.5, 0.25, 0.125, 0.0625]])
+    assert choose_verify_lengths(S, prof, 4, ragged=False)[0] == 4
+    c.record(1, 0.0)
+    c.record(1, 0.02)                                                       # a plain step measured cheap
+    assert choose_verify_lengths(S, c, 4, ragged=False)[0] < 4
+    cfg, m = debug_model
+    G = cfg.dspark_block_size
+    prompts = _prompts(cfg.vocab_size, (5, 17))
+    for spec, online in (("dspark", True), ("dspark:raw", False)):
+        eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative=spec, step_profile=FLAT)
+        eng.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert isinstance(eng.step_cost, MeasuredCost) == online
+        if online:
+            assert eng.step_cost.seen and eng.step_cost.seen <= {b * (1 + v) for b in (1, 2) for v in range(G + 1)}
+
+
 def test_calibrated_scheduler_verifies_fewer_when_the_head_over_predicts(debug_model, one_thread):
     """With a T(n) that makes long verifies pay only at high acceptance, an over-confident drafter (reports
     0.9..0.5, wrong on most steps) gets long verifies from the raw scheduler and shorter ones once calibrated;
@@ -424,6 +453,7 @@ def test_calibrated_scheduler_verifies_fewer_when_the_head_over_predicts(debug_m
     drafted = {}
     for spec in ("dspark:raw", "dspark"):
         eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative=spec, step_profile=prof)
+        eng.step_cost = prof                      # this test isolates the acceptance calibration (T: the profile)
         eng.drafter = OracleDrafter({f"req-{i}": w for i, w in enumerate(want)}, G, cfg.vocab_size, wrong=1)
         got = eng.generate(prompts, params)
         assert [c.output_ids for c in got] == want, spec

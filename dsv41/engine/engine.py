@@ -19,8 +19,8 @@ import torch
 
 from dsv41.engine.prefill import MODES, prefill
 from dsv41.engine.sampling import SamplingParams, make_generator, sample_token, top_logprobs
-from dsv41.engine.speculative import (AcceptanceCalibration, DSparkDrafter, Speculation, VerifyJournal, accept_drafts,
-                                      choose_verify_lengths)
+from dsv41.engine.speculative import (AcceptanceCalibration, DSparkDrafter, MeasuredCost, Speculation, VerifyJournal,
+                                      accept_drafts, choose_verify_lengths)
 from dsv41.engine.store import make_pool
 
 
@@ -114,7 +114,10 @@ class Engine:
         # engine-wide speculative counters: per draft position k, rows that verified it with drafts < k accepted
         # ("reached") and rows that accepted it; target forwards and rows decoded
         self.spec_counts = {"reached": [0] * G, "accepted": [0] * G, "forwards": 0, "row_steps": 0, "tokens": 0}
-        self.calibration = AcceptanceCalibration(G) if self.speculation.calibrate else None
+        # the dspark scheduler's inputs, corrected online by what this engine measures (not with dspark:raw)
+        online = self.speculation.mode == "dspark" and self.speculation.calibrate and step_profile is not None
+        self.calibration = AcceptanceCalibration(G) if online else None
+        self.step_cost = MeasuredCost(step_profile) if online else step_profile
         if self.speculation.mode == "dspark" and step_profile is None:
             raise ValueError("the dspark scheduler needs the step latency profile T(n): run `dsv41 profile-step` "
                              "on the checkpoint, or choose --speculative fixed:N")
@@ -289,6 +292,8 @@ class Engine:
             self.drafter.seed(view, out.main_hidden, pos, keep_t)
         getattr(self.pool, "release", lambda *a: None)(view, sids)
         dt = time.perf_counter() - t0
+        if isinstance(self.step_cost, MeasuredCost):
+            self.step_cost.record(len(live) * (1 + V), dt)
         for s in live:
             s.decode_s += dt
 
@@ -296,7 +301,7 @@ class Engine:
         G = prop.tokens.size(1)
         if self.speculation.mode == "fixed":
             return min(self.speculation.n, G, max(caps))
-        return choose_verify_lengths(prop.survival(self.calibration), self.step_profile, caps, ragged=False)[0]
+        return choose_verify_lengths(prop.survival(self.calibration), self.step_cost, caps, ragged=False)[0]
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         return sample_token(logits, seq.params, seq.gen)

@@ -57,8 +57,9 @@ PROFILE_FILE = "step_profile.json"
 
 @dataclass(frozen=True)
 class Speculation:
-    """`off`, `fixed:N` (verify N drafts every step), `dspark` (the confidence scheduler on calibrated acceptance
-    estimates, `AcceptanceCalibration`) or `dspark:raw` (the scheduler on the confidence head's a_r,k as given)."""
+    """`off`, `fixed:N` (verify N drafts every step), `dspark` (the confidence scheduler, its inputs corrected
+    online: acceptance by `AcceptanceCalibration`, T(n) by `MeasuredCost`) or `dspark:raw` (the scheduler on the
+    confidence head's a_r,k and the profile's T(n) as given)."""
     mode: str = "off"
     n: int = 0
     calibrate: bool = True
@@ -285,6 +286,36 @@ class StepProfile:
     def load(cls, path) -> "StepProfile":
         d = json.loads(Path(path).read_text())
         return cls(d["tokens"], d["seconds"], {k: v for k, v in d.items() if k not in ("tokens", "seconds")})
+
+
+class MeasuredCost:
+    """T(n) for the scheduler, corrected by the engine's own speculative step times.
+
+    The profile is the prior. Each engine step records (n, seconds); the first step at each n is a warm-up and is
+    dropped. A measured n costs its mean; any other n costs profile(n) times the mean measured/profile ratio, which
+    puts a profile from another context length or machine on the engine's scale. A V whose verify costs more than
+    the profile said is corrected the first time the scheduler chooses it."""
+
+    def __init__(self, profile: Callable[[int], float]):
+        self.profile = profile
+        self.seen: set[int] = set()
+        self.sums: dict[int, float] = {}
+        self.counts: dict[int, int] = {}
+
+    def record(self, n: int, seconds: float) -> None:
+        if n not in self.seen:
+            self.seen.add(n)
+            return
+        self.sums[n] = self.sums.get(n, 0.0) + seconds
+        self.counts[n] = self.counts.get(n, 0) + 1
+
+    def __call__(self, n: int) -> float:
+        if n in self.counts:
+            return self.sums[n] / self.counts[n]
+        if not self.counts:
+            return self.profile(n)
+        scale = sum(self.sums[m] / self.counts[m] / self.profile(m) for m in self.counts) / len(self.counts)
+        return self.profile(n) * scale
 
 
 def expected_tokens(S: torch.Tensor, v: Sequence[int]) -> float:
