@@ -90,7 +90,7 @@ def test_greedy_with_speculation_equals_greedy(debug_model, one_thread):
     plain = Engine(m, prefill_mode="full", max_seq_len=256).generate(prompts, params)
     want = [c.output_ids for c in plain]
     G = cfg.dspark_block_size
-    for spec in ("fixed:1", f"fixed:{G}", "dspark", "dspark:raw"):
+    for spec in ("fixed:1", f"fixed:{G}", "dspark", "dspark:online"):
         eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative=spec, step_profile=FLAT)
         eng.drafter = OracleDrafter({f"req-{i}": w for i, w in enumerate(want)}, G, cfg.vocab_size)
         got = eng.generate(prompts, params)
@@ -385,8 +385,8 @@ def test_step_profile_and_parse(tmp_path):
     again = StepProfile.load(tmp_path / "p.json")
     assert again.n == prof.n and again.t == prof.t and again.meta["device"] == "cpu"
     assert Speculation.parse("fixed:3") == Speculation("fixed", 3) and str(Speculation.parse("dspark")) == "dspark"
-    raw = Speculation.parse("dspark:raw")
-    assert raw.mode == "dspark" and not raw.calibrate and str(raw) == "dspark:raw" and Speculation.parse("dspark").calibrate
+    onl = Speculation.parse("dspark:online")
+    assert onl.mode == "dspark" and onl.online and str(onl) == "dspark:online" and not Speculation.parse("dspark").online
     for bad in ("fixed", "fixed:-1", "fixed:x", "maybe"):
         with pytest.raises(ValueError):
             Speculation.parse(bad)
@@ -415,7 +415,7 @@ def test_acceptance_calibration():
 def test_measured_cost_corrects_the_profile(debug_model, one_thread):
     """The profile until measured; warm-up steps dropped; measured n at their mean; the rest scaled onto the
     measured scale; a profile that calls long verifies free stops winning once one is measured as dear. The engine
-    records every dspark step (not with dspark:raw)."""
+    records every dspark:online step (not with dspark)."""
     prof = StepProfile([1, 5], [1.0, 1.0])                                  # flat: long verifies look free
     c = MeasuredCost(prof)
     assert c(5) == 1.0
@@ -432,7 +432,7 @@ def test_measured_cost_corrects_the_profile(debug_model, one_thread):
     cfg, m = debug_model
     G = cfg.dspark_block_size
     prompts = _prompts(cfg.vocab_size, (5, 17))
-    for spec, online in (("dspark", True), ("dspark:raw", False)):
+    for spec, online in (("dspark:online", True), ("dspark", False)):
         eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative=spec, step_profile=FLAT)
         eng.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
         assert isinstance(eng.step_cost, MeasuredCost) == online
@@ -442,7 +442,7 @@ def test_measured_cost_corrects_the_profile(debug_model, one_thread):
 
 def test_calibrated_scheduler_verifies_fewer_when_the_head_over_predicts(debug_model, one_thread):
     """With a T(n) that makes long verifies pay only at high acceptance, an over-confident drafter (reports
-    0.9..0.5, wrong on most steps) gets long verifies from the raw scheduler and shorter ones once calibrated;
+    0.9..0.5, wrong on most steps) gets long verifies from the plain scheduler and shorter ones once calibrated;
     both keep greedy output token for token."""
     cfg, m = debug_model
     prompts = _prompts(cfg.vocab_size, (5, 17, 40))
@@ -451,7 +451,7 @@ def test_calibrated_scheduler_verifies_fewer_when_the_head_over_predicts(debug_m
     G = cfg.dspark_block_size
     prof = StepProfile([3, 3 * (1 + G)], [1.0, 2.0])
     drafted = {}
-    for spec in ("dspark:raw", "dspark"):
+    for spec in ("dspark", "dspark:online"):
         eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative=spec, step_profile=prof)
         eng.step_cost = prof                      # this test isolates the acceptance calibration (T: the profile)
         eng.drafter = OracleDrafter({f"req-{i}": w for i, w in enumerate(want)}, G, cfg.vocab_size, wrong=1)
@@ -459,7 +459,7 @@ def test_calibrated_scheduler_verifies_fewer_when_the_head_over_predicts(debug_m
         assert [c.output_ids for c in got] == want, spec
         st = [c.stats["speculative"] for c in got]
         drafted[spec] = sum(s["drafted_tokens"] for s in st) / sum(s["target_forwards"] for s in st)
-    assert drafted["dspark"] < drafted["dspark:raw"], drafted
+    assert drafted["dspark:online"] < drafted["dspark"], drafted
 
 
 def test_engine_speculation_errors(debug_model):

@@ -114,8 +114,8 @@ class Engine:
         # engine-wide speculative counters: per draft position k, rows that verified it with drafts < k accepted
         # ("reached") and rows that accepted it; target forwards and rows decoded
         self.spec_counts = {"reached": [0] * G, "accepted": [0] * G, "forwards": 0, "row_steps": 0, "tokens": 0}
-        # the dspark scheduler's inputs, corrected online by what this engine measures (not with dspark:raw)
-        online = self.speculation.mode == "dspark" and self.speculation.calibrate and step_profile is not None
+        # dspark:online: the scheduler's inputs corrected online by what this engine measures
+        online = self.speculation.mode == "dspark" and self.speculation.online and step_profile is not None
         self.calibration = AcceptanceCalibration(G) if online else None
         self.step_cost = MeasuredCost(step_profile) if online else step_profile
         if self.speculation.mode == "dspark" and step_profile is None:

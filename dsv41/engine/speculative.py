@@ -57,12 +57,13 @@ PROFILE_FILE = "step_profile.json"
 
 @dataclass(frozen=True)
 class Speculation:
-    """`off`, `fixed:N` (verify N drafts every step), `dspark` (the confidence scheduler, its inputs corrected
-    online: acceptance by `AcceptanceCalibration`, T(n) by `MeasuredCost`) or `dspark:raw` (the scheduler on the
-    confidence head's a_r,k and the profile's T(n) as given)."""
+    """`off`, `fixed:N` (verify N drafts every step), `dspark` (the confidence scheduler of SYSTEM.md 5 on the
+    confidence head's a_r,k and the profiled T(n)) or `dspark:online` (the same scheduler with both inputs corrected
+    online by what the engine measures: `AcceptanceCalibration`, `MeasuredCost`; an extension, not yet shown to
+    pay: see benchmarks/results/speculative-*-2026-12-03c.json)."""
     mode: str = "off"
     n: int = 0
-    calibrate: bool = True
+    online: bool = False
 
     @classmethod
     def parse(cls, text: "str | Speculation | None") -> "Speculation":
@@ -71,8 +72,8 @@ class Speculation:
         t = (text or "off").strip().lower()
         if t in ("off", "dspark"):
             return cls(t)
-        if t == "dspark:raw":
-            return cls("dspark", calibrate=False)
+        if t == "dspark:online":
+            return cls("dspark", online=True)
         if t.startswith("fixed:"):
             try:
                 n = int(t.split(":", 1)[1])
@@ -80,12 +81,12 @@ class Speculation:
                 n = -1
             if n >= 0:
                 return cls("fixed", n)
-        raise ValueError(f"speculative must be off, fixed:N (N >= 0), dspark or dspark:raw, got {text!r}")
+        raise ValueError(f"speculative must be off, fixed:N (N >= 0), dspark or dspark:online, got {text!r}")
 
     def __str__(self) -> str:
         if self.mode == "fixed":
             return f"fixed:{self.n}"
-        return "dspark:raw" if self.mode == "dspark" and not self.calibrate else self.mode
+        return "dspark:online" if self.mode == "dspark" and self.online else self.mode
 
 
 class AcceptanceCalibration:

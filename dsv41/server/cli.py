@@ -30,8 +30,8 @@ def add_engine_args(p, checkpoint_required: bool = True) -> None:
 def add_speculative_args(p) -> None:
     p.add_argument("--speculative", default="auto",
                    help="speculative decoding with the DSpark drafter: off | fixed:N (verify N drafts per step) | "
-                        "dspark (the confidence scheduler, acceptance estimates calibrated online) | dspark:raw (the "
-                        "scheduler on the confidence head as given) | auto (dspark when the checkpoint has a trained "
+                        "dspark (the confidence scheduler) | dspark:online (its acceptance estimates and T(n) "
+                        "corrected by the engine's measurements) | auto (dspark when the checkpoint has a trained "
                         "drafter, else off); outputs keep the target distribution exactly")
     p.add_argument("--step-profile", default=None,
                    help="T(n) profile for the dspark scheduler (default: CHECKPOINT/step_profile.json)")
