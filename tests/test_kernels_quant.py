@@ -1,6 +1,7 @@
-"""Guards the FP8 quantizer ops (activation QDQ, packed SWA-KV rows, the expert's SwiGLU + QDQ): the dispatch (CPU: the codec itself; an explicit Triton backend on CPU is an
-error), and (marked gpu) the Triton kernel bit-identical to the reference on fresh random inputs: bf16 and fp32,
-one group to many, magnitudes across the fp32 range, exact ties, values past 448 * scale, zeros, NaN and inf."""
+"""Guards the FP8 quantizer ops (activation QDQ, packed SWA-KV rows, the expert's SwiGLU + QDQ): the dispatch (CPU:
+the references; an explicit Triton backend on CPU is an error), and (marked gpu) each Triton kernel bit-identical to
+its reference on fresh random inputs: bf16 and fp32, one group to many, magnitudes across the fp32 range, exact
+ties, values past 448 * scale, zeros, NaN and inf."""
 
 from __future__ import annotations
 
@@ -137,5 +138,5 @@ def test_expert_act_triton_is_bit_identical(n, F):
                    dict(weights=w, limit=0.0, quantize=True), dict(weights=w, limit=10.0, quantize=False)):
             ref = expert_act_ref(gate, up, dtype=torch.bfloat16, **kw)
             out = expert_act_triton(gate, up, dtype=torch.bfloat16, **kw)
-            assert same_bits(out, ref), f"{n}x{F} seed {seed} {[(k, v if k != 'weights' else v is not None) for k, v in kw.items()]}: " \
-                f"{int((out != ref).sum())} of {out.numel()} differ"
+            what = {k: (v is not None if k == "weights" else v) for k, v in kw.items()}
+            assert same_bits(out, ref), f"{n}x{F} seed {seed} {what}: {int((out != ref).sum())} of {out.numel()} differ"

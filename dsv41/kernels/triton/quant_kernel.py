@@ -1,5 +1,6 @@
-"""Triton FP8 quantizers: twins of `dsv41.codecs.qdq_fp8` (the activation QDQ) and `dsv41.codecs.pack_swa_kv`
-(the packed sliding-window KV row), one kernel each instead of ~12 and ~25 small torch kernels.
+"""Triton FP8 quantizers: twins of `dsv41.codecs.qdq_fp8` (the activation QDQ), `dsv41.codecs.pack_swa_kv` (the
+packed sliding-window KV row) and `dsv41.kernels.expert_act_ref` (the expert's SwiGLU + w2's QDQ), one kernel each
+instead of ~12, ~25 and ~9 small torch kernels.
 
 The reference runs before every quantized Linear and on every sliding-window KV row; in a decode step of the
 40-layer model that is ~900 calls of a dozen small torch kernels each, so the step was launch-bound. Here one
@@ -8,11 +9,12 @@ program takes BLOCK groups of GROUP channels:
   scale = 2^ceil(log2(amax * fp32(1/448)))                        from the fp32 bits, exactly as `pow2_ceil`
   out   = e4m3_rne_satfinite(x / scale) * scale                   in x's dtype
 Every step is exact in fp32 (the max, the multiply by the fp32 reciprocal, the bit ceiling, the division by a
-power of two (a multiply by the exact reciprocal), the Hopper `cvt.rn.satfinite` to E4M3, the multiply back), so the result is bit-identical to the
-reference, checked on the GPU by tests/test_kernels_quant.py. A group holding a NaN or an inf decodes to NaN, as
-in the reference. The SWA pack stores the same quantities as bytes: the E4M3 codes of q and the UE8M0 byte of the
-scale (its biased exponent), in the row layout [d codes | d/32 scale bytes]; finite inputs only (the engine's
-writes; the reference's `check_finite` raise is a host sync, left to callers that want it).
+power of two as a multiply by its exact reciprocal, the Hopper `cvt.rn.satfinite` to E4M3, the multiply back), so
+the result is bit-identical to the reference, checked on the GPU by tests/test_kernels_quant.py. A group holding a
+NaN or an inf decodes to NaN, as in the reference. The SWA pack stores the same quantities as bytes: the E4M3
+codes of q and the UE8M0 byte of the scale (its biased exponent), in the row layout [d codes | d/32 scale bytes];
+finite inputs only (the engine's writes; the reference's `check_finite` raise is a host sync, left to callers that
+want it).
 """
 
 from __future__ import annotations
