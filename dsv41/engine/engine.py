@@ -109,7 +109,6 @@ class Engine:
                                                         hasher=model.engram_hasher)
         self.speculation = Speculation.parse(speculative)
         self.drafter = None if self.speculation.mode == "off" else DSparkDrafter(model)
-        self.step_profile = step_profile
         G = model.cfg.dspark_block_size
         # engine-wide speculative counters: per draft position k, rows that verified it with drafts < k accepted
         # ("reached") and rows that accepted it; target forwards and rows decoded
