@@ -157,10 +157,12 @@ def sweep(name, fn, ref_out, configs, sweep_log, which, err_fn=None, timer=None)
     return best
 
 
-# Candidates that compile without register spills for sm_90 (or, block_h 64, the wgmma variant with few), and
-# each first kernel's best, for comparison.
-ATTN_CONFIGS = [dict(impl="v2", block_h=32, block_n=32, num_warps=8),
-                dict(impl="v2", block_h=32, block_n=16, num_warps=8),
+# Attention: the staged path's best dense-kernel tiles (results/kernels-attn-2026-12-03.json), then each fused
+# kernel's best, for comparison.
+ATTN_CONFIGS = [dict(impl="staged", block_h=16, block_n=64, num_warps=4, num_stages=2),
+                dict(impl="staged", block_h=32, block_n=64, num_warps=4, num_stages=2),
+                dict(impl="staged", block_h=64, block_n=64, num_warps=8, num_stages=2),
+                dict(impl="v2", block_h=32, block_n=32, num_warps=8),
                 dict(impl="v2", block_h=64, block_n=16, num_warps=8),
                 dict(impl="v1", block_h=32, block_n=32, num_warps=8)]
 DENSE_CONFIGS = [dict(block_h=16, block_n=64, num_warps=4, num_stages=2), dict(block_h=64, block_n=32, num_warps=8)]
@@ -231,6 +233,10 @@ def run(quick: bool, only: tuple = SECTIONS) -> dict:
         nbytes = B * (KW * 528 + K * 288 + 2 * H * D * 2 + (KW + K) * 4)
         rows.append(row("sparse_attn_packed (decode)", f"B={B} H={H} D={D} window={KW} topk={K}", t, t_ref, flops,
                         nbytes, err, cfg))
+        from dsv41.kernels.triton.packed_staged import stage_packed_rows
+        t_stage = bench_graph(lambda: stage_packed_rows(*args[1:7]))
+        rows.append(row("  staged path: stage 1 (decode rows)", f"B={B} rows of {KW + K}x{D}", t_stage, None, 0,
+                        B * (KW * 528 + K * 288 + (KW + K) * (2 * D + 4)), None, {}))
         checkpoint(rows, sweeps)
         del args, ref
 

@@ -251,8 +251,9 @@ ATTN_GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", ATTN_GPU_CASES)
-@pytest.mark.parametrize("opts", [dict(), dict(num_splits=1), dict(num_splits=3), dict(sc3d=False, block_n=16),
-                                  dict(impl="v1")])
+@pytest.mark.parametrize("opts", [dict(), dict(num_splits=3), dict(block_h=32), dict(impl="v2"),
+                                  dict(impl="v2", num_splits=1), dict(impl="v2", num_splits=3),
+                                  dict(impl="v2", sc3d=False, block_n=16), dict(impl="v1")])
 def test_sparse_attn_packed_triton(kw, opts):
     from dsv41.kernels.triton import sparse_attn_packed_triton
     c = attn_case(device="cuda", seed=hash((str(kw), str(opts))) % 1000, **kw)

@@ -19,9 +19,12 @@ When the rows and head blocks alone cannot fill the GPU, the list is split (flas
 own running max, and `_combine_kernel` merges the partial (acc, max, sum) and adds the sink; the bf16 rounding of
 p is then relative to the split's running max (differences at the bf16-rounding level).
 
-The default packed decode kernel is `_sparse_attn_packed_v2` (see its section below): the tiles split into even and
-odd channels and decoded by a few PTX instructions per 32-bit word, the next tile's bytes fetched while the current
-one is computed, splits capped at one program per SM; `impl="v1"` runs the first kernel, `_sparse_attn_packed_kernel`.
+The packed decode's default is not a kernel of this file but the "staged" path (packed_staged.py): a first kernel
+decodes the row's selected entries to bf16 rows with this file's decoders, then `_sparse_attn_dense_kernel` runs on
+them; it is 2-3x faster than the fused kernels here (CONFIG's comment). Those read the packed bytes inside the
+softmax loop: `_sparse_attn_packed_v2` (see its section below: the tiles split into even and odd channels and
+decoded by a few PTX instructions per 32-bit word, the next tile's bytes fetched while the current one is computed,
+splits capped at one program per SM) and the first kernel, `_sparse_attn_packed_kernel` (impl "v1").
 
 Not handled: the NaN codes (E4M3 0x7F/0xFF decode as +-480, UE8M0 0xFF as 2^128 here, NaN in the reference; the
 pool never writes them) and UE8M0 byte 0 (0 here, 2^-127 there; below every scale the quantizers produce).
@@ -37,11 +40,16 @@ import triton.language as tl
 
 __all__ = ["sparse_attn_packed_triton", "sparse_attn_triton", "CONFIG", "DENSE_CONFIG"]
 
-# Picked by compiling for sm_90 (ptxas resource report: registers, spills) and benchmarks/kernels.py's sweeps on the
-# H200 (override per call with the launchers' keyword arguments). v2 with block_h 32 (two head blocks, mma.sync)
-# compiles without spills; block_h 64 (wgmma, each tile decoded once) spills 400-600 bytes per thread: its fp32
-# [64, 512] accumulator alone takes 128 of the 255 registers.
-CONFIG = {"impl": "v2", "block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 1, "sc3d": True}
+# Picked by benchmarks/kernels.py's sweeps on the H200 (override per call with the launcher's keyword arguments;
+# results/kernels-attn-2026-12-03.json). Default "staged" (packed_staged.py: the entries decoded to bf16 rows, then
+# the dense kernel): at 64 heads x 512, 128 + 512 indices, 22 / 29 / 67 / 106 us at B = 1 / 16 / 64 / 128 against
+# 64 / 69 / 135 / 236 us for v2, the best fused kernel. Its block_h, block_n, num_warps, num_stages are the dense
+# kernel's (block_h 32 from `large_rows` rows on: 106 vs 131 us at B = 128, equal at 64; it spills ~30 bytes).
+# v2 (V2_CONFIG) with block_h 32 (two head blocks, mma.sync) compiles without spills; block_h 64 (wgmma, each tile
+# decoded once) spills 400-600 bytes per thread: its fp32 [64, 512] accumulator alone takes 128 of 255 registers.
+CONFIG = {"impl": "staged", "stage_block_n": 32, "block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2,
+          "large_rows": 64, "large_block_h": 32}
+V2_CONFIG = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 1, "sc3d": True}
 V1_CONFIG = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 1, "vec": True}
 DENSE_CONFIG = {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
@@ -589,8 +597,10 @@ def sparse_attn_packed_triton(q: torch.Tensor, swa_ring: torch.Tensor, ring_slot
                               sc3d: bool | None = None) -> torch.Tensor:
     """Triton twin of `sparse_attn_packed_ref` (same arguments; the keywords override `CONFIG`) -> [B,H,D] bf16.
 
-    impl "v2" (default): `_sparse_attn_packed_v2` (channel-split tiles decoded by PTX, prefetch, splits up to one
-    program per SM); "v1": the first kernel (`V1_CONFIG`), kept for comparison."""
+    impl "staged" (default): the selected entries decoded to bf16 rows, then the dense kernel (packed_staged.py);
+    "v2" (`V2_CONFIG`): the fused kernel `_sparse_attn_packed_v2` (channel-split tiles decoded in registers by
+    PTX, prefetch, splits up to one program per SM); "v1" (`V1_CONFIG`): the first fused kernel. The fused kernels
+    are kept for comparison (benchmarks/kernels.py) and tested like the default."""
     B, H, D = q.shape
     _check_dim(D, "sparse_attn_packed")
     if q.dtype != torch.bfloat16:
@@ -601,9 +611,20 @@ def sparse_attn_packed_triton(q: torch.Tensor, swa_ring: torch.Tensor, ring_slot
                              f"{t.dtype} {tuple(t.shape)}")
     over = {k: v for k, v in dict(impl=impl, block_h=block_h, block_n=block_n, num_warps=num_warps,
                                   num_stages=num_stages, vec=vec, sc3d=sc3d).items() if v is not None}
-    cfg = {**CONFIG, **over}
-    if cfg["impl"] == "v1":
-        cfg = {**V1_CONFIG, **over}
+    which = over.get("impl", CONFIG["impl"])
+    if which not in ("staged", "v2", "v1"):
+        raise ValueError(f"sparse_attn_packed (triton): impl must be 'staged', 'v2' or 'v1', got {which!r}")
+    cfg = {**{"staged": CONFIG, "v2": V2_CONFIG, "v1": V1_CONFIG}[which], **over, "impl": which}
+    if which == "staged":
+        from dsv41.kernels.triton.packed_staged import stage_packed_rows
+        if block_h is None and q.size(0) >= cfg["large_rows"]:
+            cfg["block_h"] = cfg["large_block_h"]
+        rows, idx = stage_packed_rows(swa_ring, ring_slots, win_idx, main_pages, page_table, topk_idx,
+                                      cfg["stage_block_n"])
+        out = sparse_attn_triton(q.unsqueeze(1), rows, sink, idx, scale, num_splits=num_splits,
+                                 **{k: cfg[k] for k in ("block_h", "block_n", "num_warps", "num_stages")})[:, 0]
+        LAST['packed'] = LAST.get('dense')
+        return out
     v2 = cfg["impl"] == "v2"
     BH, BN = _block_h(H, cfg["block_h"]), cfg["block_n"]
     KW, K = win_idx.size(1), topk_idx.size(1)
