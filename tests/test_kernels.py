@@ -270,6 +270,25 @@ def test_sparse_attn_packed_triton(kw, opts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kw", ATTN_GPU_CASES)
+@pytest.mark.parametrize("opts", [dict(), dict(block_n=16, split_store=True), dict(block_n=64, num_warps=8)])
+def test_stage_packed_rows_exact(kw, opts):
+    """The staged path's first kernel: every listed entry decoded bit for bit as the codecs do, -1 where empty."""
+    from dsv41.kernels.packed_ref import gather_records
+    from dsv41.kernels.triton.packed_staged import stage_packed_rows
+    c = attn_case(device="cuda", seed=7, **kw)
+    rows, idx = stage_packed_rows(c.ring, c.slots, c.win, c.pages, c.table, c.topk, **opts)
+    ring = unpack_swa_kv(c.ring[c.slots.long()])
+    win = c.win.long()
+    window = torch.stack([ring[b, win[b].clamp_min(0)] for b in range(win.size(0))])
+    want = torch.cat([window, unpack_main_kv(gather_records(c.pages, c.table, c.topk))], 1).bfloat16()
+    valid = torch.cat([c.win >= 0, c.topk >= 0], 1)
+    pos = torch.arange(valid.size(1), device=valid.device).expand_as(valid)
+    assert torch.equal(idx[:, 0], torch.where(valid, pos, -1).int())
+    assert torch.equal(rows[valid], want[valid])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(2, 70, 16, 128, 300, 100), (3, 1, 64, 512, 5000, 640), (1, 257, 64, 512, 900, 640)])
 def test_sparse_attn_dense_triton(shape):
     from dsv41.kernels.triton import sparse_attn_triton

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.triton.sparse_attn_kernel import (_ASM, _main_load, _main_split_tile, _swa_load,
+from dsv41.kernels.triton.sparse_attn_kernel import (_ASM, LAST, _main_load, _main_split_tile, _swa_load,
                                                      _swa_split_tile)
 
 __all__ = ["stage_packed_rows"]
@@ -33,7 +33,8 @@ __all__ = ["stage_packed_rows"]
 
 @triton.jit
 def _stage_rows_kernel(ring_ptr, slot_ptr, win_ptr, main_ptr, table_ptr, topk_ptr, rows_ptr, idx_ptr, KW, K, P,
-                       MP, W, n_w_tiles, D: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+                       MP, W, n_w_tiles, D: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+                       SPLIT_STORE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
     N = KW + K
@@ -56,15 +57,21 @@ def _stage_rows_kernel(ring_ptr, slot_ptr, win_ptr, main_ptr, table_ptr, topk_pt
         byt, sc_m = _main_load(main_ptr, page * P + e % P, valid, D, BLOCK_N, True)
         k_e, k_o = _main_split_tile(byt, sc_m, D, BLOCK_N, True, ASM)
         j = KW + jk
-    kv = tl.reshape(tl.interleave(k_e, k_o), (BLOCK_N, D))
-    d = tl.arange(0, D)
-    tl.store(rows_ptr + (b * N + j)[:, None] * D + d[None, :], kv, mask=inside[:, None])
+    if SPLIT_STORE:     # even and odd channels stored by two strided stores (no interleave in registers)
+        dst = rows_ptr + (b * N + j)[:, None] * D + 2 * tl.arange(0, D // 2)[None, :]
+        tl.store(dst, k_e, mask=inside[:, None])
+        tl.store(dst + 1, k_o, mask=inside[:, None])
+    else:
+        kv = tl.reshape(tl.interleave(k_e, k_o), (BLOCK_N, D))
+        d = tl.arange(0, D)
+        tl.store(rows_ptr + (b * N + j)[:, None] * D + d[None, :], kv, mask=inside[:, None])
     tl.store(idx_ptr + b * N + j, tl.where(valid, j, -1).to(tl.int32), mask=inside)
 
 
 def stage_packed_rows(swa_ring: torch.Tensor, ring_slots: torch.Tensor, win_idx: torch.Tensor,
                       main_pages: torch.Tensor, page_table: torch.Tensor, topk_idx: torch.Tensor,
-                      block_n: int = 32, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                      block_n: int = 32, num_warps: int = 4,
+                      split_store: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1: (rows bf16 [B, KW+K, D], idx int32 [B, 1, KW+K]) of the decode list, -1 where a position is
     empty (its row is still written, as zeros, and never read)."""
     B, KW, K = win_idx.size(0), win_idx.size(1), topk_idx.size(1)
@@ -74,9 +81,9 @@ def stage_packed_rows(swa_ring: torch.Tensor, ring_slots: torch.Tensor, win_idx:
     idx = torch.empty(B, 1, N, dtype=torch.int32, device=swa_ring.device)
     n_w = triton.cdiv(KW, block_n)
     if B and N:
-        _stage_rows_kernel[(B, n_w + triton.cdiv(K, block_n))](
+        LAST['stage'] = _stage_rows_kernel[(B, n_w + triton.cdiv(K, block_n))](
             swa_ring.contiguous(), ring_slots.to(torch.int32).contiguous(), win_idx.to(torch.int32).contiguous(),
             main_pages.contiguous(), page_table.to(torch.int32).contiguous(), topk_idx.to(torch.int32).contiguous(),
             rows, idx, KW, K, main_pages.size(1), page_table.size(1), swa_ring.size(1), n_w,
-            D=D, BLOCK_N=block_n, ASM=_ASM, num_warps=num_warps)
+            D=D, BLOCK_N=block_n, ASM=_ASM, SPLIT_STORE=split_store, num_warps=num_warps)
     return rows, idx
