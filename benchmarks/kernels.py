@@ -165,6 +165,8 @@ ATTN_CONFIGS = [dict(impl="staged", block_h=16, block_n=64, num_warps=4, num_sta
                 dict(impl="v2", block_h=32, block_n=32, num_warps=8),
                 dict(impl="v2", block_h=64, block_n=16, num_warps=8),
                 dict(impl="v1", block_h=32, block_n=32, num_warps=8)]
+STAGE_CONFIGS = [dict(block_n=bn, num_warps=nw, split_store=ss) for bn, nw in ((32, 4), (16, 4), (64, 8), (32, 8))
+                 for ss in (False, True)]
 DENSE_CONFIGS = [dict(block_h=16, block_n=64, num_warps=4, num_stages=2), dict(block_h=64, block_n=32, num_warps=8)]
 INDEX_CONFIGS = [dict(impl="v2", block_n=128, num_warps=4), dict(impl="v2", block_n=128, num_warps=8),
                  dict(impl="v2", block_n=64, num_warps=4), dict(impl="v1", block_n=64, num_warps=4, num_stages=2)]
@@ -234,9 +236,12 @@ def run(quick: bool, only: tuple = SECTIONS) -> dict:
         rows.append(row("sparse_attn_packed (decode)", f"B={B} H={H} D={D} window={KW} topk={K}", t, t_ref, flops,
                         nbytes, err, cfg))
         from dsv41.kernels.triton.packed_staged import stage_packed_rows
-        t_stage = bench_graph(lambda: stage_packed_rows(*args[1:7]))
+        want = stage_packed_rows(*args[1:7])[0]
+        t_stage, stage_cfg, _ = sweep(f"stage_packed_rows B={B}", lambda **c: stage_packed_rows(*args[1:7], **c),
+                                      want, STAGE_CONFIGS, sweeps, 'stage',
+                                      err_fn=lambda o, r: float((o[0] != r).sum()))
         rows.append(row("  staged path: stage 1 (decode rows)", f"B={B} rows of {KW + K}x{D}", t_stage, None, 0,
-                        B * (KW * 528 + K * 288 + (KW + K) * (2 * D + 4)), None, {}))
+                        B * (KW * 528 + K * 288 + (KW + K) * (2 * D + 4)), None, stage_cfg))
         checkpoint(rows, sweeps)
         del args, ref
 
