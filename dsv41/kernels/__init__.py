@@ -4,6 +4,8 @@
   packed_ref.py  references over the engine's packed store: sparse_attn_packed_ref (decode: FP8 ring + FP4 pages),
                  indexer_scores_packed_ref / indexer_topk_packed_ref (decode indexer, MXFP4 keys, candidate pool)
   mhc_ref.py     mhc_fused_ref: one mHC step between sub-layers (hc_post, next hc_mixes, lagged hc_pre + RMSNorm)
+  moe_ref.py     moe_experts_ref: a MoE layer's routed + shared experts over their weights (and the summation
+                 `moe_combine`, expert_act_ref: the expert's SwiGLU middle, shared with the model's module loop)
   (codecs)       the references of qdq_fp8 and pack_swa_kv are the codecs themselves (MODEL.md 3.3)
   backend.py     set_backend("auto" | "torch" | "triton"), chosen once; auto = Triton on CUDA bf16 inputs without
                  gradients, the reference otherwise (logged once per op and choice); a requested backend that
@@ -16,7 +18,6 @@ The public ops below dispatch through the switch; the model imports them from he
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dsv41.codecs import pack_swa_kv as _pack_swa_kv_codec
 from dsv41.codecs import qdq_fp8 as qdq_fp8_ref
@@ -32,6 +33,7 @@ from dsv41.kernels.packed_ref import (
     sparse_attn_packed_ref,
 )
 from dsv41.kernels.mhc_ref import mhc_fused_ref
+from dsv41.kernels.moe_ref import expert_act_ref, moe_combine, moe_experts_ref
 from dsv41.kernels.ref import sparse_attn_ref
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "decode_window_rows", "page_table_of", "pool_entries", "candidate_pool", "indexer_select",
     "mhc_fused", "mhc_fused_ref", "qdq_fp8", "qdq_fp8_ref",
     "pack_swa_kv", "pack_swa_kv_ref", "expert_act", "expert_act_ref",
+    "moe_experts", "moe_experts_ref", "moe_combine",
 ]
 
 
@@ -132,21 +135,6 @@ def pack_swa_kv(x: torch.Tensor) -> torch.Tensor:
     return pack_swa_kv_ref(x)
 
 
-def expert_act_ref(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, limit: float, quantize: bool,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """The expert's middle (MODEL.md 5): silu(min(gate, L)) * clamp(up, -L, L) in fp32 (no clamp when L <= 0), times
-    the routing weight, cast to `dtype`, then (quantize) the FP8 QDQ that w2 applies to its input."""
-    g, u = gate.float(), up.float()
-    if limit > 0:
-        u = u.clamp(-limit, limit)
-        g = g.clamp(max=limit)
-    h = F.silu(g) * u
-    if weights is not None:
-        h = weights * h
-    h = h.to(dtype)
-    return qdq_fp8_ref(h) if quantize else h
-
-
 def expert_act(gate, up, weights, limit, quantize, dtype):
     """See `expert_act_ref` (Triton twin: one kernel instead of ~9)."""
     more = [up] + ([weights] if weights is not None else [])
@@ -154,3 +142,14 @@ def expert_act(gate, up, weights, limit, quantize, dtype):
         from dsv41.kernels.triton import expert_act_triton
         return expert_act_triton(gate, up, weights, limit, quantize, dtype)
     return expert_act_ref(gate, up, weights, limit, quantize, dtype)
+
+
+def moe_experts(x, indices, weights, w1, w3, w2, limit, quant_in, quant_mid):
+    """A MoE layer's routed + shared experts over their weights; see `moe_experts_ref` (Triton twin: 3 kernels and
+    device-side routing, no host sync)."""
+    args = (x, indices, weights, w1, w3, w2, limit, quant_in, quant_mid)
+    if x.dim() == 2 and _fp8_triton_ok("moe_experts", x, weights, w1[0], w3[0], w2[0], w1[-1]) \
+            and x.dtype == torch.bfloat16:
+        from dsv41.kernels.triton import moe_experts_triton
+        return moe_experts_triton(*args)
+    return moe_experts_ref(*args)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.kernels import expert_act, qdq_fp8
+from dsv41.kernels import expert_act, moe_combine, moe_experts, qdq_fp8
 from dsv41.model.common import Linear
 
 
@@ -80,23 +80,36 @@ class MoE(nn.Module):
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, shared_kind, dtype, cfg.swiglu_limit)
         self.last_route: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices, weights) of the last call
 
+    # Few tokens (a decode step) on a CUDA GPU: the experts as one op over their weights (`kernels.moe_experts`:
+    # Triton grouped kernels, no host sync, ~10 launches instead of ~10 per active expert). Above this many tokens the
+    # module loop's cuBLAS GEMMs read each expert's weights once, where the op's tiles of 16 pairs would re-read them.
+    FUSED_MAX_TOKENS = 64
+
+    def fused_weights(self):
+        """(w1s, w3s, w2s, quant_in, quant_mid) for `moe_experts` (routed experts, then the shared one) when every
+        expert's Linears agree on the activation QDQ, have no bias and no expert has forward hooks; else None."""
+        ex = [*self.experts, self.shared_experts]
+        q_in = {m.w1.quantizes_input for m in ex} | {m.w3.quantizes_input for m in ex}
+        q_mid = {m.w2.quantizes_input for m in ex}
+        if len(q_in) != 1 or len(q_mid) != 1:
+            return None
+        for m in ex:
+            for mod in (m, m.w1, m.w2, m.w3):
+                if mod._forward_pre_hooks or mod._forward_hooks or getattr(mod, "bias", None) is not None:
+                    return None
+        return ([m.w1.weight for m in ex], [m.w3.weight for m in ex], [m.w2.weight for m in ex], q_in.pop(),
+                q_mid.pop())
+
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [B,T,D] -> [B,T,D]. Routed outputs accumulate in fp32 in ascending expert id, shared expert last."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, indices, _ = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         self.last_route = (indices.view(*shape[:-1], -1), weights.view(*shape[:-1], -1))
-        y = torch.zeros_like(x, dtype=torch.float32)
-        flat = indices.flatten()
-        order = torch.argsort(flat, stable=True)              # (token, slot) pairs grouped by expert, tokens ascending
-        rows_of, w_of = order // indices.size(1), weights.flatten()[order].unsqueeze(-1)
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows, w = rows_of[start:start + n], w_of[start:start + n]
-            start += n
-            y = y.index_add(0, rows, self.experts[e](x[rows], w).float())
-        y = y + self.shared_experts(x).float()
-        return y.type_as(x).view(shape)
+        fused = self.fused_weights() if x.is_cuda and x.size(0) <= self.FUSED_MAX_TOKENS else None
+        if fused is not None:
+            y = moe_experts(x, indices, weights, *fused[:3], self.shared_experts.limit, *fused[3:])
+        else:
+            y = moe_combine(x, indices, weights, self.n_experts, lambda e, xe, w: self.experts[e](xe, w),
+                            self.shared_experts)
+        return y.view(shape)

@@ -4,15 +4,17 @@ once the backend switch (`dsv41.kernels.backend`) has chosen Triton for a call.
   sparse_attn_kernel.py  sparse_attn_packed_triton (decode over the packed store), sparse_attn_triton (dense KV)
   indexer_kernel.py      indexer_scores_packed_triton, indexer_topk_packed_triton (decode, packed MXFP4 keys)
   mhc_kernel.py          mhc_fused_triton (the fused mHC step between two sub-layers)
+  moe_kernel.py          moe_experts_triton (a MoE layer's routed + shared experts: grouped GEMMs, no host sync)
   quant_kernel.py        qdq_fp8_triton (the FP8 activation QDQ in front of every quantized Linear),
                          pack_swa_kv_triton (the packed sliding-window KV row), expert_act_triton (SwiGLU + QDQ)
 """
 
 from dsv41.kernels.triton.indexer_kernel import indexer_scores_packed_triton, indexer_topk_packed_triton
 from dsv41.kernels.triton.mhc_kernel import mhc_fused_triton
+from dsv41.kernels.triton.moe_kernel import moe_experts_triton
 from dsv41.kernels.triton.quant_kernel import expert_act_triton, pack_swa_kv_triton, qdq_fp8_triton
 from dsv41.kernels.triton.sparse_attn_kernel import sparse_attn_packed_triton, sparse_attn_triton
 
 __all__ = ["sparse_attn_packed_triton", "sparse_attn_triton", "indexer_scores_packed_triton",
            "indexer_topk_packed_triton", "mhc_fused_triton", "qdq_fp8_triton",
-           "pack_swa_kv_triton", "expert_act_triton"]
+           "pack_swa_kv_triton", "expert_act_triton", "moe_experts_triton"]

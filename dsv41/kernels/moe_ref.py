@@ -1,0 +1,76 @@
+"""Torch reference of the routed + shared experts of one MoE layer (MODEL.md 5), over weight lists.
+
+Legend: N tokens, D width, F expert hidden width, E routed experts, K activated experts per token.
+
+`moe_combine` is the layer's summation, shared by the model's module loop and `moe_experts_ref`: routed outputs
+accumulate in fp32 in ascending expert id (each token's experts are distinct, so a token's sum is
+0 + o_e1 + o_e2 + ... with e1 < e2 < ...), the shared expert last, cast to x's dtype.
+`moe_experts_ref` is `dsv41.model.moe.Expert` written on its weights, for experts whose Linears agree on the
+activation QDQ: x QDQ'd once for w1 and w3 (quant_in), gate and up rounded to the weights' dtype by the Linear,
+`expert_act_ref` (clamped SwiGLU, routing weight, cast, w2's QDQ when quant_mid), w2.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dsv41.codecs import qdq_fp8 as qdq_fp8_ref
+
+__all__ = ["moe_combine", "moe_experts_ref", "expert_act_ref"]
+
+
+def expert_act_ref(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, limit: float, quantize: bool,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The expert's middle (MODEL.md 5): silu(min(gate, L)) * clamp(up, -L, L) in fp32 (no clamp when L <= 0), times
+    the routing weight, cast to `dtype`, then (quantize) the FP8 QDQ that w2 applies to its input."""
+    g, u = gate.float(), up.float()
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    h = F.silu(g) * u
+    if weights is not None:
+        h = weights * h
+    h = h.to(dtype)
+    return qdq_fp8_ref(h) if quantize else h
+
+
+def moe_combine(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, n_experts: int,
+                expert: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+                shared: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [N,D], indices [N,K], weights [N,K] fp32 -> [N,D] in x's dtype: sum over the routed experts (ascending id)
+    of index_add(expert(e, x[rows], w[rows, 1]).float()), plus shared(x).float()."""
+    y = torch.zeros_like(x, dtype=torch.float32)
+    flat = indices.flatten()
+    order = torch.argsort(flat, stable=True)              # (token, slot) pairs grouped by expert, tokens ascending
+    rows_of, w_of = order // indices.size(1), weights.flatten()[order].unsqueeze(-1)
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows, w = rows_of[start:start + n], w_of[start:start + n]
+        start += n
+        y = y.index_add(0, rows, expert(e, x[rows], w).float())
+    y = y + shared(x).float()
+    return y.type_as(x)
+
+
+def moe_experts_ref(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w1: Sequence[torch.Tensor],
+                    w3: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], limit: float, quant_in: bool,
+                    quant_mid: bool) -> torch.Tensor:
+    """Routed + shared experts -> [N,D] in x's dtype. x [N,D]; indices [N,K] routed expert ids (distinct per
+    token); weights [N,K] fp32 routing weights; w1, w3 [F,D] and w2 [D,F] per expert, E routed then the shared
+    expert last (E+1 each); limit the SwiGLU clamp; quant_in / quant_mid: the FP8 activation QDQ in front of
+    w1 and w3 / of w2."""
+    xq = qdq_fp8_ref(x) if quant_in else x
+
+    def run(e: int, xe: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        gate, up = F.linear(xe.to(w1[e].dtype), w1[e]), F.linear(xe.to(w3[e].dtype), w3[e])
+        h = expert_act_ref(gate, up, w, limit, quant_mid, x.dtype)
+        return F.linear(h.to(w2[e].dtype), w2[e])
+
+    E = len(w1) - 1
+    return moe_combine(xq, indices, weights, E, run, lambda xe: run(E, xe, None))

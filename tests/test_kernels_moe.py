@@ -1,0 +1,93 @@
+"""Guards the MoE experts op: its reference over weight lists equals the model's module loop bit for bit (CPU, with
+and without quantization, unused experts, ties of routing weights), the model keeps the module loop on CPU and
+whenever experts have hooks or disagree on quantization, and (marked gpu) the Triton kernels against the reference
+and the model's fused decode path against its module loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.config import load_config
+from dsv41.kernels import moe_combine, moe_experts, moe_experts_ref
+from dsv41.model.common import set_quantization
+from dsv41.model.moe import MoE
+
+
+def make_moe(quant=True, dim=64, inter=64, experts=6, topk=3, dtype=torch.bfloat16, device="cpu", seed=0):
+    cfg = load_config("debug")
+    cfg.dim, cfg.moe_inter_dim, cfg.n_routed_experts, cfg.n_activated_experts = dim, inter, experts, topk
+    torch.manual_seed(seed)
+    moe = MoE(cfg, layer_id=5, dtype=dtype)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=dim ** -0.5) if p.dim() == 2 else torch.nn.init.normal_(p, std=0.1)
+    set_quantization(moe, quant)
+    return moe.to(device).requires_grad_(False)
+
+
+def loop(moe, x, indices, weights):
+    return moe_combine(x, indices, weights, moe.n_experts, lambda e, xe, w: moe.experts[e](xe, w), moe.shared_experts)
+
+
+@pytest.mark.parametrize("quant", [True, False])
+@pytest.mark.parametrize("n", [1, 5, 40])
+def test_moe_experts_ref_is_the_module_loop(quant, n):
+    moe = make_moe(quant)
+    x = torch.randn(n, moe.dim).bfloat16() * 3
+    weights, indices, _ = moe.gate(x)
+    w = moe.fused_weights()
+    assert w is not None and w[3] == quant and w[4] == quant
+    ref = moe_experts_ref(x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:])
+    assert torch.equal(ref, loop(moe, x, indices, weights))
+    assert torch.equal(moe(x.view(1, n, -1)).view(n, -1), ref)                  # CPU: the module loop
+    assert torch.equal(moe_experts(x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:]), ref)
+
+
+def test_moe_fused_weights_declines():
+    moe = make_moe()
+    moe.shared_experts.w3.quant = False                                         # one Linear without the QDQ
+    assert moe.fused_weights() is None
+    moe = make_moe()
+    moe.experts[2].register_forward_hook(lambda *a: None)
+    assert moe.fused_weights() is None
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [True, False])
+@pytest.mark.parametrize("shape", [(1, 64, 64, 6, 3), (16, 256, 96, 8, 2), (64, 512, 2304 // 8, 16, 6),
+                                   (3, 5120, 2304, 16, 6)])
+def test_moe_experts_triton(quant, shape):
+    from dsv41.kernels.triton import moe_experts_triton
+    n, dim, inter, experts, topk = shape
+    moe = make_moe(quant, dim, inter, experts, topk, device="cuda", seed=n)
+    x = torch.randn(n, dim, device="cuda").bfloat16() * 3
+    weights, indices, _ = moe.gate(x)
+    w = moe.fused_weights()
+    ref = moe_experts_ref(x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:])
+    out = moe_experts_triton(x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:])
+    torch.cuda.synchronize()
+    err = rel_err(out, ref)
+    print(f"\nMAXERR moe_experts {shape} quant={quant}: rel {err:.2e} max|d| {float((out - ref).abs().max()):.2e}")
+    assert out.dtype == x.dtype and torch.isfinite(out).all()
+    assert err < 2e-2
+
+
+@pytest.mark.gpu
+def test_moe_decode_uses_the_op_on_cuda():
+    moe = make_moe(device="cuda", dim=256, inter=128, experts=8, topk=2)
+    x = torch.randn(1, 4, 256, device="cuda").bfloat16()
+    with torch.no_grad():
+        fused = moe(x)
+        weights, indices = moe.last_route[1].view(4, -1), moe.last_route[0].view(4, -1)
+        ref = loop(moe, x.view(4, -1), indices, weights).view_as(fused)
+    assert rel_err(fused, ref) < 2e-2
+    big = torch.randn(1, MoE.FUSED_MAX_TOKENS + 1, 256, device="cuda").bfloat16()
+    with torch.no_grad():                                                      # above the cut: the module loop
+        weights, indices, _ = moe.gate(big.view(-1, 256))
+        assert torch.equal(moe(big).view(-1, 256), loop(moe, big.view(-1, 256), indices, weights))
