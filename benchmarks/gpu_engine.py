@@ -47,6 +47,8 @@ def launch_profile(model, pool, sid, tok) -> dict:
     return {"profiled_step_s": wall, "kernel_launches": launches, "host_syncs": syncs, "gpu_busy_s": busy,
             "top_gpu_ms": [(e.key[:60], round(e.self_device_time_total / 1e3, 2), e.count) for e in top],
             "top_self_cpu_ms": [(e.key[:60], round(e.self_cpu_time_total / 1e3, 2), e.count) for e in top_cpu],
+            "top_aten_counts": [(e.key[:60], e.count) for e in sorted(ka, key=lambda e: -e.count)
+                                if e.key.startswith("aten::")][:25],
             "profiled_cpu_ms": round(sum(e.self_cpu_time_total for e in ka) / 1e3, 1)}
 
 
