@@ -271,7 +271,8 @@ def test_sparse_attn_packed_triton(kw, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", ATTN_GPU_CASES)
-@pytest.mark.parametrize("opts", [dict(), dict(block_n=16, split_store=True), dict(block_n=64, num_warps=8)])
+@pytest.mark.parametrize("opts", [dict(), dict(block_n=16, store="split"), dict(block_n=64, num_warps=8),
+                                  dict(store="pairs"), dict(block_n=16, store="pairs")])
 def test_stage_packed_rows_exact(kw, opts):
     """The staged path's first kernel: every listed entry decoded bit for bit as the codecs do, -1 where empty."""
     from dsv41.kernels.packed_ref import gather_records
@@ -361,6 +362,39 @@ def test_indexer_triton_gather_negative_and_invisible():
     d = (out[fin] - ref[fin]).abs()
     print(f"\nMAXERR indexer_scores gather: max|d|/max|ref| {float(d.max() / ref[fin].abs().max()):.2e}")
     assert float(d.max() / ref[fin].abs().max()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [dict(B=2, J=32, I=128, P=64, n_vis=(9000, 700)),      # one page per tile
+                                dict(B=2, J=32, I=128, P=16, n_vis=(3000, 5)),       # pages smaller than a tile
+                                dict(B=1, J=24, I=128, P=24, n_vis=(2000,)),         # P not a power of two
+                                dict(B=3, J=32, I=128, P=256, n_vis=(5000, 0, 257))])
+@pytest.mark.parametrize("opts", [dict(), dict(block_n=128, num_warps=8, tiles_per_program=3)])
+def test_indexer_triton_v3_exact(kw, opts):
+    """The v3 kernel (word loads, one K=128 fp16 dot per tile) gives the reference's scores bit for bit, as v2
+    does: whole contexts, entry lists (a Reindex pool, with -1 and ids past n_vis), and tiles holding an entry
+    whose group scales span more than fp16's window (v2's per-group path)."""
+    from dsv41.kernels.triton import indexer_scores_packed_triton
+    c = index_case(device="cuda", seed=hash((str(kw), str(opts))) % 1000, **kw)
+    spread = c.pages.clone()                                   # entry 5 of row 0: group scales 2^23 ... 2^-30
+    spread[int(c.table[0, 0]), 5, 64:68] = torch.tensor([150, 97, 127, 120], dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(7)
+    ent = torch.randint(-1, max(kw["n_vis"]) + 40, (kw["B"], 1000), generator=gen).int().cuda()
+    for pages, entries in ((c.pages, None), (spread, None), (c.pages, ent)):
+        ref = indexer_scores_packed_ref(c.q, c.w, pages, c.table, c.n_vis, entries)
+        out = indexer_scores_packed_triton(c.q, c.w, pages, c.table, c.n_vis, entries, impl="v3", **opts)
+        v2 = indexer_scores_packed_triton(c.q, c.w, pages, c.table, c.n_vis, entries, impl="v2")
+        torch.cuda.synchronize()
+        fin = torch.isfinite(ref)
+        assert torch.equal(fin, torch.isfinite(out))
+        mism = int((out[fin] != ref[fin]).sum())
+        print(f"\nMAXERR indexer_scores v3 {kw['n_vis']} {opts} list={entries is not None}: "
+              f"max|d| {float((out[fin] - ref[fin]).abs().max()) if fin.any() else 0:.2e} mismatched {mism}")
+        assert torch.equal(out, v2)                                               # the same bits as v2
+        if pages is c.pages:                                                      # and as the reference
+            assert mism == 0
+        else:           # (the spread entry's fp32 sum of 2^23- and 2^-30-scaled terms rounds: v2's bits, 1 ulp)
+            assert float(((out[fin] - ref[fin]).abs() / ref[fin].abs().clamp_min(1e-30)).max()) < 2e-2
 
 
 @pytest.mark.gpu

@@ -47,7 +47,7 @@ __all__ = ["sparse_attn_packed_triton", "sparse_attn_triton", "CONFIG", "DENSE_C
 # kernel's (block_h 32 from `large_rows` rows on: 106 vs 131 us at B = 128, equal at 64; it spills ~30 bytes).
 # v2 (V2_CONFIG) with block_h 32 (two head blocks, mma.sync) compiles without spills; block_h 64 (wgmma, each tile
 # decoded once) spills 400-600 bytes per thread: its fp32 [64, 512] accumulator alone takes 128 of 255 registers.
-CONFIG = {"impl": "staged", "stage_block_n": 32, "stage_num_warps": 4, "stage_split_store": False, "block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2,
+CONFIG = {"impl": "staged", "stage_block_n": 32, "stage_num_warps": 4, "stage_store": "interleave", "block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2,
           "large_rows": 64, "large_block_h": 32}
 V2_CONFIG = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 1, "sc3d": True}
 V1_CONFIG = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 1, "vec": True}
@@ -620,7 +620,7 @@ def sparse_attn_packed_triton(q: torch.Tensor, swa_ring: torch.Tensor, ring_slot
         if block_h is None and q.size(0) >= cfg["large_rows"]:
             cfg["block_h"] = cfg["large_block_h"]
         rows, idx = stage_packed_rows(swa_ring, ring_slots, win_idx, main_pages, page_table, topk_idx,
-                                      cfg["stage_block_n"], cfg["stage_num_warps"], cfg["stage_split_store"])
+                                      cfg["stage_block_n"], cfg["stage_num_warps"], cfg["stage_store"])
         out = sparse_attn_triton(q.unsqueeze(1), rows, sink, idx, scale, num_splits=num_splits,
                                  **{k: cfg[k] for k in ("block_h", "block_n", "num_warps", "num_stages")})[:, 0]
         LAST['packed'] = LAST.get('dense')
