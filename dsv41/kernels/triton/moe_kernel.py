@@ -38,7 +38,10 @@ from dsv41.kernels.triton.sparse_attn_kernel import _DOT_BF16, _INTERPRET, LAST
 
 __all__ = ["moe_experts_triton", "CONFIG"]
 
-CONFIG = {"block_m": 16, "up_block_f": 32, "up_block_d": 128, "down_block_d": 32, "down_block_f": 128,
+# H200, v41-geometry (D 5120, F 2304, 16 experts, 6 active + shared; results/kernels-moe-2026-12-03.json, at 128-wide
+# reduction chunks then): 282 / 608 / 1258 us at 1 / 16 / 64 tokens against 1570 / 3547 / 3351 us for the module loop
+# (1760 GB/s of expert weights at one token, 37% of HBM). 64-wide F tiles spill and were slower.
+CONFIG = {"block_m": 16, "up_block_f": 32, "up_block_d": 256, "down_block_d": 32, "down_block_f": 256,
           "combine_block_d": 512, "num_warps": 4}
 
 
