@@ -162,20 +162,43 @@ def sweep(name, fn, ref_out, configs, sweep_log, which, err_fn=None, timer=None)
 ATTN_CONFIGS = [dict(impl="staged", block_h=16, block_n=64, num_warps=4, num_stages=2),
                 dict(impl="staged", block_h=32, block_n=64, num_warps=4, num_stages=2),
                 dict(impl="staged", block_h=64, block_n=64, num_warps=8, num_stages=2),
+                dict(impl="staged", block_h=32, block_n=64, num_warps=4, num_stages=2, num_splits=2),
                 dict(impl="v2", block_h=32, block_n=32, num_warps=8),
                 dict(impl="v2", block_h=64, block_n=16, num_warps=8),
                 dict(impl="v1", block_h=32, block_n=32, num_warps=8)]
-STAGE_CONFIGS = [dict(block_n=bn, num_warps=nw, split_store=ss) for bn, nw in ((32, 4), (16, 4), (64, 8), (32, 8))
-                 for ss in (False, True)]
+STAGE_CONFIGS = [dict(block_n=bn, num_warps=nw, store=st) for bn, nw in ((32, 4), (16, 4), (64, 8), (32, 8))
+                 for st in ("interleave", "split", "pairs")]
 DENSE_CONFIGS = [dict(block_h=16, block_n=64, num_warps=4, num_stages=2), dict(block_h=64, block_n=32, num_warps=8)]
-INDEX_CONFIGS = [dict(impl="v2", block_n=128, num_warps=4), dict(impl="v2", block_n=128, num_warps=8),
-                 dict(impl="v2", block_n=64, num_warps=4), dict(impl="v1", block_n=64, num_warps=4, num_stages=2)]
-MHC_CONFIGS = [dict(impl="fused", block_t=32, block_d=64, num_warps=8),
-               dict(impl="fused", block_t=32, block_d=128, num_warps=8),
-               dict(impl="tiles", block_t=32, block_d=128, num_warps=8), dict(impl="tiles", block_t=64, block_d=64,
-                                                                              num_warps=8),
-               dict(impl="tiles", block_t=16, block_d=128, num_warps=4), dict(impl="tiles", block_t=64, block_d=128,
-                                                                              num_warps=8)]
+# indexer: v2 (the default) and the v3 candidates (dsv41/kernels/triton/indexer_kernel.py); tiles_per_program None
+# = the launcher's choice (v3: one wave of 4 programs per SM).
+INDEX_CONFIGS = [dict(impl="v2", block_n=64, num_warps=4), dict(impl="v2", block_n=128, num_warps=4),
+                 dict(impl="v3", block_n=64, num_warps=4),
+                 dict(impl="v3", block_n=64, num_warps=4, tiles_per_program=16),
+                 dict(impl="v3", block_n=128, num_warps=8, tiles_per_program=16),
+                 dict(impl="v3pipe", block_n=64, num_warps=4, num_stages=3),
+                 dict(impl="v3pipe", block_n=64, num_warps=4, num_stages=4, tiles_per_program=16)]
+# mHC: the tiled path's default tile (MHC_T), and with one projection per tile over the 4 streams and paired y
+# rounding (MHC_CC, untimed before this sweep).
+MHC_T = dict(impl="tiles", block_t=64, block_d=16, num_warps=4, num_stages=3)
+MHC_CC = dict(MHC_T, tiles_cat=True, tiles_cvt=True)
+MHC_CONFIGS = [dict(impl="fused", block_t=32, block_d=128, num_warps=8), dict(MHC_T), dict(MHC_T, tiles_chunk=128),
+               dict(MHC_T, tiles_fin_block_d=1024), dict(MHC_T, tiles_cat=True), dict(MHC_CC),
+               dict(MHC_CC, tiles_chunk=128, num_stages=4), dict(MHC_CC, tiles_chunk=64),
+               dict(MHC_CC, tiles_wf32=False), dict(MHC_CC, block_t=128, num_warps=8),
+               dict(MHC_CC, block_t=128, num_warps=8, tiles_maxnreg=128), dict(MHC_CC, block_d=32, num_stages=2)]
+MHC_LAUNCH_KEYS = ("impl", "block_t", "block_d", "num_warps", "num_stages", "nsplit")
+
+
+def mhc_call(args, cfg):
+    """mhc_fused_triton(*args) with cfg's launch keywords, its other keys overriding the kernel's CONFIG meanwhile."""
+    from dsv41.kernels.triton import mhc_kernel as mk
+    saved = dict(mk.CONFIG)
+    mk.CONFIG.update({k: v for k, v in cfg.items() if k not in MHC_LAUNCH_KEYS})
+    try:
+        return mk.mhc_fused_triton(*args, **{k: v for k, v in cfg.items() if k in MHC_LAUNCH_KEYS})
+    finally:
+        mk.CONFIG.clear()
+        mk.CONFIG.update(saved)
 
 
 def mhc_inputs(T, D=5120, S=4, seed=0):
@@ -194,7 +217,35 @@ def mhc_err(out, ref) -> float:
     return max(rel_err(o, r) for o, r in zip(out, ref))
 
 
-SECTIONS = ("attn", "indexer", "mhc", "dense", "quant")
+SECTIONS = ("attn", "indexer", "mhc", "dense", "quant", "moe")
+MOE_CONFIGS = [dict(), dict(up_block_f=64), dict(down_block_d=64), dict(up_block_d=256, down_block_f=256),
+               dict(num_warps=8, up_block_f=64, down_block_d=64)]
+
+
+def moe_rows(rows, sweeps, Ns=(1, 16, 64), D=5120, F=2304, E=16, K=6):
+    """The MoE layer's experts at the v41-geometry shape (D 5120, F 2304, 16 routed experts, 6 active + shared):
+    the fused op (moe_experts_triton, graph-timed) against the model's module loop (what ran before: cuBLAS
+    GEMMs and the Triton QDQ / SwiGLU per active expert, one host sync per layer; timed eagerly)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from test_kernels_moe import loop, make_moe
+    from dsv41.kernels.triton import moe_experts_triton
+    moe = make_moe(True, D, F, E, K, device=DEV)
+    w = moe.fused_weights()
+    for N in Ns:
+        x = torch.randn(N, D, device=DEV).bfloat16() * 3
+        with torch.no_grad():
+            weights, indices, _ = moe.gate(x)
+            ref = loop(moe, x, indices, weights)
+            t_ref = bench(lambda: loop(moe, x, indices, weights), rep=30)
+            t, cfg, err = sweep(f"moe_experts N={N}", lambda **c: moe_experts_triton(
+                x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:], **c), ref, MOE_CONFIGS, sweeps,
+                'moe_up')
+        n_exp = int(indices.unique().numel()) + 1
+        nbytes = n_exp * 3 * D * F * 2
+        flops = 2 * 3 * D * F * N * (K + 1)
+        rows.append(row("moe_experts (routed + shared)", f"N={N} D={D} F={F} E={E} K={K} ({n_exp} experts read)", t,
+                        t_ref, flops, nbytes, err, cfg))
+        checkpoint(rows, sweeps)
 
 
 def run(quick: bool, only: tuple = SECTIONS) -> dict:
@@ -205,6 +256,8 @@ def run(quick: bool, only: tuple = SECTIONS) -> dict:
                                       pack_swa_kv_triton, qdq_fp8_triton, sparse_attn_packed_triton,
                                       sparse_attn_triton)
     rows, sweeps = [], []
+    if "moe" in only:
+        moe_rows(rows, sweeps)
 
     # FP8 quantizers (memory-bound): activation QDQ at a decode row and a prefill chunk, SWA-KV row packing
     for T in ((1, 4096) if "quant" in only else ()):
@@ -282,7 +335,7 @@ def run(quick: bool, only: tuple = SECTIONS) -> dict:
         args = mhc_inputs(T)
         ref = mhc_fused_ref(*args)
         t_ref = bench(lambda: mhc_fused_ref(*args), rep=50)
-        t, cfg, err = sweep(f"mhc_fused T={T}", lambda **c: mhc_fused_triton(*args, **c), ref, MHC_CONFIGS, sweeps,
+        t, cfg, err = sweep(f"mhc_fused T={T}", lambda **c: mhc_call(args, c), ref, MHC_CONFIGS, sweeps,
                             'mhc', err_fn=mhc_err)
         D, S = 5120, 4
         rows.append(row("mhc_fused", f"T={T} S={S} D={D}", t, t_ref, T * 2 * 24 * S * D,

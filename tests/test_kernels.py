@@ -369,11 +369,13 @@ def test_indexer_triton_gather_negative_and_invisible():
                                 dict(B=2, J=32, I=128, P=16, n_vis=(3000, 5)),       # pages smaller than a tile
                                 dict(B=1, J=24, I=128, P=24, n_vis=(2000,)),         # P not a power of two
                                 dict(B=3, J=32, I=128, P=256, n_vis=(5000, 0, 257))])
-@pytest.mark.parametrize("opts", [dict(), dict(block_n=128, num_warps=8, tiles_per_program=3)])
+@pytest.mark.parametrize("opts", [dict(), dict(block_n=128, num_warps=8, tiles_per_program=3),
+                                  dict(impl="v3pipe", num_stages=3, tiles_per_program=5),
+                                  dict(impl="v3pipe", num_stages=4)])
 def test_indexer_triton_v3_exact(kw, opts):
-    """The v3 kernel (word loads, one K=128 fp16 dot per tile) gives the reference's scores bit for bit, as v2
-    does: whole contexts, entry lists (a Reindex pool, with -1 and ids past n_vis), and tiles holding an entry
-    whose group scales span more than fp16's window (v2's per-group path)."""
+    """The v3 kernel and its variants (word loads, one K=128 fp16 dot per tile) give the reference's scores bit for
+    bit, as v2 does: whole contexts, entry lists (a Reindex pool, with -1 and ids past n_vis), and programs holding
+    an entry whose group scales span more than fp16's window (v2's per-group path)."""
     from dsv41.kernels.triton import indexer_scores_packed_triton
     c = index_case(device="cuda", seed=hash((str(kw), str(opts))) % 1000, **kw)
     spread = c.pages.clone()                                   # entry 5 of row 0: group scales 2^23 ... 2^-30
@@ -382,7 +384,7 @@ def test_indexer_triton_v3_exact(kw, opts):
     ent = torch.randint(-1, max(kw["n_vis"]) + 40, (kw["B"], 1000), generator=gen).int().cuda()
     for pages, entries in ((c.pages, None), (spread, None), (c.pages, ent)):
         ref = indexer_scores_packed_ref(c.q, c.w, pages, c.table, c.n_vis, entries)
-        out = indexer_scores_packed_triton(c.q, c.w, pages, c.table, c.n_vis, entries, impl="v3", **opts)
+        out = indexer_scores_packed_triton(c.q, c.w, pages, c.table, c.n_vis, entries, **{"impl": "v3", **opts})
         v2 = indexer_scores_packed_triton(c.q, c.w, pages, c.table, c.n_vis, entries, impl="v2")
         torch.cuda.synchronize()
         fin = torch.isfinite(ref)
