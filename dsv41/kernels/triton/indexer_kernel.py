@@ -15,8 +15,9 @@ come out as the model's). Only the [B, E] fp32 scores are written: the context i
 size [heads x context] exists. The top-k, the block max of the candidate pool and the pool's top blocks are torch
 ops on those scores (`packed_ref.indexer_select` / `candidate_pool`), not fused.
 
-Kernels (`impl`): "v2" (the default; index widths 32, 64, 128): per tile and group of 32 channels, two K=16
-fp16 tensor-core dots and the group's scale on the fp32 partial. "v3" (index width 128; "v3pipe" the same with
+Kernels (`impl`): "v2" (index widths 32, 64, 128): per tile and group of 32 channels, two K=16
+fp16 tensor-core dots and the group's scale on the fp32 partial. "v3" (the default; index width 128, else v2;
+"v3pipe" the same with
 Triton's software pipeline instead of a register prefetch): 32-bit word loads, the scale folded into the fp16
 keys, one K=128 dot per tile (see the v3 section). "v1": the first kernel (bf16 dequantization, any width).
 H200 (benchmarks/results/kernels-indexer-2026-12-03.json, CUDA-graph timing, J=32 I=128, all scores bit-equal
@@ -24,7 +25,9 @@ to the reference): v2 72.9 us at B=1 N=1M (1.04 TB/s, 22% of HBM; 6.0-8.1 us at 
 (a per-tile check for the fallback, 160 registers: 3 programs per SM) 72.2-75.6 us, no faster: it issues 40%
 fewer instructions than v2 (525 against 890 per thread and tile of 64, ptxas for sm_90), so v2 was not
 instruction-bound alone. The present v3 (the fallback check deferred to the end of a program: 119 registers, 4
-programs per SM; v3pipe 127) is exact in the interpreter against v2 but not yet timed on the GPU.
+programs per SM; v3pipe 127): 64.0 us at B=1 N=1M and at B=4 N=256K (1.18 TB/s, 24.6% of HBM) against 73.3 us for
+v2 in the same run, 6.9 us at N=65536 (v2 6.1-8.1), v3pipe 78.5 us; scores bit-equal to the reference in the
+benchmark and the GPU tests (benchmarks/results/kernels-2026-12-03c.json, gpu_tests-2026-12-03b.txt).
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ from dsv41.kernels.triton.sparse_attn_kernel import (_ASM, _DOT_BF16, LAST, _e2m
 
 __all__ = ["indexer_scores_packed_triton", "indexer_topk_packed_triton", "CONFIG"]
 
-# Default v2: the fastest measured on the H200 (72.9 us at B=1 N=1M, the same for B=4 N=256K; v3's first form
-# 72.2-75.6 us). The v3 candidates stay in benchmarks/kernels.py's sweep (INDEX_CONFIGS) until measured.
-CONFIG = {"impl": "v2", "block_n": 64, "num_warps": 4, "num_stages": 1, "max_tiles_per_program": 8}
+# Default v3 (64.0 us at B=1 N=1M and B=4 N=256K on the H200 against 73.3 us for v2; results/kernels-2026-12-03c.json);
+# the other keys are v2's launch parameters (v3's are V3_CONFIG).
+CONFIG = {"impl": "v3", "block_n": 64, "num_warps": 4, "num_stages": 1, "max_tiles_per_program": 8}
 # v3: one wave of resident programs (programs_per_sm at <= 128 registers), each a long run of tiles;
 # pipe_stages: v3pipe's num_stages.
 V3_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 1, "max_tiles_per_program": 32, "programs_per_sm": 4,
@@ -466,7 +469,7 @@ def indexer_scores_packed_triton(q: torch.Tensor, w: torch.Tensor, index_pages: 
                                  tiles_per_program: int | None = None, impl: str | None = None) -> torch.Tensor:
     """Triton twin of `indexer_scores_packed_ref` -> [B, E] fp32 (bf16-rounded values, -inf where invisible).
 
-    impl "v2" (default; index widths 32, 64, 128: `_indexer_v2_kernel`, `CONFIG`), "v3" / "v3pipe" (index width
+    impl "v2" (index widths 32, 64, 128: `_indexer_v2_kernel`, `CONFIG`), "v3" (default) / "v3pipe" (index width
     128, 4-byte aligned pages: `_indexer_v3_kernel`, `V3_CONFIG`; otherwise v2), "v1" (the first kernel,
     `V1_CONFIG`; any width)."""
     B, J, I = q.shape
