@@ -87,18 +87,25 @@ class MoE(nn.Module):
 
     def fused_weights(self):
         """(w1s, w3s, w2s, quant_in, quant_mid) for `moe_experts` (routed experts, then the shared one) when every
-        expert's Linears agree on the activation QDQ, have no bias and no expert has forward hooks; else None."""
-        ex = [*self.experts, self.shared_experts]
-        q_in = {m.w1.quantizes_input for m in ex} | {m.w3.quantizes_input for m in ex}
-        q_mid = {m.w2.quantizes_input for m in ex}
+        expert's Linears agree on the activation QDQ, have no bias and no expert has forward hooks; else None.
+        Checked on every call (flags and hooks can change), through the modules' own dicts: this runs once per
+        layer and decode step, where nn.Module attribute lookups would cost ~200 per layer."""
+        w1s, w3s, w2s, q_in, q_mid = [], [], [], set(), set()
+        for m in (*self.experts._modules.values(), self.shared_experts):
+            sub = m._modules
+            w1, w3, w2 = sub["w1"], sub["w3"], sub["w2"]
+            for mod in (m, w1, w2, w3):
+                if mod._forward_pre_hooks or mod._forward_hooks or mod._parameters.get("bias") is not None:
+                    return None
+            q_in.add(w1.quantizes_input)
+            q_in.add(w3.quantizes_input)
+            q_mid.add(w2.quantizes_input)
+            w1s.append(w1._parameters["weight"])
+            w3s.append(w3._parameters["weight"])
+            w2s.append(w2._parameters["weight"])
         if len(q_in) != 1 or len(q_mid) != 1:
             return None
-        for m in ex:
-            for mod in (m, m.w1, m.w2, m.w3):
-                if mod._forward_pre_hooks or mod._forward_hooks or getattr(mod, "bias", None) is not None:
-                    return None
-        return ([m.w1.weight for m in ex], [m.w3.weight for m in ex], [m.w2.weight for m in ex], q_in.pop(),
-                q_mid.pop())
+        return w1s, w3s, w2s, q_in.pop(), q_mid.pop()
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [B,T,D] -> [B,T,D]. Routed outputs accumulate in fp32 in ascending expert id, shared expert last."""
