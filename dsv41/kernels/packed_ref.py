@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.codecs import unpack_index_k, unpack_main_kv, unpack_swa_kv
+from dsv41.devices import h2d
 from dsv41.kernels.ref import sparse_attn_ref
 
 __all__ = [
@@ -59,7 +60,7 @@ def page_table_of(view, layer: int) -> torch.Tensor:
     for b, t in enumerate(tables):
         if t:
             out[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    return out.to(view.device)
+    return h2d(out, view.device)
 
 
 def gather_records(pages: torch.Tensor, page_table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:

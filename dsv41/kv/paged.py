@@ -78,6 +78,7 @@ from dsv41.codecs import (
     unpack_swa_kv,
 )
 from dsv41.config import ModelConfig
+from dsv41.devices import h2d
 from dsv41.kernels import pack_swa_kv as pack_swa_rows
 from dsv41.model.cache import LayerCacheSpec, cache_spec, window_write_mask
 
@@ -548,7 +549,7 @@ class BatchView:
         self.seqs = [pool._seq(s) for s in seq_ids]
         self.cfg, self.dtype, self.device, self.specs = pool.cfg, pool.dtype, pool.device, pool.specs
         self.batch = len(seq_ids)
-        self.slots = torch.tensor([s.slot for s in self.seqs], dtype=torch.long, device=pool.device)
+        self.slots = h2d(torch.tensor([s.slot for s in self.seqs], dtype=torch.long), pool.device)
         self._memo: dict[tuple[int, str], tuple[int, tuple[int, ...], torch.Tensor]] = {}
 
     # ---------------------------------------------------------------- per-sequence scalars
@@ -613,11 +614,11 @@ class BatchView:
         self._verify("swa", records, x)
         pos = torch.as_tensor(start, dtype=torch.long).cpu().view(-1, 1) + torch.arange(first, T)
         slots = self.slots.view(-1, 1).expand(-1, pos.size(1))
-        slot_pos = (pos % W).to(self.device)
+        slot_pos = h2d(pos % W, self.device)
         if count is None:
             ring[slots, slot_pos] = records.to(self.device)
             return
-        keep = window_write_mask(count, first, T, W).to(self.device)
+        keep = h2d(window_write_mask(count, first, T, W), self.device)
         ring[slots[keep], slot_pos[keep]] = records.to(self.device)[keep]
 
     # ---------------------------------------------------------------- packed inputs of the decode kernels
@@ -646,7 +647,7 @@ class BatchView:
             for b, t in enumerate(tables):
                 if t:
                     table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
-            hit = (shape, None, table.to(self.device))
+            hit = (shape, None, h2d(table, self.device))
             self._memo[key] = hit
         return pl.data[kind], hit[2]
 
@@ -699,7 +700,7 @@ class BatchView:
             p0 = r // P                                      # only the pages this write touches (O(c), not O(context))
             sub = torch.tensor(pages[p0:(r + c - 1) // P + 1], dtype=torch.long)
             e = torch.arange(r, r + c)
-            flat = (sub[e // P - p0] * P + e % P).to(self.device)
+            flat = h2d(sub[e // P - p0] * P + e % P, self.device)
             data = pl.data[kind]
             data.view(-1, data.size(2))[flat] = records[b, :c]
             s.rows[(layer, kind)] = max(s.rows[(layer, kind)], r + c)
@@ -740,7 +741,7 @@ class BatchView:
         e = torch.arange(start, nmax)
         flat = table[:, e // P - p0] * P + e % P                                 # [B, nmax - start]
         valid = e < torch.tensor(have).view(-1, 1)
-        flat = torch.where(valid, flat, 0).to(self.device)
+        flat = h2d(torch.where(valid, flat, 0), self.device)
         return data.view(-1, data.size(2))[flat], valid
 
     def _read(self, layer: int, kind: str, n) -> torch.Tensor:
@@ -751,7 +752,7 @@ class BatchView:
         if hit is not None and hit[0] == version and hit[1] == n_key:
             return hit[2]
         records, valid = self.read_records(layer, kind, n)
-        vals = _unpack(kind, records).masked_fill(~valid.to(self.device).unsqueeze(-1), 0.0).to(self.dtype)
+        vals = _unpack(kind, records).masked_fill(~h2d(valid, self.device).unsqueeze(-1), 0.0).to(self.dtype)
         self._memo[key] = (version, n_key, vals)
         return vals
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from dsv41.codecs import qdq_index_k, qdq_main_kv
 from dsv41.config import LayerRole, ModelConfig
+from dsv41.devices import h2d
 from dsv41.kernels import qdq_fp8, sparse_attn
 from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope
 
@@ -173,7 +174,7 @@ class Compressor(nn.Module):
             return self.norm(self.wkv(u)), torch.full((B,), T, dtype=torch.long, device=u.device)
         x = u.float()
         kv, score = self.wkv(x), self.wgate(x)                                     # [B,T,C] fp32
-        carried = (start % m).to(u.device)                                          # tokens of the open group
+        carried = h2d(start % m, u.device)                                          # tokens of the open group
         st_kv, st_sc = cache.compressor_state(layer)                                # [B,m,C], slots 0..m-1
         # row b's sequence: its `carried` state slots, then this chunk; aligned so index 0 starts a group
         seq_kv = torch.cat([st_kv, kv], dim=1)                                     # [B,m+T,C]
@@ -226,7 +227,7 @@ class Indexer(QuantSite):
         m = self.role.ratio
         k = self.k_norm(self.wk(latent))
         pos = (row0.unsqueeze(1) + torch.arange(k.size(1), device=row0.device)) * m
-        k = apply_rope(k, rope.freqs(pos).to(k.device))
+        k = apply_rope(k, h2d(rope.freqs(pos), k.device))
         ctx.cache.append_index_k(self.role.layer, row0, self.qdq(k), count)
         ctx.cache.index_k_publisher = self.role.layer
 
@@ -239,7 +240,7 @@ class Indexer(QuantSite):
         src = ctx.cache.index_k_publisher if ctx.official_decode_artifact else role.kv_from
         keys = ctx.cache.index_k(src, n_vis)                                        # [B,N,I]
         w = self.weights_proj(u) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)  # [B,T,J]
-        compress_lens = (ctx.positions.to(u.device) + 1).div(m, rounding_mode="floor").unsqueeze(-1)
+        compress_lens = (h2d(ctx.positions, u.device) + 1).div(m, rounding_mode="floor").unsqueeze(-1)
         cand = None
         if role.uses_candidates:
             cand = ctx.published[("cand", role.candidates_from)][:, -ctx.seqlen:]   # source may have run on more rows
@@ -326,7 +327,7 @@ class Attention(QuantSite):
         if self.indexer is not None:
             self.indexer.publish_keys(latent, count, row0, self.rope, ctx)
         pos = (row0.unsqueeze(1) + torch.arange(latent.size(1), device=row0.device)) * m   # group's first token
-        latent = apply_rope(latent, self.rope.freqs(pos).to(latent.device))
+        latent = apply_rope(latent, h2d(self.rope.freqs(pos), latent.device))
         cache.append_compressed(self.layer, row0, qdq_main_kv(latent) if self.quant else latent, count)
 
     def compressed_part(self, u, qr, freqs, offset, ctx: StepContext):
@@ -356,13 +357,13 @@ class Attention(QuantSite):
         if packed_decode.applies(self, ctx):
             return packed_decode.attention_decode_packed(self, u, ctx)
         B, T = u.shape[:2]
-        freqs = self.rope.freqs(ctx.positions).to(u.device)                        # [B,T,R/2]
+        freqs = h2d(self.rope.freqs(ctx.positions), u.device)                        # [B,T,R/2]
         qr, q = self.queries(u, freqs)
         kv = self.window_kv(u, freqs)
         prefill = ctx.all_prefill
         win_kv = kv if prefill else torch.cat([ctx.cache.window_ring(self.layer).to(kv.dtype), kv], dim=1)
         floor = ctx.window_floor if ctx.window_floor_layers is None or self.layer in ctx.window_floor_layers else None
-        idx = window_indices(ctx.start, T, self.window, prefill, floor).to(u.device).int()
+        idx = h2d(window_indices(ctx.start, T, self.window, prefill, floor), u.device).int()
         ctx.cache.write_window(self.layer, ctx.start, kv)
         kv_all = win_kv
         if self.role.ratio:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv41.devices import h2d
 from dsv41.kernels import decode_window_rows, indexer_topk_packed, sparse_attn_packed
 from dsv41.model.common import apply_rope
 
@@ -49,7 +50,7 @@ def _selection(attn, u, qr, freqs, ctx) -> torch.Tensor:
         w = (ix.weights_proj(u) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))[:, 0]  # [B,J]
         pages, table = cache.packed_pages(role.kv_from, "index")
         cand = ctx.published[("pool", role.candidates_from)] if role.uses_candidates else None
-        idx, pool = indexer_topk_packed(qi, w, pages, table, n_vis.to(u.device), ix.topk, cand,
+        idx, pool = indexer_topk_packed(qi, w, pages, table, h2d(n_vis, u.device), ix.topk, cand,
                                         ix.cand_blocks if role.is_candidate_source else 0, ix.cand_size,
                                         ix.ties, n_max=n_max)
     if role.is_candidate_source:
@@ -64,7 +65,7 @@ def attention_decode_packed(attn, u: torch.Tensor, ctx) -> torch.Tensor:
     memo = ctx.published                             # per forward: what every layer of this step shares
     key = ("rope-freqs", id(attn.rope.inv_freq))        # one table per theta / YaRN setting (lru-cached)
     if key not in memo:
-        memo[key] = attn.rope.freqs(ctx.positions).to(u.device)
+        memo[key] = h2d(attn.rope.freqs(ctx.positions), u.device)
     freqs = memo[key]                                                                # [B,1,R/2]
     qr, q = attn.queries(u, freqs)
     cache.write_window(L, ctx.start, attn.window_kv(u, freqs))                       # the ring now holds pos
@@ -73,7 +74,7 @@ def attention_decode_packed(attn, u: torch.Tensor, ctx) -> torch.Tensor:
         floor = None
     key = ("window-rows", attn.window, floor is None)
     if key not in memo:
-        memo[key] = decode_window_rows(ctx.start.to(u.device), attn.window, floor)
+        memo[key] = decode_window_rows(h2d(ctx.start, u.device), attn.window, floor)
     win = memo[key]
     if attn.role.ratio:
         if attn.compressor is not None and ctx.produce_kv:
