@@ -85,6 +85,10 @@ class MoE(nn.Module):
     # module loop's cuBLAS GEMMs read each expert's weights once, where the op's tiles of 16 pairs would re-read them.
     FUSED_MAX_TOKENS = 64
 
+    def use_fused(self, x: torch.Tensor) -> bool:
+        """Take the experts op for these tokens [N, D]: on a CUDA GPU, up to FUSED_MAX_TOKENS of them."""
+        return x.is_cuda and x.size(0) <= self.FUSED_MAX_TOKENS
+
     def fused_weights(self):
         """(w1s, w3s, w2s, quant_in, quant_mid) for `moe_experts` (routed experts, then the shared one) when every
         expert's Linears agree on the activation QDQ, have no bias and no expert has forward hooks; else None.
@@ -113,7 +117,7 @@ class MoE(nn.Module):
         x = x.reshape(-1, self.dim)
         weights, indices, _ = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         self.last_route = (indices.view(*shape[:-1], -1), weights.view(*shape[:-1], -1))
-        fused = self.fused_weights() if x.is_cuda and x.size(0) <= self.FUSED_MAX_TOKENS else None
+        fused = self.fused_weights() if self.use_fused(x) else None
         if fused is not None:
             y = moe_experts(x, indices, weights, *fused[:3], self.shared_experts.limit, *fused[3:])
         else:
