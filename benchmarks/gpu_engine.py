@@ -2,7 +2,8 @@
 
 1. smoke: the debug preset on the GPU through the engine (packed pool), all prefill modes.
 2. prefill ratio: v41-geometry (random weights, bf16, quantization on): full / ced-exact / ced-bounded prefill
-   time at each prompt length, measured side by side, with the analytic row-count ratio.
+   time at each prompt length, measured side by side, with the analytic row-count ratio (PREFILL_CHUNK: every
+   mode prefills in chunks of that many tokens, for prompts whose one-shot activations do not fit).
 3. decode vs context: v41-geometry, one sequence whose packed store is filled with SYNTHETIC entries
    (`dsv41.kv.accounting.fill_random`: random codec records, not a real prefill) at each context; the measured
    global-KV bytes and the decode step time of the full 40-layer stack (reference torch path + the Triton
@@ -70,6 +71,7 @@ def main() -> None:
         return time.perf_counter() - t_start > budget
 
     lengths = [int(x) for x in os.environ.get("PREFILL_LENGTHS", "8192,32768").split(",") if x]   # "" = none
+    chunk = int(os.environ["PREFILL_CHUNK"]) if os.environ.get("PREFILL_CHUNK") else None   # same chunks every mode
     contexts = [int(x) for x in os.environ.get("DECODE_CONTEXTS", "4096,65536,262144,1048576").split(",") if x]
     from dsv41.config import load_config
     from dsv41.engine.bench import analytic_ratio, bench_prefill
@@ -118,12 +120,12 @@ def main() -> None:
                 v = pool.bind([pool.new_sequence()])
                 _sync(dev)
                 a = time.perf_counter()
-                prefill(model, ids, v, mode)
+                prefill(model, ids, v, mode, chunk_size=chunk)
                 _sync(dev)
                 t[mode] = time.perf_counter() - a
                 del pool, v
                 torch.cuda.empty_cache()
-            row = {"tokens": n, "full_s": t["full"], "ced_exact_s": t["ced-exact"], "ced_bounded_s": t["ced-bounded"],
+            row = {"tokens": n, "chunk": chunk, "full_s": t["full"], "ced_exact_s": t["ced-exact"], "ced_bounded_s": t["ced-bounded"],
                    "ratio_bounded": t["ced-bounded"] / t["full"], "ratio_exact": t["ced-exact"] / t["full"],
                    "analytic_ratio": analytic_ratio(cfg, "ced-bounded", n),
                    "peak_gb": (torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0)}
