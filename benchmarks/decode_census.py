@@ -140,9 +140,9 @@ def main() -> None:
     for loc, n in sorted(launches.items(), key=lambda kv: -kv[1])[:args.top]:
         kinds = ", ".join(f"{op} x{c}" for op, c in per_line[loc].most_common() if op not in VIEW_OPS)
         print(f"{n:6d}  {loc:42s} {kinds[:120]}")
+    top = sorted(launches.items(), key=lambda kv: -kv[1])[:args.top]
     print(json.dumps({"benchmark": "decode_census", "context": args.context, "layers": cfg.n_layers,
-                      "non_view_ops": total_ops, "kernel_op_calls": dict(by_op),
-                      "top_lines": [(loc, n) for loc, n in sorted(launches.items(), key=lambda kv: -kv[1])[:args.top]]}))
+                      "non_view_ops": total_ops, "kernel_op_calls": dict(by_op), "top_lines": top}))
 
 
 if __name__ == "__main__":

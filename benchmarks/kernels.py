@@ -167,7 +167,7 @@ ATTN_CONFIGS = [dict(impl="staged", block_h=16, block_n=64, num_warps=4, num_sta
                 dict(impl="v2", block_h=64, block_n=16, num_warps=8),
                 dict(impl="v1", block_h=32, block_n=32, num_warps=8)]
 STAGE_CONFIGS = [dict(block_n=bn, num_warps=nw, store=st) for bn, nw in ((32, 4), (16, 4), (64, 8), (32, 8))
-                 for st in ("interleave", "split", "pairs")]
+                 for st in ("interleave", "pairs")]
 DENSE_CONFIGS = [dict(block_h=16, block_n=64, num_warps=4, num_stages=2), dict(block_h=64, block_n=32, num_warps=8)]
 # indexer: v2 (the default) and the v3 candidates (dsv41/kernels/triton/indexer_kernel.py); tiles_per_program None
 # = the launcher's choice (v3: one wave of 4 programs per SM).

@@ -271,8 +271,8 @@ def test_sparse_attn_packed_triton(kw, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", ATTN_GPU_CASES)
-@pytest.mark.parametrize("opts", [dict(), dict(block_n=16, store="split"), dict(block_n=64, num_warps=8),
-                                  dict(store="pairs"), dict(block_n=16, store="pairs")])
+@pytest.mark.parametrize("opts", [dict(), dict(block_n=32), dict(block_n=64, num_warps=8), dict(store="pairs"),
+                                  dict(block_n=32, store="pairs")])
 def test_stage_packed_rows_exact(kw, opts):
     """The staged path's first kernel: every listed entry decoded bit for bit as the codecs do, -1 where empty."""
     from dsv41.kernels.packed_ref import gather_records

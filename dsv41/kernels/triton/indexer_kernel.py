@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from dsv41.kernels.packed_ref import _indexer_topk
-from dsv41.kernels.triton.sparse_attn_kernel import (_ASM, _DOT_BF16, LAST, _e2m1_to_f32, _index_tile, _sm_count,
-                                                     _ue8m0_to_f32)
+from dsv41.kernels.triton.sparse_attn_kernel import (_ASM, _DOT_BF16, _E2M1_TO_E4M3, LAST, _e2m1_to_f32,
+                                                     _index_tile, _sm_count, _ue8m0_to_f32)
 
 __all__ = ["indexer_scores_packed_triton", "indexer_topk_packed_triton", "CONFIG"]
 
@@ -105,15 +105,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, pages_ptr, table_ptr, ent_ptr, nvis_ptr
 _E2M1_F16_ASM = tl.constexpr("""{
 .reg .b16 a0, a1, b0, b1;
 .reg .b32 t1, t2, A, B;
-shl.b32 t1, $4, 2;
-and.b32 t1, t1, 0x1C1C1C1C;
-shl.b32 t2, $4, 4;
-and.b32 t2, t2, 0x80808080;
-or.b32 A, t1, t2;
-shr.b32 t1, $4, 2;
-and.b32 t1, t1, 0x1C1C1C1C;
-and.b32 t2, $4, 0x80808080;
-or.b32 B, t1, t2;
+""" + _E2M1_TO_E4M3.format(x="$4") + """
 mov.b32 {a0, a1}, A;
 mov.b32 {b0, b1}, B;
 cvt.rn.f16x2.e4m3x2 $0, a0;
@@ -169,7 +161,6 @@ def _q_half(q_ptr, b, J, hj, jm, qs, g: tl.constexpr, odd: tl.constexpr, I: tl.c
 def _k_group(pages_ptr, rec, valid, kmul, qlo, qhi, g: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr,
              DOT16: tl.constexpr):
     """Group g's scaled partial scores [BN, BJ] fp32 of the records at byte offsets rec [BN]."""
-    RB: tl.constexpr = I // 2 + I // 32
     c = tl.arange(0, 16)
     byt = tl.load(pages_ptr + rec[:, None] + 16 * g + c[None, :], mask=valid[:, None], other=0)
     sb = tl.load(pages_ptr + rec + I // 2 + g, mask=valid, other=0).to(tl.int32)
@@ -257,15 +248,7 @@ def _indexer_v2_kernel(q_ptr, w_ptr, pages_ptr, table_ptr, ent_ptr, nvis_ptr, ou
 _WORD_F16_ASM = tl.constexpr("""{
 .reg .b16 a0, a1, b0, b1;
 .reg .b32 t1, t2, A, B, r0, r1, r2, r3;
-shl.b32 t1, $8, 2;
-and.b32 t1, t1, 0x1C1C1C1C;
-shl.b32 t2, $8, 4;
-and.b32 t2, t2, 0x80808080;
-or.b32 A, t1, t2;
-shr.b32 t1, $8, 2;
-and.b32 t1, t1, 0x1C1C1C1C;
-and.b32 t2, $8, 0x80808080;
-or.b32 B, t1, t2;
+""" + _E2M1_TO_E4M3.format(x="$8") + """
 mov.b32 {a0, a1}, A;
 mov.b32 {b0, b1}, B;
 cvt.rn.f16x2.e4m3x2 r0, a0;

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.triton.sparse_attn_kernel import _DOT_BF16, LAST, _sm_count
+from dsv41.kernels.triton.sparse_attn_kernel import _DOT_BF16, LAST
 
 __all__ = ["mhc_fused_triton", "split_weights", "CONFIG"]
 
@@ -48,17 +48,20 @@ __all__ = ["mhc_fused_triton", "split_weights", "CONFIG"]
 # 3 deep (tiles_num_stages), fn split in registers (tiles_wf32): 254 us at 4096 tokens, 892 us at 16384 (152
 # registers, no spills; results/kernels-mhc-2026-12-03b.json) against 353 / 1356 us for the previous tiled kernel (one
 # 16 x 128 tile per program, pre-split bf16 fn; 255 registers and spills compiled for sm_90 by Triton 3.9 here) and
-# 519 us for the best fused config. Measured there and slower at 4096 tokens: 512 (268 us) or 1024 (267 us) channels per program
-# (fewer waves of programs), and at 512: 2 stages (393 us) or 4 (272 us), the pre-split bf16 fn (318 us, 1.5x its
-# bytes), 128 registers (384 us: spills), 128 tokens x 8 warps (325 us: one program per SM), 64 x 32 tiles of 8 warps
-# (395 us), 32 x 32 tiles (350 us: mma v2, each warp recomputing), and the block's last program finishing the step in
-# the same launch (an acq_rel counter per token block; 321 us: 188 registers, and one program then normalised 64 x D
-# of h; removed).
+# 519 us for the best fused config. Measured there and slower at 4096 tokens: 512 (268 us) or 1024 (267 us) channels
+# per program (fewer waves of programs), and at 512: 2 stages (393 us) or 4 (272 us), the pre-split bf16 fn (318 us,
+# 1.5x its bytes), 128 registers (384 us: spills), 128 tokens x 8 warps (325 us: one program per SM), 64 x 32 tiles
+# of 8 warps (395 us), 32 x 32 tiles (350 us: mma v2, each warp recomputing), and the block's last program finishing
+# the step in the same launch (an acq_rel counter per token block; 321 us: 188 registers, and one program then
+# normalised 64 x D of h; removed).
 # The finishing pass alone: 28 us (4 x 256 tiles), 23 us with 4 x 1024 (tiles_fin_block_d; not yet timed in the op).
 # tiles_cat / tiles_cvt (one projection per tile over the 4 streams interleaved along K; y rounded two values per
 # instruction): compiled for sm_90 here (Triton 3.9) they take 902 instead of 980 instructions per tile, 6 barriers
-# instead of 24 and 128 registers (4 programs per SM), but are NOT yet run on the GPU: the benchmark sweep and
-# tests/test_kernels_mhc.py carry them for the next GPU run. The rest is GPU-tested on ragged shapes (2026-12-03).
+# instead of 24 and 128 registers (4 programs per SM). Timed on the H200 at 4096 tokens
+# (results/kernels-2026-12-03c.json, the same outputs as the default there): 231 us, 226 us with 128-channel chunks
+# and 4 stages, 221 us with 64 x 32 tiles and 2 stages (12 bytes of spills), against 257 us for the default in that
+# run. Their ragged-shape GPU tests (tests/test_kernels_mhc.py) did not finish in that session's device time, so the
+# default stays the tested tile.
 # The "wrong coefficients" that earlier GPU test runs showed for some non-default configs (in some runs, never y or h)
 # were a stale `split_weights` cache entry: it was keyed by data_ptr, which a test's fresh fn could share with a
 # freed one of the previous test. The cache now holds the tensor weakly and checks identity.

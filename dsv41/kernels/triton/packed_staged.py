@@ -25,13 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.triton.sparse_attn_kernel import (_ASM, _F16_TO_BF16, _P2_112, _P2_118, LAST,
+from dsv41.kernels.triton.sparse_attn_kernel import (_ASM, _E2M1_TO_E4M3, _F16_TO_BF16, _P2_112, _P2_118, LAST,
                                                      _e2m1_split, _e4m3_to_f32, _main_load, _main_split_tile,
                                                      _swa_load, _swa_split, _swa_split_tile, _ue8m0_to_f32)
 
 __all__ = ["stage_packed_rows", "STORES"]
 
-STORES = ("interleave", "split", "pairs")
+STORES = ("interleave", "pairs")
 
 # "pairs" store: each output is one 32-bit word = the bf16 pair (channel 2i, 2i+1), in memory order, decoded by PTX
 # without separating even and odd channels (sparse_attn_kernel's decoders, the E4M3 pair kept together):
@@ -56,15 +56,7 @@ fma.rn.bf16x2 $1, b, s1, z;
 _E2M1_PAIRS_ASM = tl.constexpr("""{
 .reg .b16 p0, p1, p2, p3;
 .reg .b32 t1, t2, A, B, C, E, r0, r1, r2, r3, s0, s1, s2, s3, t, z;
-shl.b32 t1, $4, 2;
-and.b32 t1, t1, 0x1C1C1C1C;
-shl.b32 t2, $4, 4;
-and.b32 t2, t2, 0x80808080;
-or.b32 A, t1, t2;
-shr.b32 t1, $4, 2;
-and.b32 t1, t1, 0x1C1C1C1C;
-and.b32 t2, $4, 0x80808080;
-or.b32 B, t1, t2;
+""" + _E2M1_TO_E4M3.format(x="$4") + """
 prmt.b32 C, A, B, 0x5140;
 prmt.b32 E, A, B, 0x7362;
 mov.b32 {p0, p1}, C;
@@ -131,7 +123,7 @@ def _stage_rows_kernel(ring_ptr, slot_ptr, win_ptr, main_ptr, table_ptr, topk_pt
         valid = r >= 0
         base = tl.load(slot_ptr + b).to(tl.int64) * W
         codes, sc_w = _swa_load(ring_ptr, base + tl.maximum(r, 0), valid, D, BLOCK_N, True)
-        if STORE == 2:
+        if STORE == 1:
             pairs = _swa_pairs(codes, sc_w, D, BLOCK_N, ASM)
         else:
             k_e, k_o = _swa_split_tile(codes, sc_w, D, BLOCK_N, True, ASM)
@@ -143,18 +135,14 @@ def _stage_rows_kernel(ring_ptr, slot_ptr, win_ptr, main_ptr, table_ptr, topk_pt
         e = tl.maximum(e, 0)
         page = tl.load(table_ptr + b * MP + e // P, mask=valid, other=0).to(tl.int64)
         byt, sc_m = _main_load(main_ptr, page * P + e % P, valid, D, BLOCK_N, True)
-        if STORE == 2:
+        if STORE == 1:
             pairs = _e2m1_pairs(byt, sc_m, D, BLOCK_N, ASM)
         else:
             k_e, k_o = _main_split_tile(byt, sc_m, D, BLOCK_N, True, ASM)
         j = KW + jk
-    if STORE == 2:      # channel pairs as 32-bit words
+    if STORE == 1:      # channel pairs as 32-bit words
         dst = rows_ptr.to(tl.pointer_type(tl.int32)) + (b * N + j)[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
         tl.store(dst, pairs, mask=inside[:, None])
-    elif STORE == 1:    # even and odd channels stored by two strided stores (no interleave in registers)
-        dst = rows_ptr + (b * N + j)[:, None] * D + 2 * tl.arange(0, D // 2)[None, :]
-        tl.store(dst, k_e, mask=inside[:, None])
-        tl.store(dst + 1, k_o, mask=inside[:, None])
     else:
         kv = tl.reshape(tl.interleave(k_e, k_o), (BLOCK_N, D))
         d = tl.arange(0, D)
@@ -164,12 +152,12 @@ def _stage_rows_kernel(ring_ptr, slot_ptr, win_ptr, main_ptr, table_ptr, topk_pt
 
 def stage_packed_rows(swa_ring: torch.Tensor, ring_slots: torch.Tensor, win_idx: torch.Tensor,
                       main_pages: torch.Tensor, page_table: torch.Tensor, topk_idx: torch.Tensor,
-                      block_n: int = 32, num_warps: int = 4,
+                      block_n: int = 16, num_warps: int = 4,
                       store: str = "interleave") -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1: (rows bf16 [B, KW+K, D], idx int32 [B, 1, KW+K]) of the decode list, -1 where a position is
     empty (its row is still written, as zeros, and never read). store: how the decoded tile reaches memory
-    (`STORES`: the even / odd halves interleaved in registers, two strided stores, or PTX-decoded channel pairs);
-    the same bytes every way."""
+    (`STORES`: the even / odd halves interleaved in registers, or PTX-decoded channel pairs); the same bytes either
+    way. (A third way, two strided stores of the halves, was 10x slower on the H200 and was dropped.)"""
     if store not in STORES:
         raise ValueError(f"stage_packed_rows: store must be one of {STORES}, got {store!r}")
     B, KW, K = win_idx.size(0), win_idx.size(1), topk_idx.size(1)

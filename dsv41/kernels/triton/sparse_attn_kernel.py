@@ -45,10 +45,12 @@ __all__ = ["sparse_attn_packed_triton", "sparse_attn_triton", "CONFIG", "DENSE_C
 # the dense kernel): at 64 heads x 512, 128 + 512 indices, 22 / 29 / 67 / 106 us at B = 1 / 16 / 64 / 128 against
 # 64 / 69 / 135 / 236 us for v2, the best fused kernel. Its block_h, block_n, num_warps, num_stages are the dense
 # kernel's (block_h 32 from `large_rows` rows on: 106 vs 131 us at B = 128, equal at 64; it spills ~30 bytes).
+# Stage 1 alone (results/kernels-2026-12-03c.json): tiles of 16 entries, 4 warps: 2.3 / 4.8 / 17.5 / 34.1 us at
+# B = 1 / 16 / 64 / 128 (32 entries: 3.1 / 5.7 / 20.9 / 39.8); the "pairs" store the same within 0.2 us.
 # v2 (V2_CONFIG) with block_h 32 (two head blocks, mma.sync) compiles without spills; block_h 64 (wgmma, each tile
 # decoded once) spills 400-600 bytes per thread: its fp32 [64, 512] accumulator alone takes 128 of 255 registers.
-CONFIG = {"impl": "staged", "stage_block_n": 32, "stage_num_warps": 4, "stage_store": "interleave", "block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2,
-          "large_rows": 64, "large_block_h": 32}
+CONFIG = {"impl": "staged", "stage_block_n": 16, "stage_num_warps": 4, "stage_store": "interleave",
+          "block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "large_rows": 64, "large_block_h": 32}
 V2_CONFIG = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 1, "sc3d": True}
 V1_CONFIG = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 1, "vec": True}
 DENSE_CONFIG = {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
@@ -273,6 +275,20 @@ and.b32 t, t, 0x0FFF0FFF;
 and.b32 {r}, {r}, 0x80008000;
 or.b32 {r}, {r}, t;"""
 
+# The E2M1 nibbles of a 32-bit word {x} as E4M3 bytes (the 3 magnitude bits under the E4M3 exponent / mantissa: the
+# value * 2^-6, exact; the sign to bit 7): A = the low nibbles (channels 2k), B = the high ones (2k+1), byte k of
+# each. Needs .reg .b32 t1, t2, A, B.
+_E2M1_TO_E4M3 = """
+shl.b32 t1, {x}, 2;
+and.b32 t1, t1, 0x1C1C1C1C;
+shl.b32 t2, {x}, 4;
+and.b32 t2, t2, 0x80808080;
+or.b32 A, t1, t2;
+shr.b32 t1, {x}, 2;
+and.b32 t1, t1, 0x1C1C1C1C;
+and.b32 t2, {x}, 0x80808080;
+or.b32 B, t1, t2;"""
+
 # uint16 element i = channels (2i, 2i+1) as E4M3 bytes (low, high); pack 2: $2 = two elements, $3 = their two bf16
 # scales; $0 = even channels (2i), $1 = odd channels (2i+1) as bf16x2.
 _SWA_ASM = tl.constexpr("""{
@@ -293,15 +309,7 @@ fma.rn.bf16x2 $1, o, $3, z;
 _E2M1_ASM = tl.constexpr("""{
 .reg .b16 a0, a1, b0, b1;
 .reg .b32 t1, t2, A, B, e0, e1, o0, o1, t, z;
-shl.b32 t1, $4, 2;
-and.b32 t1, t1, 0x1C1C1C1C;
-shl.b32 t2, $4, 4;
-and.b32 t2, t2, 0x80808080;
-or.b32 A, t1, t2;
-shr.b32 t1, $4, 2;
-and.b32 t1, t1, 0x1C1C1C1C;
-and.b32 t2, $4, 0x80808080;
-or.b32 B, t1, t2;
+""" + _E2M1_TO_E4M3.format(x="$4") + """
 mov.b32 {a0, a1}, A;
 mov.b32 {b0, b1}, B;
 cvt.rn.f16x2.e4m3x2 e0, a0;
