@@ -175,6 +175,18 @@ def _k_group(pages_ptr, rec, valid, kmul, qlo, qhi, g: tl.constexpr, I: tl.const
 
 
 @triton.jit
+def _q_scale(q_ptr, b, J, hj, jm, I: tl.constexpr):
+    """(2^c, c) for row b's queries: c = 14 - the unbiased exponent of max |q| (0 when q is all zero), so q * 2^c
+    is below 2^15 (fp16's range) with q's bits unchanged (a power of two)."""
+    d = tl.arange(0, I)
+    qf = tl.load(q_ptr + (b * J + hj[:, None]) * I + d[None, :], mask=jm[:, None], other=0.0).to(tl.float32)
+    qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
+    ex = (qmax.to(tl.int32, bitcast=True) >> 23) & 255              # biased exponent of max |q| (0: all zero)
+    cexp = tl.where(ex > 0, 141 - ex, 0)                            # c = 14 - (ex - 127)
+    return ((cexp + 127) << 23).to(tl.float32, bitcast=True), cexp  # 2^c
+
+
+@triton.jit
 def _indexer_v2_kernel(q_ptr, w_ptr, pages_ptr, table_ptr, ent_ptr, nvis_ptr, out_ptr, E, P, MP, tiles_per_prog, J,
                        I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, GATHER: tl.constexpr,
                        ASM: tl.constexpr, DOT16: tl.constexpr):
@@ -184,12 +196,7 @@ def _indexer_v2_kernel(q_ptr, w_ptr, pages_ptr, table_ptr, ent_ptr, nvis_ptr, ou
     pb = tl.program_id(1)
     hj = tl.arange(0, BLOCK_J)
     jm = hj < J
-    d = tl.arange(0, I)
-    qf = tl.load(q_ptr + (b * J + hj[:, None]) * I + d[None, :], mask=jm[:, None], other=0.0).to(tl.float32)
-    qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
-    ex = (qmax.to(tl.int32, bitcast=True) >> 23) & 255              # biased exponent of max |q| (0: all zero)
-    cexp = tl.where(ex > 0, 141 - ex, 0)                            # c = 14 - (ex - 127)
-    qs = ((cexp + 127) << 23).to(tl.float32, bitcast=True)          # 2^c
+    qs, cexp = _q_scale(q_ptr, b, J, hj, jm, I)
     kmul = ((133 - cexp) << 23).to(tl.float32, bitcast=True)        # 2^(6 - c)
     ql0 = _q_half(q_ptr, b, J, hj, jm, qs, 0, 0, I)
     qh0 = _q_half(q_ptr, b, J, hj, jm, qs, 0, 1, I)
@@ -329,12 +336,7 @@ def _indexer_v3_kernel(q_ptr, w_ptr, words_ptr, table_ptr, ent_ptr, nvis_ptr, ou
     pb = tl.program_id(1)
     hj = tl.arange(0, BLOCK_J)
     jm = hj < J
-    d = tl.arange(0, I)
-    qf = tl.load(q_ptr + (b * J + hj[:, None]) * I + d[None, :], mask=jm[:, None], other=0.0).to(tl.float32)
-    qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
-    ex = (qmax.to(tl.int32, bitcast=True) >> 23) & 255              # biased exponent of max |q| (0: all zero)
-    cexp = tl.where(ex > 0, 141 - ex, 0)                            # c = 14 - (ex - 127)
-    qs = ((cexp + 127) << 23).to(tl.float32, bitcast=True)          # 2^c
+    qs, cexp = _q_scale(q_ptr, b, J, hj, jm, I)
     fq = ((118 - cexp) << 23).to(tl.float32, bitcast=True)          # 2^(-9 - c)
     kmul = ((133 - cexp) << 23).to(tl.float32, bitcast=True)        # 2^(6 - c)
     # q^T [128, BJ] in the decode's channel order: row 8v + i holds channel 8v + (0, 2, 4, 6, 1, 3, 5, 7)[i]
