@@ -158,6 +158,16 @@ def _q_half(q_ptr, b, J, hj, jm, qs, g: tl.constexpr, odd: tl.constexpr, I: tl.c
 
 
 @triton.jit
+def _pair_dots(lo, hi, qlo, qhi, DOT16: tl.constexpr):
+    """lo @ qlo + hi @ qhi in fp32 (the even / odd channels of a group; fp16 operands, or fp32 in the interpreter)."""
+    if DOT16:
+        part = tl.dot(lo, qlo)
+        return tl.dot(hi, qhi, part)
+    part = tl.dot(lo.to(tl.float32), qlo.to(tl.float32))
+    return tl.dot(hi.to(tl.float32), qhi.to(tl.float32), part)
+
+
+@triton.jit
 def _k_group(pages_ptr, rec, valid, kmul, qlo, qhi, g: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr,
              DOT16: tl.constexpr):
     """Group g's scaled partial scores [BN, BJ] fp32 of the records at byte offsets rec [BN]."""
@@ -165,13 +175,7 @@ def _k_group(pages_ptr, rec, valid, kmul, qlo, qhi, g: tl.constexpr, I: tl.const
     byt = tl.load(pages_ptr + rec[:, None] + 16 * g + c[None, :], mask=valid[:, None], other=0)
     sb = tl.load(pages_ptr + rec + I // 2 + g, mask=valid, other=0).to(tl.int32)
     lo, hi = _e2m1_f16(byt, ASM)
-    if DOT16:
-        part = tl.dot(lo, qlo)
-        part = tl.dot(hi, qhi, part)
-    else:
-        part = tl.dot(lo.to(tl.float32), qlo.to(tl.float32))
-        part = tl.dot(hi.to(tl.float32), qhi.to(tl.float32), part)
-    return part * (_ue8m0_to_f32(sb) * kmul)[:, None]
+    return _pair_dots(lo, hi, qlo, qhi, DOT16) * (_ue8m0_to_f32(sb) * kmul)[:, None]
 
 
 @triton.jit
@@ -433,13 +437,7 @@ def _v3_exact_tile(q_ptr, words_ptr, table_ptr, ent_ptr, b, t, E, MP, nv, J, hj,
         lo, hi = _e2m1_f16(byt, ASM)
         qlo = _q_half(q_ptr, b, J, hj, jm, qs, g, 0, 128)
         qhi = _q_half(q_ptr, b, J, hj, jm, qs, g, 1, 128)
-        if DOT16:
-            part = tl.dot(lo, qlo)
-            part = tl.dot(hi, qhi, part)
-        else:
-            part = tl.dot(lo.to(tl.float32), qlo.to(tl.float32))
-            part = tl.dot(hi.to(tl.float32), qhi.to(tl.float32), part)
-        part = part * _ue8m0_to_f32(sb)[:, None]
+        part = _pair_dots(lo, hi, qlo, qhi, DOT16) * _ue8m0_to_f32(sb)[:, None]
         if g == 0:
             s = part
         else:
