@@ -307,10 +307,12 @@ class Attention(QuantSite):
         kv = apply_rope(self.kv_norm(self.wkv(u)), freqs)
         return qdq_fp8(kv) if self.quant else kv
 
-    def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """Inverse RoPE at the query positions, grouped wo_a (block diagonal), wo_b (MODEL.md 3.9)."""
+    def output(self, o: torch.Tensor, freqs: torch.Tensor, conj_freqs: torch.Tensor | None = None) -> torch.Tensor:
+        """Inverse RoPE at the query positions, grouped wo_a (block diagonal), wo_b (MODEL.md 3.9). conj_freqs: the
+        conjugate of freqs, materialised once by a caller that runs many layers (the same rotation)."""
         B, T = o.shape[:2]
-        o = apply_rope(o, freqs, inverse=True).reshape(B, T, self.n_groups, -1)
+        o = (apply_rope(o, freqs, inverse=True) if conj_freqs is None else apply_rope(o, conj_freqs))
+        o = o.reshape(B, T, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         o = torch.einsum("btgd,grd->btgr", o.to(wo_a.dtype), wo_a)
         return self.wo_b(o.flatten(2))

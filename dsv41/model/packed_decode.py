@@ -35,10 +35,13 @@ def _selection(attn, u, qr, freqs, ctx) -> torch.Tensor:
     read (their top-k source, their candidate pool as block ids)."""
     role, m, cache = attn.role, attn.role.ratio, ctx.cache
     B = u.size(0)
-    n_vis = (ctx.start + 1) // m
-    n_max = int(n_vis.max())
     if not role.is_index_source:
         return ctx.published[("topk-packed", role.topk_from)]
+    key = ("n-vis", m)                                  # entries visible to each row, shared by the step's layers
+    if key not in ctx.published:
+        n_vis = (ctx.start + 1) // m
+        ctx.published[key] = (int(n_vis.max()), h2d(n_vis, u.device))
+    n_max, n_vis = ctx.published[key]
     if n_max == 0:
         idx, pool = torch.empty(B, 0, dtype=torch.int32, device=u.device), None
         if role.is_candidate_source:
@@ -50,7 +53,7 @@ def _selection(attn, u, qr, freqs, ctx) -> torch.Tensor:
         w = (ix.weights_proj(u) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))[:, 0]  # [B,J]
         pages, table = cache.packed_pages(role.kv_from, "index")
         cand = ctx.published[("pool", role.candidates_from)] if role.uses_candidates else None
-        idx, pool = indexer_topk_packed(qi, w, pages, table, h2d(n_vis, u.device), ix.topk, cand,
+        idx, pool = indexer_topk_packed(qi, w, pages, table, n_vis, ix.topk, cand,
                                         ix.cand_blocks if role.is_candidate_source else 0, ix.cand_size,
                                         ix.ties, n_max=n_max)
     if role.is_candidate_source:
@@ -86,4 +89,7 @@ def attention_decode_packed(attn, u: torch.Tensor, ctx) -> torch.Tensor:
         main, table = cache.packed_pages(None, "main")
     ring, slots = cache.packed_ring(L)
     o = sparse_attn_packed(q[:, 0], ring, slots, win, main, table, topk, attn.attn_sink, attn.softmax_scale)
-    return attn.output(o.unsqueeze(1), freqs)
+    key = ("rope-conj", id(attn.rope.inv_freq))
+    if key not in memo:
+        memo[key] = freqs.conj().resolve_conj()
+    return attn.output(o.unsqueeze(1), freqs, memo[key])
