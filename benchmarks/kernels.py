@@ -226,17 +226,23 @@ def moe_rows(rows, sweeps, Ns=(1, 16, 64), D=5120, F=2304, E=16, K=6):
     """The MoE layer's experts at the v41-geometry shape (D 5120, F 2304, 16 routed experts, 6 active + shared):
     the fused op (moe_experts_triton, graph-timed) against the model's module loop (what ran before: cuBLAS
     GEMMs and the Triton QDQ / SwiGLU per active expert, one host sync per layer; timed eagerly)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from test_kernels_moe import loop, make_moe
+    import dataclasses
+    from dsv41.config import load_config
     from dsv41.kernels.triton import moe_experts_triton
-    moe = make_moe(True, D, F, E, K, device=DEV)
+    from dsv41.model.moe import MoE
+    cfg = dataclasses.replace(load_config("v41-geometry"), dim=D, moe_inter_dim=F, n_routed_experts=E,
+                              n_activated_experts=K)
+    torch.manual_seed(0)
+    moe = MoE(cfg, layer_id=5, dtype=torch.bfloat16).to(DEV).requires_grad_(False)
+    for p in moe.parameters():                          # random weights (quantization flags on, as the model)
+        torch.nn.init.normal_(p, std=D ** -0.5) if p.dim() == 2 else torch.nn.init.normal_(p, std=0.1)
     w = moe.fused_weights()
     for N in Ns:
         x = torch.randn(N, D, device=DEV).bfloat16() * 3
         with torch.no_grad():
             weights, indices, _ = moe.gate(x)
-            ref = loop(moe, x, indices, weights)
-            t_ref = bench(lambda: loop(moe, x, indices, weights), rep=30)
+            ref = moe.module_loop(x, indices, weights)
+            t_ref = bench(lambda: moe.module_loop(x, indices, weights), rep=30)
             t, cfg, err = sweep(f"moe_experts N={N}", lambda **c: moe_experts_triton(
                 x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:], **c), ref, MOE_CONFIGS, sweeps,
                 'moe_up')

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv41.config import load_config
-from dsv41.kernels import moe_combine, moe_experts, moe_experts_ref
+from dsv41.kernels import moe_experts, moe_experts_ref
 from dsv41.model.common import set_quantization
 from dsv41.model.moe import MoE
 
@@ -25,10 +25,6 @@ def make_moe(quant=True, dim=64, inter=64, experts=6, topk=3, dtype=torch.bfloat
     return moe.to(device).requires_grad_(False)
 
 
-def loop(moe, x, indices, weights):
-    return moe_combine(x, indices, weights, moe.n_experts, lambda e, xe, w: moe.experts[e](xe, w), moe.shared_experts)
-
-
 @pytest.mark.parametrize("quant", [True, False])
 @pytest.mark.parametrize("n", [1, 5, 40])
 def test_moe_experts_ref_is_the_module_loop(quant, n):
@@ -38,7 +34,7 @@ def test_moe_experts_ref_is_the_module_loop(quant, n):
     w = moe.fused_weights()
     assert w is not None and w[3] == quant and w[4] == quant
     ref = moe_experts_ref(x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:])
-    assert torch.equal(ref, loop(moe, x, indices, weights))
+    assert torch.equal(ref, moe.module_loop(x, indices, weights))
     assert torch.equal(moe(x.view(1, n, -1)).view(n, -1), ref)                  # CPU: the module loop
     assert torch.equal(moe_experts(x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:]), ref)
 
@@ -85,9 +81,9 @@ def test_moe_decode_uses_the_op_on_cuda():
     with torch.no_grad():
         fused = moe(x)
         weights, indices = moe.last_route[1].view(4, -1), moe.last_route[0].view(4, -1)
-        ref = loop(moe, x.view(4, -1), indices, weights).view_as(fused)
+        ref = moe.module_loop(x.view(4, -1), indices, weights).view_as(fused)
     assert rel_err(fused, ref) < 2e-2
     big = torch.randn(1, MoE.FUSED_MAX_TOKENS + 1, 256, device="cuda").bfloat16()
     with torch.no_grad():                                                      # above the cut: the module loop
         weights, indices, _ = moe.gate(big.view(-1, 256))
-        assert torch.equal(moe(big).view(-1, 256), loop(moe, big.view(-1, 256), indices, weights))
+        assert torch.equal(moe(big).view(-1, 256), moe.module_loop(big.view(-1, 256), indices, weights))

@@ -123,6 +123,10 @@ class MoE(nn.Module):
         if fused is not None:
             y = moe_experts(x, indices, weights, *fused[:3], self.shared_experts.limit, *fused[3:])
         else:
-            y = moe_combine(x, indices, weights, self.n_experts, lambda e, xe, w: self.experts[e](xe, w),
-                            self.shared_experts)
+            y = self.module_loop(x, indices, weights)
         return y.view(shape)
+
+    def module_loop(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The experts through their own modules (any hooks, quantization flags, batch size): x [N,D] -> [N,D]."""
+        return moe_combine(x, indices, weights, self.n_experts, lambda e, xe, w: self.experts[e](xe, w),
+                           self.shared_experts)
