@@ -177,9 +177,9 @@ INDEX_CONFIGS = [dict(impl="v2", block_n=64, num_warps=4), dict(impl="v2", block
                  dict(impl="v3", block_n=128, num_warps=8, tiles_per_program=16),
                  dict(impl="v3pipe", block_n=64, num_warps=4, num_stages=3),
                  dict(impl="v3pipe", block_n=64, num_warps=4, num_stages=4, tiles_per_program=16)]
-# mHC: the tiled path's default tile (MHC_T), and with one projection per tile over the 4 streams and paired y
-# rounding (MHC_CC, untimed before this sweep).
-MHC_T = dict(impl="tiles", block_t=64, block_d=16, num_warps=4, num_stages=3)
+# mHC: the tiled path's first tile (MHC_T, the default until session 5), and with one projection per tile over the 4
+# streams and paired y rounding (MHC_CC); the default now is MHC_CC on 64 x 32 tiles with 2 stages (the last entry).
+MHC_T = dict(impl="tiles", block_t=64, block_d=16, num_warps=4, num_stages=3, tiles_cat=False, tiles_cvt=False)
 MHC_CC = dict(MHC_T, tiles_cat=True, tiles_cvt=True)
 MHC_CONFIGS = [dict(impl="fused", block_t=32, block_d=128, num_warps=8), dict(MHC_T), dict(MHC_T, tiles_chunk=128),
                dict(MHC_T, tiles_fin_block_d=1024), dict(MHC_T, tiles_cat=True), dict(MHC_CC),

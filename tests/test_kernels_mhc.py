@@ -136,7 +136,8 @@ def test_mhc_split_weights_cache_is_per_tensor():
 # tile over the 4 streams (cat), the copy-then-round of y against the packed rounding (cvt), chunks of one tile and
 # of several (pipelined), wider finishing tiles, 128-token blocks, capped registers.
 _CC = dict(tiles_cat=True, tiles_cvt=True)
-MHC_TILES_VARIANTS = [dict(), dict(tiles_wf32=False), dict(tiles_chunk=16, tiles_num_stages=1),
+_OLD = dict(tiles_cat=False, tiles_cvt=False, tiles_block_d=16, tiles_num_stages=3)   # the default until session 5
+MHC_TILES_VARIANTS = [dict(), dict(_OLD), dict(tiles_wf32=False), dict(tiles_chunk=16, tiles_num_stages=1),
                       dict(tiles_chunk=128), dict(tiles_chunk=512, tiles_num_stages=4),
                       dict(tiles_fin_block_d=1024),
                       dict(tiles_fin_block_t=8, tiles_fin_block_d=512, tiles_fin_stages=2),

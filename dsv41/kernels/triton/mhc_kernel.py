@@ -60,14 +60,15 @@ __all__ = ["mhc_fused_triton", "split_weights", "CONFIG"]
 # instead of 24 and 128 registers (4 programs per SM). Timed on the H200 at 4096 tokens
 # (results/kernels-2026-12-03c.json, the same outputs as the default there): 231 us, 226 us with 128-channel chunks
 # and 4 stages, 221 us with 64 x 32 tiles and 2 stages (12 bytes of spills), against 257 us for the default in that
-# run. Their ragged-shape GPU tests (tests/test_kernels_mhc.py) did not finish in that session's device time, so the
-# default stays the tested tile.
+# run. Their ragged-shape GPU tests (tests/test_kernels_mhc.py, every MHC_TILES_VARIANTS entry at 4 shapes) passed
+# on the H200 in session 5 (results/gpu_tests-2026-12-04.txt), so the fastest of them, cat + cvt on 64 x 32 tiles
+# with 2 stages, is now the default; the earlier default (16-channel tiles, 3 stages, neither) stays a tested variant.
 # The "wrong coefficients" that earlier GPU test runs showed for some non-default configs (in some runs, never y or h)
 # were a stale `split_weights` cache entry: it was keyed by data_ptr, which a test's fresh fn could share with a
 # freed one of the previous test. The cache now holds the tensor weakly and checks identity.
 CONFIG = {"block_t": 32, "block_d": 64, "num_warps": 8, "num_stages": 1, "nsplit": 3, "split_max_tokens": 64,
-          "split_block_d": 256, "large_impl": "tiles", "tiles_block_t": 64, "tiles_block_d": 16, "tiles_num_warps": 4,
-          "tiles_chunk": 256, "tiles_num_stages": 3, "tiles_wf32": True, "tiles_cat": False, "tiles_cvt": False,
+          "split_block_d": 256, "large_impl": "tiles", "tiles_block_t": 64, "tiles_block_d": 32, "tiles_num_warps": 4,
+          "tiles_chunk": 256, "tiles_num_stages": 2, "tiles_wf32": True, "tiles_cat": True, "tiles_cvt": True,
           "tiles_fin_block_t": 4, "tiles_fin_block_d": 256, "tiles_fin_stages": 1, "tiles_maxnreg": None}
 MP = 32
 
