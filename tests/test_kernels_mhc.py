@@ -135,18 +135,18 @@ def test_mhc_split_weights_cache_is_per_tensor():
 # the fp32 fn split in registers against the pre-split bf16 terms (wf32), the per-stream projections against one per
 # tile over the 4 streams (cat), the copy-then-round of y against the packed rounding (cvt), chunks of one tile and
 # of several (pipelined), wider finishing tiles, 128-token blocks, capped registers.
-_CC = dict(tiles_cat=True, tiles_cvt=True)
 _OLD = dict(tiles_cat=False, tiles_cvt=False, tiles_block_d=16, tiles_num_stages=3)   # the default until session 5
-MHC_TILES_VARIANTS = [dict(), dict(_OLD), dict(tiles_wf32=False), dict(tiles_chunk=16, tiles_num_stages=1),
-                      dict(tiles_chunk=128), dict(tiles_chunk=512, tiles_num_stages=4),
-                      dict(tiles_fin_block_d=1024),
-                      dict(tiles_fin_block_t=8, tiles_fin_block_d=512, tiles_fin_stages=2),
-                      dict(tiles_block_t=128, tiles_num_warps=8, tiles_chunk=1024),
-                      dict(tiles_block_d=32, tiles_maxnreg=128, tiles_num_stages=2),
-                      dict(tiles_cat=True), dict(_CC), dict(_CC, tiles_wf32=False), dict(_CC, tiles_chunk=64),
+_CC = dict(_OLD, tiles_cat=True, tiles_cvt=True)
+MHC_TILES_VARIANTS = [dict(), dict(_OLD), dict(_OLD, tiles_wf32=False), dict(_OLD, tiles_chunk=16, tiles_num_stages=1),
+                      dict(_OLD, tiles_chunk=128), dict(_OLD, tiles_chunk=512, tiles_num_stages=4),
+                      dict(_OLD, tiles_fin_block_d=1024),
+                      dict(_OLD, tiles_fin_block_t=8, tiles_fin_block_d=512, tiles_fin_stages=2),
+                      dict(_OLD, tiles_block_t=128, tiles_num_warps=8, tiles_chunk=1024),
+                      dict(_OLD, tiles_block_d=32, tiles_maxnreg=128, tiles_num_stages=2),
+                      dict(_OLD, tiles_cat=True), dict(_CC), dict(_CC, tiles_wf32=False), dict(_CC, tiles_chunk=64),
                       dict(_CC, tiles_chunk=128, tiles_num_stages=4), dict(_CC, tiles_block_t=128, tiles_num_warps=8),
                       dict(_CC, tiles_block_t=128, tiles_num_warps=8, tiles_maxnreg=128),
-                      dict(_CC, tiles_block_d=32, tiles_num_stages=2)]
+                      dict(_CC, tiles_block_d=32, tiles_num_stages=2)]   # = the default (dict())
 
 
 @pytest.mark.gpu

@@ -45,8 +45,8 @@ __all__ = ["mhc_fused_triton", "split_weights", "CONFIG"]
 
 # Fused path: block_t 32 / block_d 64 / 8 warps (176 registers, no spills). Tiled path (the default above
 # split_max_tokens; its present CONFIG, cat + cvt below, takes 220.4 us at 4096 tokens and 834.8 us at 16384,
-# results/kernels-mhc-2026-12-04.json). Its first tile: 64 tokens x 16 channels per tile, 4 warps, 256 channels per program (tiles_chunk), loop pipelined
-# 3 deep (tiles_num_stages), fn split in registers (tiles_wf32): 254 us at 4096 tokens, 892 us at 16384 (152
+# results/kernels-mhc-2026-12-04.json). Its first tile: 64 tokens x 16 channels per tile, 4 warps, 256 channels per
+# program (tiles_chunk), loop pipelined 3 deep (tiles_num_stages), fn split in registers (tiles_wf32): 254 us at 4096 tokens, 892 us at 16384 (152
 # registers, no spills; results/kernels-mhc-2026-12-03b.json) against 353 / 1356 us for the previous tiled kernel (one
 # 16 x 128 tile per program, pre-split bf16 fn; 255 registers and spills compiled for sm_90 by Triton 3.9 here) and
 # 519 us for the best fused config. Measured there and slower at 4096 tokens: 512 (268 us) or 1024 (267 us) channels
