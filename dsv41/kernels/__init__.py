@@ -4,6 +4,8 @@
   packed_ref.py  references over the engine's packed store: sparse_attn_packed_ref (decode: FP8 ring + FP4 pages),
                  indexer_scores_packed_ref / indexer_topk_packed_ref (decode indexer, MXFP4 keys, candidate pool)
   mhc_ref.py     mhc_fused_ref: one mHC step between sub-layers (hc_post, next hc_mixes, lagged hc_pre + RMSNorm)
+  gemm_ref.py    block_scaled_linear_ref: the fp8 / fp4-weight GEMM in the official summation order (per 32-wide K
+                 block, blocks accumulated in K order)
   moe_ref.py     moe_experts_ref: a MoE layer's routed + shared experts over their weights (and the summation
                  `moe_combine`, expert_act_ref: the expert's SwiGLU middle, shared with the model's module loop)
   (codecs)       the references of qdq_fp8 and pack_swa_kv are the codecs themselves (MODEL.md 3.3)
@@ -18,6 +20,7 @@ The public ops below dispatch through the switch; the model imports them from he
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dsv41.codecs import pack_swa_kv as _pack_swa_kv_codec
 from dsv41.codecs import qdq_fp8 as qdq_fp8_ref
@@ -32,6 +35,7 @@ from dsv41.kernels.packed_ref import (
     pool_entries,
     sparse_attn_packed_ref,
 )
+from dsv41.kernels.gemm_ref import block_scaled_linear_ref
 from dsv41.kernels.mhc_ref import mhc_fused_ref
 from dsv41.kernels.moe_ref import expert_act_ref, moe_combine, moe_experts_ref
 from dsv41.kernels.ref import sparse_attn_ref
@@ -45,8 +49,20 @@ __all__ = [
     "decode_window_rows", "page_table_of", "pool_entries", "candidate_pool", "indexer_select",
     "mhc_fused", "mhc_fused_ref", "qdq_fp8", "qdq_fp8_ref",
     "pack_swa_kv", "pack_swa_kv_ref", "expert_act", "expert_act_ref",
-    "moe_experts", "moe_experts_ref", "moe_combine",
+    "moe_experts", "moe_experts_ref", "moe_combine", "quant_linear", "block_scaled_linear_ref",
 ]
+
+
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 training: bool = False) -> torch.Tensor:
+    """x W^T (+ bias) for a weight of a quantized checkpoint kind (fp8 / fp4), x already FP8 QDQ'd.
+
+    CPU: `block_scaled_linear_ref`, the official summation order (bit-identical to the official code on the same
+    machine). CUDA tensors: one cuBLAS GEMM (its own order; the GPU tolerance is measured). A module in training
+    mode with autograd recording: one F.linear too (the order is not part of what is learned; 2-5x faster)."""
+    if x.is_cuda or (training and torch.is_grad_enabled()):
+        return F.linear(x.to(weight.dtype), weight, bias)
+    return block_scaled_linear_ref(x, weight, bias)
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,

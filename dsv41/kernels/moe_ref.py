@@ -7,7 +7,8 @@ accumulate in fp32 in ascending expert id (each token's experts are distinct, so
 0 + o_e1 + o_e2 + ... with e1 < e2 < ...), the shared expert last, cast to x's dtype.
 `moe_experts_ref` is `dsv41.model.moe.Expert` written on its weights, for experts whose Linears agree on the
 activation QDQ: x QDQ'd once for w1 and w3 (quant_in), gate and up rounded to the weights' dtype by the Linear,
-`expert_act_ref` (clamped SwiGLU, routing weight, cast, w2's QDQ when quant_mid), w2.
+`expert_act_ref` (clamped SwiGLU, routing weight, cast, w2's QDQ when quant_mid), w2; the GEMMs behind a QDQ
+sum in the official block order (`block_scaled_linear_ref`), as the model's Linears do on the CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv41.codecs import qdq_fp8 as qdq_fp8_ref
+from dsv41.kernels.gemm_ref import block_scaled_linear_ref
 
 __all__ = ["moe_combine", "moe_experts_ref", "expert_act_ref"]
 
@@ -67,10 +69,13 @@ def moe_experts_ref(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tenso
     w1 and w3 / of w2."""
     xq = qdq_fp8_ref(x) if quant_in else x
 
+    def lin(a: torch.Tensor, weight: torch.Tensor, quantized: bool) -> torch.Tensor:
+        return block_scaled_linear_ref(a, weight) if quantized else F.linear(a.to(weight.dtype), weight)
+
     def run(e: int, xe: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-        gate, up = F.linear(xe.to(w1[e].dtype), w1[e]), F.linear(xe.to(w3[e].dtype), w3[e])
+        gate, up = lin(xe, w1[e], quant_in), lin(xe, w3[e], quant_in)
         h = expert_act_ref(gate, up, w, limit, quant_mid, x.dtype)
-        return F.linear(h.to(w2[e].dtype), w2[e])
+        return lin(h, w2[e], quant_mid)
 
     E = len(w1) - 1
     return moe_combine(xq, indices, weights, E, run, lambda xe: run(E, xe, None))

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.kernels import qdq_fp8
+from dsv41.kernels import qdq_fp8, quant_linear
 
 # Checkpoint storage kinds of a Linear weight (MODEL.md 9). Quantized kinds quantize their activation to FP8
 # (per 32 along K, ue8m0 scales) before the matmul; the weight itself is held dequantized (exact in bf16).
@@ -55,8 +55,9 @@ class RMSNorm(nn.Module):
 class Linear(QuantSite):
     """y = x W^T. `kind` is the checkpoint storage (fp8 / fp4 / bf16 / fp32).
 
-    Quantized kinds compute (QDQ_fp8 a) . (dequant W)^T with fp32 accumulation, which is what the official
-    block-scaled GEMM computes up to summation order (MODEL.md 9)."""
+    Quantized kinds compute (QDQ_fp8 a) . (dequant W)^T with fp32 accumulation in the official block-scaled
+    GEMM's summation order (`dsv41.kernels.quant_linear`, MODEL.md 9); bf16 / fp32 kinds (and quantized kinds with
+    the QDQ switched off) are one plain matmul."""
 
     def __init__(self, in_features: int, out_features: int, kind: str = "fp8", dtype: torch.dtype | None = None,
                  bias: bool = False):
@@ -72,9 +73,11 @@ class Linear(QuantSite):
 
     def forward(self, x: torch.Tensor, input_quantized: bool = False) -> torch.Tensor:
         """input_quantized: x is already `qdq_fp8`'d (a caller feeding one input to several Linears)."""
-        if self.quantizes_input and not input_quantized:
+        if not self.quantizes_input:
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        if not input_quantized:
             x = qdq_fp8(x)
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        return quant_linear(x, self.weight, self.bias, self.training)
 
 
 # ------------------------------------------------------------------------------------------------ RoPE
