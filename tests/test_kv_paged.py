@@ -22,6 +22,7 @@ from dsv41.kv.accounting import bench_kv, fill_random
 from dsv41.model.cache import DenseCache, cache_spec
 from dsv41.model.common import set_quantization
 from dsv41.model.init import random_model
+from dsv41.model.step import ForwardOptions
 
 PRESETS = ["debug", "tiny", "v41-flash", "v41-geometry"]
 
@@ -119,8 +120,8 @@ def test_rebinding_every_step_and_official_decode_artifact(debug_models):
             assert torch.equal(m(ids[:, c0:c1], dense).logits, m(ids[:, c0:c1], pool.bind(sids)).logits)
         nxt = torch.tensor([1, 2])
         for _ in range(3):
-            a = m(nxt.unsqueeze(1), dense, official_decode_artifact=True).logits
-            b = m(nxt.unsqueeze(1), pool.bind(sids), official_decode_artifact=True).logits
+            a = m(nxt.unsqueeze(1), dense, opts=ForwardOptions(official_decode_artifact=True)).logits
+            b = m(nxt.unsqueeze(1), pool.bind(sids), opts=ForwardOptions(official_decode_artifact=True)).logits
             assert torch.equal(a, b)
             nxt = a[:, -1].argmax(-1)
     assert_store_equals_dense(pool.bind(sids), dense)

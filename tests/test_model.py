@@ -22,6 +22,7 @@ from dsv41.model.init import random_model
 from tests.conftest import continuous_model, rel
 from dsv41.model.loading import load_model, read_tensors, representable, save_checkpoint, write_official
 from dsv41.model.runner import captures_from_record, compare_captures, run_teacher_forced
+from dsv41.model.step import ForwardOptions
 from dsv41.model.transformer import Transformer
 
 
@@ -90,7 +91,7 @@ def test_chunked_prefill_teacher_forced_with_quantization():
     ids = tokens(cfg, 1, 40, seed=2)
     rec = {}
     with torch.no_grad():
-        out = m(ids, DenseCache(cfg, 1, torch.float32), record=rec)
+        out = m(ids, DenseCache(cfg, 1, torch.float32), opts=ForwardOptions(record=rec))
     ref = captures_from_record(rec, m, ids, out.logits)
     ours = run_teacher_forced(m, ref, prompt_chunks=[9, 1, 17, 13])
     rep = compare_captures(ours, ref)

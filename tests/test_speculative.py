@@ -22,6 +22,7 @@ from dsv41.engine.store import make_pool
 from dsv41.model.attention import set_tie_break
 from dsv41.model.common import set_quantization
 from dsv41.model.init import random_model
+from dsv41.model.step import ForwardOptions
 from tests.conftest import continuous_model
 
 FLAT = StepProfile([1, 1000], [1.0, 1.0])
@@ -204,7 +205,7 @@ def test_rejected_tokens_leave_no_trace_in_packed_store(one_thread):
                     ids[:, keep:] = torch.randint(0, cfg.vocab_size, (1, T - keep),
                                                   generator=torch.Generator().manual_seed(junk_seed))
                     j = VerifyJournal(m, view, view.pos.clone(), T)
-                    m(ids, view, journal=j.model_journal)
+                    m(ids, view, opts=ForwardOptions(journal=j.model_journal))
                     j.rollback(m, view, ids, torch.tensor([keep]))
                     states.append(_snapshot(pool, sid))
                     nexts.append(m(torch.tensor([[5, 6]]), pool.bind([sid])).logits)

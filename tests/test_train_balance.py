@@ -1,6 +1,6 @@
 """Guards aux-loss-free balancing (SYSTEM.md 6): the bias moves against the load (overloaded experts down,
-underloaded up), text and image biases follow their own modality's load only, and the balancer reads the
-routes the MoE recorded."""
+underloaded up), text and image biases follow their own modality's load only, and the balancer counts the
+routes the model's gates returned in a forward (split by the image mask they routed with)."""
 
 from __future__ import annotations
 
@@ -39,10 +39,7 @@ def test_text_and_image_biases_follow_their_own_load():
     # text tokens all pick expert 0 (+1), image tokens all pick expert E-1 (+E-2)
     idx = torch.tensor([[[0, 1], [0, 1], [E - 1, E - 2]]])
     image = torch.tensor([[False, False, True]])
-    for _, m in bal.moes:
-        m.last_route = None
-    moe.last_route = (idx, torch.ones(idx.shape))
-    bal.observe(image)
+    bal.count(name, idx, image)
     rep = bal.step()
     b, bv = moe.gate.bias, moe.gate.bias_vl
     assert b[0] < 0 and b[1] < 0 and torch.all(b[2:] > 0)
@@ -50,8 +47,7 @@ def test_text_and_image_biases_follow_their_own_load():
     assert rep["maxvio"] > 0
     # a text-only step leaves the image bias alone
     before = bv.clone()
-    moe.last_route = (idx[:, :2], torch.ones(1, 2, 2))
-    bal.observe(None)
+    bal.count(name, idx[:, :2])
     bal.step()
     assert torch.equal(bv, before)
 
@@ -71,3 +67,22 @@ def test_balancer_reads_model_routes():
     before = [m.gate.bias.clone() for _, m in bal.moes]
     bal.step()
     assert all(not torch.equal(b, m.gate.bias) for b, (_, m) in zip(before, bal.moes))
+
+
+def test_balancer_splits_model_routes_by_modality():
+    cfg = load_config("debug")
+    model = random_model(cfg)
+    from dsv41.model.cache import DenseCache
+    from dsv41.model.step import ForwardOptions
+    bal = LoadBalancer(model, prefix="layers.")
+    ids = torch.randint(3, 500, (1, 12))
+    types = torch.full((1, 12), -1)
+    types[0, 4:9] = 0                                            # 5 image-span tokens
+    with torch.no_grad():
+        model(ids, DenseCache(cfg, 1, torch.float32), opts=ForwardOptions(token_types=types))
+    bal.observe()
+    k = cfg.n_activated_experts
+    assert sum(float(v["image"].sum()) for v in bal.loads.values()) == cfg.n_layers * 5 * k
+    assert sum(float(v["text"].sum()) for v in bal.loads.values()) == cfg.n_layers * 7 * k
+    bal.observe()                                                # nothing new ran: nothing more is counted
+    assert sum(float(v["text"].sum()) for v in bal.loads.values()) == cfg.n_layers * 7 * k

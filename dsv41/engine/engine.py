@@ -22,6 +22,7 @@ from dsv41.engine.sampling import SamplingParams, make_generator, sample_token, 
 from dsv41.engine.speculative import (AcceptanceCalibration, DSparkDrafter, MeasuredCost, Speculation, VerifyJournal,
                                       accept_drafts, choose_verify_lengths)
 from dsv41.engine.store import make_pool
+from dsv41.model.step import ForwardOptions
 
 
 @dataclass
@@ -262,7 +263,7 @@ class Engine:
         V = self._verify_length(prop, caps)
         ids = torch.cat([pending.view(-1, 1), prop.tokens[:, :V]], dim=1).to(self.device)
         journal = VerifyJournal(self.model, view, pos, 1 + V)
-        out = self.model(ids, view, journal=journal.model_journal)
+        out = self.model(ids, view, opts=ForwardOptions(journal=journal.model_journal))
         keep = []
         for b, s in enumerate(live):
             v = min(V, caps[b])

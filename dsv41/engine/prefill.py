@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv41.config import ced_split
-from dsv41.model.attention import StepContext
-from dsv41.model.mhc import hc_pre, identity_pre_mix
+from dsv41.config import ced_split, layer_roles
+from dsv41.model.mhc import hc_pre
+from dsv41.model.step import ForwardOptions, Publications, StepContext
 
 MODES = ("full", "ced-exact", "ced-bounded")
 
@@ -48,7 +48,6 @@ def check_ced(cfg) -> int:
     split = ced_split(cfg)
     if split is None:
         raise ValueError("config has no KV source layers, so no causal encoder-decoder split: use prefill mode 'full'")
-    from dsv41.config import layer_roles
     for r in layer_roles(cfg)[split:]:
         for src in (r.kv_from, r.topk_from, r.candidates_from):
             if src is not None and src < split:
@@ -66,11 +65,6 @@ def decoder_rows(cfg, mode: str, n_prompt: int) -> list[int]:
     if mode == "ced-exact":
         return [min(n_prompt, W + (D - 1 - k) * (W - 1)) for k in range(D)]
     raise ValueError(f"prefill mode {mode!r} has no decoder segment")
-
-
-def _taps(model, L: int, h: torch.Tensor, taps: dict) -> None:
-    if model.cfg.dspark_enabled and L in model.cfg.dspark_target_layer_ids:
-        taps[L] = h.mean(dim=2)
 
 
 @torch.no_grad()
@@ -116,8 +110,8 @@ def _prefill_full(model, ids, cache, chunk, artifact, replay=0, floor=None) -> P
     W = cfg.window_size
     for lo, hi, produce in _chunks(N, chunk, replay):
         start = cache.pos.clone()
-        out = model(ids[:, lo:hi], cache, last_only=True, official_decode_artifact=artifact, window_floor=floor,
-                    produce_kv=produce)
+        opts = ForwardOptions(official_decode_artifact=artifact, window_floor=floor, produce_kv=produce)
+        out = model(ids[:, lo:hi], cache, opts=opts, last_only=True)
         if out.main_hidden is not None:
             taps.append(out.main_hidden)
             tap_start = start if tap_start is None else tap_start
@@ -132,64 +126,27 @@ def _prefill_full(model, ids, cache, chunk, artifact, replay=0, floor=None) -> P
 def _prefill_ced(model, ids, cache, mode, chunk, artifact, replay=0, floor=None, rings_valid=False) -> PrefillOut:
     cfg = model.cfg
     split = check_ced(cfg)
-    B, N = ids.size(0), ids.size(1)
+    N = ids.size(1)
     seg_rows = decoder_rows(cfg, mode, N)
-    R0 = seg_rows[0]
-    rows = {L: N for L in range(split)}
-    tail: dict[str, list[torch.Tensor]] = {"x": [], "pre": [], "hash": []}
-    enc_taps: dict[int, list[torch.Tensor]] = {}
-    for lo, hi, produce in _chunks(N, chunk, replay):
-        part = ids[:, lo:hi]
-        T = part.size(1)
-        start = cache.pos.clone()
-        hashes = model.engram_hashes(part, cache, None)
-        ctx = StepContext(start, T, cache, artifact, window_floor=floor, produce_kv=produce)
-        h = model.embed_tokens(part).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
-        pre = identity_pre_mix(B, T, cfg.hc_mult, h.device)
-        chunk_taps: dict[int, torch.Tensor] = {}
-        for L in range(split):
-            layer = model.layers[L]
-            if layer.engram is not None:
-                h = model.apply_engram(L, h, hashes, None)
-            _taps(model, L, h, chunk_taps)
-            h, pre = layer(h, pre, ctx, None)
-        # the split layer's block input on every prompt row (Engram first, if it has one), then its global-KV
-        # production from that input and the lagged pre
-        if model.layers[split].engram is not None:
-            h = model.apply_engram(split, h, hashes, None)
-        _taps(model, split, h, chunk_taps)
-        if produce:
-            u = model.layers[split].attn_norm(hc_pre(h, pre))
-            model.layers[split].attn.produce_global_kv(u, ctx)
-        cache.pos = start + T
-        keep = min(T, max(0, R0 - (N - lo - T)))                             # rows of this chunk the decoder needs
-        if keep:
-            tail["x"].append(h[:, T - keep:])
-            tail["pre"].append(pre[:, T - keep:])
-            if hashes is not None:
-                tail["hash"].append(hashes[:, T - keep:])
-        for L, t in chunk_taps.items():                                      # encoder-side drafter taps
-            enc_taps.setdefault(L, []).append(t[:, -cfg.window_size:])
+    tail, enc_taps = _encode(model, ids, cache, split, seg_rows[0], chunk, artifact, replay, floor)
     x = torch.cat(tail["x"], 1)
     pre = torch.cat(tail["pre"], 1)
     hashes = torch.cat(tail["hash"], 1) if tail["hash"] else None
     end = cache.pos.clone()
-    published: dict = {}
+    published = Publications()
     taps: dict[int, torch.Tensor] = {L: torch.cat(v, 1)[:, -cfg.window_size:] for L, v in enc_taps.items()}
+    rows = {L: N for L in range(split)}
     for k, L in enumerate(range(split, cfg.n_layers)):
         R = seg_rows[k]
         x, pre = x[:, -R:], pre[:, -R:]
         seg_start = end - R
         # earlier positions' windows are valid only on an exact continuation whose rows all run here
         seg_floor = None if (rings_valid and R == N) else seg_start
-        ctx = StepContext(seg_start, R, cache, artifact, published=published, window_floor=seg_floor,
-                          produce_kv=False)
-        layer = model.layers[L]
-        if L > split:                                      # the split layer's input was completed above
-            if layer.engram is not None:
-                x = model.apply_engram(L, x, hashes[:, -R:], None)
-            _taps(model, L, x, taps)
-        x, pre = layer(x, pre, ctx, None)
+        opts = ForwardOptions(official_decode_artifact=artifact, window_floor=seg_floor, produce_kv=False)
+        ctx = StepContext(seg_start, R, cache, opts, published=published)
+        # the split layer's input was completed by the encoder (its Engram and tap included)
+        x, pre = model.run_layers(x, pre, ctx, model.layers[L:L + 1], None if hashes is None else hashes[:, -R:],
+                                  taps if cfg.dspark_enabled else None, entered=L == split)
         rows[L] = R
     logits, _ = model.logits_from(x[:, -1:], pre[:, -1:])
     main_hidden = tap_start = None
@@ -198,3 +155,39 @@ def _prefill_ced(model, ids, cache, mode, chunk, artifact, replay=0, floor=None,
         main_hidden = torch.cat([taps[L][:, -Rt:] for L in cfg.dspark_target_layer_ids], dim=-1)
         tap_start = end - Rt
     return PrefillOut(logits[:, -1], main_hidden, tap_start, rows)
+
+
+def _encode(model, ids, cache, split, R0, chunk, artifact, replay, floor):
+    """The encoder chunk by chunk: layers below the split on every prompt row, then the split layer's block input
+    (its Engram and tap) and its global-KV production. Returns the tail rows the decoder needs ({"x", "pre",
+    "hash"}: lists of chunk pieces) and the encoder-side drafter taps (layer -> list of chunk pieces)."""
+    cfg = model.cfg
+    N = ids.size(1)
+    tail: dict[str, list[torch.Tensor]] = {"x": [], "pre": [], "hash": []}
+    enc_taps: dict[int, list[torch.Tensor]] = {}
+    below, at = model.layers[:split], model.layers[split]
+    for lo, hi, produce in _chunks(N, chunk, replay):
+        part = ids[:, lo:hi]
+        T = part.size(1)
+        start = cache.pos.clone()
+        hashes = model.engram_hashes(part, cache, None)
+        opts = ForwardOptions(official_decode_artifact=artifact, window_floor=floor, produce_kv=produce)
+        ctx = StepContext(start, T, cache, opts)
+        chunk_taps = {} if cfg.dspark_enabled else None
+        h, pre = model.run_layers(*model.streams_in(model.embed_tokens(part)), ctx, below, hashes, chunk_taps,
+                                  fuse=False)
+        # the split layer's block input on every prompt row, then its global-KV production from that input and
+        # the lagged pre
+        h = model.block_input(at, h, ctx, hashes, chunk_taps)
+        if produce:
+            at.attn.produce_global_kv(at.attn_norm(hc_pre(h, pre)), ctx)
+        cache.pos = start + T
+        keep = min(T, max(0, R0 - (N - lo - T)))                             # rows of this chunk the decoder needs
+        if keep:
+            tail["x"].append(h[:, T - keep:])
+            tail["pre"].append(pre[:, T - keep:])
+            if hashes is not None:
+                tail["hash"].append(hashes[:, T - keep:])
+        for L, t in (chunk_taps or {}).items():                              # encoder-side drafter taps
+            enc_taps.setdefault(L, []).append(t[:, -cfg.window_size:])
+    return tail, enc_taps

@@ -48,6 +48,7 @@ import torch
 
 from dsv41.engine.sampling import SamplingParams, target_probs
 from dsv41.model.attention import carry_after
+from dsv41.model.step import ForwardOptions
 
 MODES = ("off", "fixed", "dspark")
 PROFILE_FILE = "step_profile.json"
@@ -208,7 +209,7 @@ class DSparkDrafter:
 class VerifyJournal:
     """What a verify forward of T tokens per row at positions start.. changes in a bound store, kept so that
     `rollback(keep)` leaves exactly the state after each row's first keep_b tokens. Pass `.model_journal` to the
-    forward (`Transformer.forward(..., journal=...)`): compressors record their per-token sequence there."""
+    forward (`ForwardOptions(journal=...)`): compressors record their per-token sequence there."""
 
     def __init__(self, model, view, start: torch.Tensor, T: int):
         cfg = model.cfg
@@ -406,7 +407,7 @@ def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), max_v: int | None
                     drafts = torch.randint(0, cfg.vocab_size, (B, V), generator=gen)
                 ids = torch.cat([pending.view(-1, 1), drafts], dim=1).to(device)
                 journal = VerifyJournal(model, view, pos, 1 + V)
-                model(ids, view, journal=journal.model_journal)
+                model(ids, view, opts=ForwardOptions(journal=journal.model_journal))
                 journal.rollback(model, view, ids, torch.ones(B, dtype=torch.long))
                 sync()
                 times.append(time.perf_counter() - t0)

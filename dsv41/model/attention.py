@@ -17,8 +17,6 @@ positions; otherwise the ring listed oldest first), since the blocked softmax's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
@@ -26,41 +24,9 @@ from dsv41.codecs import qdq_index_k, qdq_main_kv
 from dsv41.config import LayerRole, ModelConfig
 from dsv41.devices import h2d
 from dsv41.kernels import qdq_fp8, sparse_attn
+from dsv41.model import packed_decode
 from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope
-
-
-@dataclass
-class StepContext:
-    """Per-forward state handed down the stack: where each row's chunk starts, the bound store, and what source
-    layers published for the layers above them (top-k by index source, candidate masks by candidate source).
-
-    Rows may sit at different positions (continuous batching); all rows process `seqlen` tokens."""
-
-    start: torch.Tensor                 # [B] long: position of each row's first token in this call
-    seqlen: int
-    cache: object
-    official_decode_artifact: bool = False
-    published: dict = field(default_factory=dict)
-    record: dict | None = None          # when a dict: per-layer top-k / candidates are kept for inspection
-    window_floor: torch.Tensor | None = None   # [B]: window keys before this position are absent (replay start)
-    produce_kv: bool = True             # False: KV sources skip compressing (their global KV already exists)
-    journal: dict | None = None         # speculative verify: compressors record their per-token sequence here
-    window_floor_layers: frozenset | None = None   # layers window_floor applies to (None: every layer)
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """[B,T] absolute positions of this call's tokens."""
-        return self.start.unsqueeze(1) + torch.arange(self.seqlen, device=self.start.device)
-
-    @property
-    def uniform_start(self) -> int | None:
-        """The common start position when every row has the same one (the official runtime's case)."""
-        lo, hi = int(self.start.min()), int(self.start.max())
-        return lo if lo == hi else None
-
-    @property
-    def all_prefill(self) -> bool:
-        return int(self.start.max()) == 0
+from dsv41.model.step import StepContext
 
 
 def set_tie_break(model: nn.Module, ties: str) -> None:
@@ -237,13 +203,13 @@ class Indexer(QuantSite):
         n_vis = (ctx.start + ctx.seqlen) // m                                       # [B] entries visible at the end
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = self.qdq(apply_rope(q, freqs))
-        src = ctx.cache.index_k_publisher if ctx.official_decode_artifact else role.kv_from
+        src = ctx.cache.index_k_publisher if ctx.opts.official_decode_artifact else role.kv_from
         keys = ctx.cache.index_k(src, n_vis)                                        # [B,N,I]
         w = self.weights_proj(u) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)  # [B,T,J]
         compress_lens = (h2d(ctx.positions, u.device) + 1).div(m, rounding_mode="floor").unsqueeze(-1)
         cand = None
         if role.uses_candidates:
-            cand = ctx.published[("cand", role.candidates_from)][:, -ctx.seqlen:]   # source may have run on more rows
+            cand = ctx.published.cand[role.candidates_from][:, -ctx.seqlen:]      # source may have run on more rows
         rows = max(1, self.score_budget // max(1, keys.size(1) * self.n_heads))    # bound the [rows,J,N] scores
         parts, cands = [], []
         for lo in range(0, u.size(1), rows):
@@ -252,7 +218,7 @@ class Indexer(QuantSite):
             parts.append(idx)
             cands.append(c)
         if role.is_candidate_source:
-            ctx.published[("cand", role.layer)] = torch.cat(cands, dim=1)
+            ctx.published.cand[role.layer] = torch.cat(cands, dim=1)
         return torch.cat(parts, dim=1)
 
     def select(self, q, keys, w, compress_lens, cand):
@@ -322,7 +288,7 @@ class Attention(QuantSite):
         RoPE at each group's first position, FP4 QDQ, append to the store. This is all that CED prefill runs of
         the decoder's KV source on the prompt rows the decoder skips (SYSTEM.md 2)."""
         m, cache = self.role.ratio, ctx.cache
-        latent, count = self.compressor(u, ctx.start, cache, self.layer, ctx.journal)
+        latent, count = self.compressor(u, ctx.start, cache, self.layer, ctx.opts.journal)
         if latent is None:
             return
         row0 = ctx.start // m
@@ -337,25 +303,24 @@ class Attention(QuantSite):
         role, m, cache = self.role, self.role.ratio, ctx.cache
         B, T = u.shape[:2]
         n_vis = (ctx.start + T) // m                                                # [B]
-        if self.compressor is not None and ctx.produce_kv:
+        if self.compressor is not None and ctx.opts.produce_kv:
             self.produce_global_kv(u, ctx)
         if role.is_index_source:
             if int(n_vis.max()) == 0:
                 idx = torch.empty(B, T, 0, dtype=torch.int32, device=u.device)
             else:
                 idx = self.indexer(u, qr, freqs, ctx)
-            ctx.published[("topk", self.layer)] = idx
+            ctx.published.topk[self.layer] = idx
             if ctx.record is not None:
                 ctx.record[("topk", self.layer)] = idx
-                if ("cand", self.layer) in ctx.published:
-                    ctx.record[("cand", self.layer)] = ctx.published[("cand", self.layer)]
+                if self.layer in ctx.published.cand:
+                    ctx.record[("cand", self.layer)] = ctx.published.cand[self.layer]
         else:
-            idx = ctx.published[("topk", role.topk_from)][:, -T:]                   # source may have run on more rows
+            idx = ctx.published.topk[role.topk_from][:, -T:]                        # source may have run on more rows
         idx = torch.where(idx >= 0, idx + offset, -1).int()
         return cache.compressed(role.kv_from, n_vis), idx
 
     def forward(self, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        from dsv41.model import packed_decode
         if packed_decode.applies(self, ctx):
             return packed_decode.attention_decode_packed(self, u, ctx)
         B, T = u.shape[:2]
@@ -364,8 +329,7 @@ class Attention(QuantSite):
         kv = self.window_kv(u, freqs)
         prefill = ctx.all_prefill
         win_kv = kv if prefill else torch.cat([ctx.cache.window_ring(self.layer).to(kv.dtype), kv], dim=1)
-        floor = ctx.window_floor if ctx.window_floor_layers is None or self.layer in ctx.window_floor_layers else None
-        idx = h2d(window_indices(ctx.start, T, self.window, prefill, floor), u.device).int()
+        idx = h2d(window_indices(ctx.start, T, self.window, prefill, ctx.opts.floor_for(self.layer)), u.device).int()
         ctx.cache.write_window(self.layer, ctx.start, kv)
         kv_all = win_kv
         if self.role.ratio:

@@ -1,9 +1,10 @@
 """What each layer stores (declared by the model) and the dense reference store (SYSTEM.md 3).
 
-The model never allocates caches: `cache_spec(cfg)` lists per layer what it needs, and a store object with the
-methods of `DenseCache` is bound from outside. `DenseCache` holds the quantize-dequantized values in the
-compute dtype, which is what the official code simulates; the engine's packed store (`dsv41.kv`) has the same
-methods and keeps the packed bytes instead. Values read back are identical (every QDQ value is exact in bf16).
+The model never allocates caches: `cache_spec(cfg)` lists per layer what it needs, and a store with the
+interface `KVStore` is bound from outside. `DenseCache` holds the quantize-dequantized values in the compute
+dtype, which is what the official code simulates; the engine's packed store (`dsv41.kv`) keeps the packed bytes
+instead and adds in-place reads (`PackedKVStore`). Values read back are identical (every QDQ value is exact in
+bf16).
 
 Legend: B batch, W window rows, C latent width (head_dim), I index-key width, m compression ratio.
 """
@@ -11,6 +12,7 @@ Legend: B batch, W window rows, C latent width (head_dim), I index-key width, m 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -39,6 +41,41 @@ def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
     return specs
 
 
+class KVStore(Protocol):
+    """The per-layer KV store the model reads and writes during a forward (rows = the batch's sequences)."""
+
+    pos: torch.Tensor                          # [B] tokens each row holds; the forward advances it
+    engram_history: torch.Tensor | None        # the Engram hasher's last tokens per row
+    index_k_publisher: int | None              # the layer whose index keys were written last (MODEL.md 4)
+    packed: bool                               # True: a `PackedKVStore` (decode may read its bytes in place)
+
+    def window_ring(self, layer: int) -> torch.Tensor: ...
+
+    def write_window(self, layer: int, start: torch.Tensor, kv: torch.Tensor,
+                     count: torch.Tensor | None = None) -> None: ...
+
+    def append_compressed(self, layer: int, row0: torch.Tensor, kv: torch.Tensor, count: torch.Tensor) -> None: ...
+
+    def append_index_k(self, layer: int, row0: torch.Tensor, k: torch.Tensor, count: torch.Tensor) -> None: ...
+
+    def compressed(self, layer: int, n: torch.Tensor) -> torch.Tensor: ...
+
+    def index_k(self, layer: int, n: torch.Tensor) -> torch.Tensor: ...
+
+    def compressor_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def set_compressor_state(self, layer: int, kv: torch.Tensor, score: torch.Tensor) -> None: ...
+
+
+class PackedKVStore(KVStore, Protocol):
+    """A store that keeps the packed bytes (`dsv41.kv.paged.BatchView`): the decode attention reads them in place
+    (`dsv41.model.packed_decode`)."""
+
+    def packed_ring(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def packed_pages(self, layer: int | None, kind: str) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def window_write_mask(count: torch.Tensor, first: int, T: int, W: int) -> torch.Tensor:
     """bool [B, T - first]: which of a write's rows first..T-1 land, when row b writes only its first count_b
     rows and a ring keeps the last W of them."""
@@ -52,6 +89,8 @@ class DenseCache:
 
     Window rings hold position p in slot p % W. Global stores grow by doubling (no max_seq_len-sized
     preallocation). `index_k_publisher` emulates the official runtime's stale index-key pointer (MODEL.md 4)."""
+
+    packed = False
 
     def __init__(self, cfg: ModelConfig, batch: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.cfg, self.batch, self.dtype, self.device = cfg, batch, dtype, torch.device(device)

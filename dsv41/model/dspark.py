@@ -13,9 +13,10 @@ from torch import nn
 from dsv41.config import LayerRole, Mode, ModelConfig
 from dsv41.kernels import sparse_attn
 from dsv41.model.attention import Attention, lin_kind
+from dsv41.model.block import Block
 from dsv41.model.common import Linear, RMSNorm, warm_up_transcendentals
-from dsv41.model.mhc import hc_pre, identity_pre_mix
-from dsv41.model.transformer import Block
+from dsv41.model.mhc import hc_pre
+from dsv41.model.step import StepContext
 
 
 class DSparkAttention(Attention):
@@ -108,8 +109,6 @@ def forward_spec(model, token: torch.Tensor | None, main_hidden: torch.Tensor, c
     `count` [B] seeds only each row's first count_b main tokens (token None); main_hidden may hold 0 tokens, the
     rings then already hold every position before `start`, the position of `token`; `sampler(i, logits [B,V])`
     replaces the official `sample` (per-request temperatures and generators)."""
-    from dsv41.model.attention import StepContext
-
     warm_up_transcendentals()
     cfg, stages = model.cfg, model.mtp
     first, last = stages[0], stages[-1]
@@ -127,10 +126,8 @@ def forward_spec(model, token: torch.Tensor | None, main_hidden: torch.Tensor, c
     G = cfg.dspark_block_size
     ids = token.new_full((B, G), cfg.dspark_noise_token_id)
     ids[:, 0] = token
-    h = model.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
-    pre_mix = identity_pre_mix(B, G, cfg.hc_mult, h.device)
-    for st in stages:
-        h, pre_mix = st(h, pre_mix, ctx, None, attn_extra=main_x)
+    h, pre_mix = model.run_layers(*model.streams_in(model.embed(ids)), ctx, stages,
+                                  step=lambda st, x, pre, c: st(x, pre, c, main_x))
     x = hc_pre(h, pre_mix)
     logits = model.head(last.norm(x).float())                              # [B,G,V]
     out = token.new_empty(B, G + 1)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41.kernels import expert_act, moe_combine, moe_experts, qdq_fp8
+from dsv41.kernels.choice import fused_moe
 from dsv41.model.common import Linear
 
 
@@ -73,23 +74,13 @@ class MoE(nn.Module):
     def __init__(self, cfg, layer_id: int, dtype: torch.dtype):
         super().__init__()
         n_experts, topk = cfg.moe_shape(layer_id)
-        self.n_experts, self.dim = n_experts, cfg.dim
+        self.layer, self.n_experts, self.dim = layer_id, n_experts, cfg.dim
         self.gate = Gate(cfg, n_experts, topk, dtype)
         kind = {"fp4": "fp4", "fp8": "fp8", "bf16": "bf16", None: "bf16"}[cfg.expert_dtype]
         shared_kind = "fp8" if cfg.dtype == "fp8" else "bf16"
         self.experts = nn.ModuleList(
             [Expert(cfg.dim, cfg.moe_inter_dim, kind, dtype, cfg.swiglu_limit) for _ in range(n_experts)])
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, shared_kind, dtype, cfg.swiglu_limit)
-        self.last_route: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices, weights) of the last call
-
-    # Few tokens (a decode step) on a CUDA GPU: the experts as one op over their weights (`kernels.moe_experts`:
-    # Triton grouped kernels, no host sync, ~10 launches instead of ~10 per active expert). Above this many tokens the
-    # module loop's cuBLAS GEMMs read each expert's weights once, where the op's tiles of 16 pairs would re-read them.
-    FUSED_MAX_TOKENS = 64
-
-    def use_fused(self, x: torch.Tensor) -> bool:
-        """Take the experts op for these tokens [N, D]: on a CUDA GPU, up to FUSED_MAX_TOKENS of them."""
-        return x.is_cuda and x.size(0) <= self.FUSED_MAX_TOKENS
 
     def fused_weights(self):
         """(w1s, w3s, w2s, quant_in, quant_mid) for `moe_experts` (routed experts, then the shared one) when every
@@ -113,13 +104,16 @@ class MoE(nn.Module):
             return None
         return w1s, w3s, w2s, q_in.pop(), q_mid.pop()
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B,T,D] -> [B,T,D]. Routed outputs accumulate in fp32 in ascending expert id, shared expert last."""
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, record: dict | None = None
+                ) -> torch.Tensor:
+        """x [B,T,D] -> [B,T,D]. Routed outputs accumulate in fp32 in ascending expert id, shared expert last.
+        With `record` (a dict), the routing (indices [B,T,K], weights [B,T,K]) is kept under ("experts", layer)."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, indices, _ = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
-        self.last_route = (indices.view(*shape[:-1], -1), weights.view(*shape[:-1], -1))
-        fused = self.fused_weights() if self.use_fused(x) else None
+        if record is not None:
+            record[("experts", self.layer)] = (indices.view(*shape[:-1], -1), weights.view(*shape[:-1], -1))
+        fused = self.fused_weights() if fused_moe(x) else None
         if fused is not None:
             y = moe_experts(x, indices, weights, *fused[:3], self.shared_experts.limit, *fused[3:])
         else:

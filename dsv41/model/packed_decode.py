@@ -6,7 +6,8 @@ every step. Same index lists and order as the dense path (the references are bui
 so on the reference backend the two agree to the last bit (tests/test_kv_paged.py).
 
 Used when: one token per row (decode), a packed store, quantization on, no recording (parity runs), not the
-official decode artifact. `set_packed_decode(False)` forces the dense path everywhere.
+official decode artifact (`applies`). `dsv41.kernels.choice.set_packed_decode(False)` forces the dense path
+everywhere.
 """
 
 from __future__ import annotations
@@ -15,33 +16,30 @@ import torch
 
 from dsv41.devices import h2d
 from dsv41.kernels import decode_window_rows, indexer_topk_packed, sparse_attn_packed
+from dsv41.kernels.choice import packed_decode
 from dsv41.model.common import apply_rope
-
-_ENABLED = True
-
-
-def set_packed_decode(enabled: bool) -> None:
-    global _ENABLED
-    _ENABLED = bool(enabled)
+from dsv41.model.step import StepContext
 
 
-def applies(attn, ctx) -> bool:
-    return (_ENABLED and ctx.seqlen == 1 and attn.quant and getattr(ctx.cache, "packed", False)
-            and ctx.record is None and not ctx.official_decode_artifact)
+def applies(attn, ctx: StepContext) -> bool:
+    """The kernels allow it (`dsv41.kernels.choice.packed_decode`), and the step neither records (parity runs
+    inspect the dense path's selections) nor reproduces the official decode artifact (its stale index keys)."""
+    return (packed_decode(ctx.seqlen, ctx.cache.packed, attn.quant) and ctx.record is None
+            and not ctx.opts.official_decode_artifact)
 
 
-def _selection(attn, u, qr, freqs, ctx) -> torch.Tensor:
+def _selection(attn, u, qr, freqs, ctx: StepContext) -> torch.Tensor:
     """Top-k compressed-entry ids [B,K] (ascending, -1 none) of a layer with m > 0; publishes what layers above
     read (their top-k source, their candidate pool as block ids)."""
-    role, m, cache = attn.role, attn.role.ratio, ctx.cache
+    role, m, cache, pub = attn.role, attn.role.ratio, ctx.cache, ctx.published
     B = u.size(0)
     if not role.is_index_source:
-        return ctx.published[("topk-packed", role.topk_from)]
-    key = ("n-vis", m)                                  # entries visible to each row, shared by the step's layers
-    if key not in ctx.published:
+        return pub.topk_packed[role.topk_from]
+
+    def visible():                                          # entries visible to each row, shared by the step's layers
         n_vis = (ctx.start + 1) // m
-        ctx.published[key] = (int(n_vis.max()), h2d(n_vis, u.device))
-    n_max, n_vis = ctx.published[key]
+        return int(n_vis.max()), h2d(n_vis, u.device)
+    n_max, n_vis = ctx.memoized(("n-vis", m), visible)
     if n_max == 0:
         idx, pool = torch.empty(B, 0, dtype=torch.int32, device=u.device), None
         if role.is_candidate_source:
@@ -52,35 +50,28 @@ def _selection(attn, u, qr, freqs, ctx) -> torch.Tensor:
         qi = ix.qdq(apply_rope(qi, freqs))[:, 0]                                     # [B,J,I]
         w = (ix.weights_proj(u) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))[:, 0]  # [B,J]
         pages, table = cache.packed_pages(role.kv_from, "index")
-        cand = ctx.published[("pool", role.candidates_from)] if role.uses_candidates else None
+        cand = pub.pool[role.candidates_from] if role.uses_candidates else None
         idx, pool = indexer_topk_packed(qi, w, pages, table, n_vis, ix.topk, cand,
                                         ix.cand_blocks if role.is_candidate_source else 0, ix.cand_size,
                                         ix.ties, n_max=n_max)
     if role.is_candidate_source:
-        ctx.published[("pool", role.layer)] = pool
-    ctx.published[("topk-packed", role.layer)] = idx
+        pub.pool[role.layer] = pool
+    pub.topk_packed[role.layer] = idx
     return idx
 
 
-def attention_decode_packed(attn, u: torch.Tensor, ctx) -> torch.Tensor:
+def attention_decode_packed(attn, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """`Attention.forward` for one token per row over the packed store. u [B,1,D] -> [B,1,D]."""
     cache, L = ctx.cache, attn.layer
-    memo = ctx.published                             # per forward: what every layer of this step shares
-    key = ("rope-freqs", id(attn.rope.inv_freq))        # one table per theta / YaRN setting (lru-cached)
-    if key not in memo:
-        memo[key] = h2d(attn.rope.freqs(ctx.positions), u.device)
-    freqs = memo[key]                                                                # [B,1,R/2]
+    rope = id(attn.rope.inv_freq)                       # one table per theta / YaRN setting (lru-cached)
+    freqs = ctx.memoized(("rope-freqs", rope), lambda: h2d(attn.rope.freqs(ctx.positions), u.device))  # [B,1,R/2]
     qr, q = attn.queries(u, freqs)
     cache.write_window(L, ctx.start, attn.window_kv(u, freqs))                       # the ring now holds pos
-    floor = ctx.window_floor
-    if floor is not None and ctx.window_floor_layers is not None and L not in ctx.window_floor_layers:
-        floor = None
-    key = ("window-rows", attn.window, floor is None)
-    if key not in memo:
-        memo[key] = decode_window_rows(h2d(ctx.start, u.device), attn.window, floor)
-    win = memo[key]
+    floor = ctx.opts.floor_for(L)
+    win = ctx.memoized(("window-rows", attn.window, floor is None),
+                       lambda: decode_window_rows(h2d(ctx.start, u.device), attn.window, floor))
     if attn.role.ratio:
-        if attn.compressor is not None and ctx.produce_kv:
+        if attn.compressor is not None and ctx.opts.produce_kv:
             attn.produce_global_kv(u, ctx)
         topk = _selection(attn, u, qr, freqs, ctx)
         main, table = cache.packed_pages(attn.role.kv_from, "main")
@@ -89,7 +80,5 @@ def attention_decode_packed(attn, u: torch.Tensor, ctx) -> torch.Tensor:
         main, table = cache.packed_pages(None, "main")
     ring, slots = cache.packed_ring(L)
     o = sparse_attn_packed(q[:, 0], ring, slots, win, main, table, topk, attn.attn_sink, attn.softmax_scale)
-    key = ("rope-conj", id(attn.rope.inv_freq))
-    if key not in memo:
-        memo[key] = freqs.conj().resolve_conj()
-    return attn.output(o.unsqueeze(1), freqs, memo[key])
+    conj = ctx.memoized(("rope-conj", rope), lambda: freqs.conj().resolve_conj())
+    return attn.output(o.unsqueeze(1), freqs, conj)

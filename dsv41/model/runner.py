@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.model.cache import DenseCache
-from dsv41.model.mhc import identity_pre_mix
-from dsv41.model.attention import StepContext
+from dsv41.model.step import ForwardOptions, StepContext
 
 
 def _collect_prefill(model, rec: dict, out: dict, prefix: str = "") -> None:
@@ -36,8 +35,8 @@ def run_logits(model, tokens: torch.Tensor, decode_steps: int = 0, official_deco
     B, T = tokens.shape
     cache = DenseCache(cfg, B, model.dtype, tokens.device)
     rec: dict = {}
-    res = model(tokens, cache, token_types=token_types, images=images, record=rec,
-                official_decode_artifact=official_decode_artifact)
+    res = model(tokens, cache, opts=ForwardOptions(token_types=token_types, images=images, record=rec,
+                                                   official_decode_artifact=official_decode_artifact))
     out: dict[str, torch.Tensor] = {"tokens": tokens, "prefill_logits": res.logits.float()}
     _collect_prefill(model, rec, out)
     if "embed_out" in rec and images is not None:
@@ -51,7 +50,8 @@ def run_logits(model, tokens: torch.Tensor, decode_steps: int = 0, official_deco
         dec_tokens.append(nxt)
         P = T + k
         rec = {}
-        r = model(nxt.unsqueeze(1), cache, record=rec, official_decode_artifact=official_decode_artifact)
+        r = model(nxt.unsqueeze(1), cache,
+                  opts=ForwardOptions(record=rec, official_decode_artifact=official_decode_artifact))
         dec_logits.append(r.logits[:, -1].float())
         for ro in model.roles:
             if ro.is_index_source and ("topk", ro.layer) in rec:
@@ -119,24 +119,23 @@ def run_teacher_forced(model, golden: dict[str, torch.Tensor], official_decode_a
         image_mask = None
         if token_types is not None and not prefix:
             image_mask = token_types[:, sl] >= 0
-        token_mask = None if image_mask is None else ~image_mask
-        hashes = model.engram_hashes(ids, cache, token_mask)
-        ctx = StepContext(P.clone(), Tn, cache, official_decode_artifact)
+        ctx = StepContext(P.clone(), Tn, cache, ForwardOptions(official_decode_artifact=official_decode_artifact),
+                          image_mask=image_mask)
+        hashes = model.engram_hashes(ids, cache, ctx.token_mask)
         emb = model.embed_tokens(ids, images if (images is not None and not prefix) else None)
         if "embed_out" in golden:
             keep(f"{prefix}embed_out", emb)
             emb = gold("embed_out", prefix, sl)
         for L, layer in enumerate(model.layers):
             if L == 0:
-                x = emb.unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
-                pre = identity_pre_mix(B, Tn, cfg.hc_mult, ids.device)
+                x, pre = model.streams_in(emb)
             else:
                 x = gold(f"block_out.{L - 1}", prefix, sl)
                 pre = gold(f"block_pre_out.{L - 1}", prefix, sl).float()
             if layer.engram is not None:
-                keep(f"{prefix}engram_out.{L}", model.apply_engram(L, x, hashes, token_mask))
+                keep(f"{prefix}engram_out.{L}", model.block_input(layer, x, ctx, hashes))
                 x = gold(f"engram_out.{L}", prefix, sl)
-            y, pre_out = layer(x, pre, ctx, image_mask)
+            y, pre_out = layer(x, pre, ctx)
             keep(f"{prefix}block_out.{L}", y)
             keep(f"{prefix}block_pre_out.{L}", pre_out)
         last = len(model.layers) - 1

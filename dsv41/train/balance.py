@@ -8,11 +8,17 @@ an overloaded expert (load above the mean) loses u, an underloaded one gains u. 
 only (a step without image tokens leaves `bias_vl` untouched). Loads are counted over all micro-batches of the
 step and, in data-parallel runs, summed over ranks, so every rank applies the same update.
 
+The routing is what each gate returns (`Gate.forward`); the model keeps none of it. The balancer watches the
+gates it balances (a forward hook each, holding their latest selection and image mask), and `observe` counts
+what the forward that just ran selected.
+
 The balance report is MaxVio = max_e load_e / mean_e load_e - 1 (0 = perfectly balanced; the DeepSeek
 "maximal violation"), averaged over layers and also given for the worst layer.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -53,7 +59,7 @@ def _apply_bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> N
 
 
 class LoadBalancer:
-    """Accumulates expert loads from `MoE.last_route` after each forward and updates the gate biases once per
+    """Accumulates expert loads from the gates' selections after each forward and updates the gate biases once per
     optimizer step. `prefix` restricts it to MoEs whose module name starts with it (the DSpark stage balances
     only the drafter's MoEs; the frozen backbone's biases must not move)."""
 
@@ -62,25 +68,36 @@ class LoadBalancer:
             raise ValueError(f"balance rate must be >= 0, got {rate}")
         self.rate = rate
         self.moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) and name.startswith(prefix)]
+        self.latest: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for name, m in self.moes:
+            m.gate.register_forward_hook(functools.partial(self._selected, name), with_kwargs=True)
         self.reset()
+
+    def _selected(self, name: str, gate, args, kwargs, out) -> None:
+        """Forward hook of a balanced gate: keep its selection (indices [N,K]) and image mask [N] (or None)."""
+        mask = args[1] if len(args) > 1 else kwargs.get("image_mask")
+        self.latest[name] = (out[1].detach(), mask)
 
     def reset(self) -> None:
         self.loads = {name: {"text": torch.zeros(m.n_experts, dtype=torch.float64),
                              "image": torch.zeros(m.n_experts, dtype=torch.float64)} for name, m in self.moes}
 
-    def observe(self, image_mask: torch.Tensor | None = None) -> None:
-        """Count the routes of the forward that just ran; image_mask [B,T] marks image-span tokens."""
-        for name, m in self.moes:
-            if m.last_route is None:
-                continue
-            indices = m.last_route[0]
-            if image_mask is None:
-                self.loads[name]["text"] += expert_load(indices, m.n_experts)
-            else:
-                mask = image_mask.reshape(indices.shape[:-1])
-                self.loads[name]["text"] += expert_load(indices, m.n_experts, ~mask)
-                self.loads[name]["image"] += expert_load(indices, m.n_experts, mask)
-            m.last_route = None
+    def observe(self) -> None:
+        """Count the selections of the forward that just ran (each gate's latest), split by the gate's image mask."""
+        for name, _ in self.moes:
+            if name in self.latest:
+                self.count(name, *self.latest.pop(name))
+
+    def count(self, name: str, indices: torch.Tensor, image_mask: torch.Tensor | None = None) -> None:
+        """Add MoE `name`'s selected experts indices [..., K] to its loads; image_mask [...] marks image-span
+        tokens (their load goes to the image bias)."""
+        n_experts = self.loads[name]["text"].numel()
+        if image_mask is None:
+            self.loads[name]["text"] += expert_load(indices, n_experts)
+        else:
+            mask = image_mask.reshape(indices.shape[:-1])
+            self.loads[name]["text"] += expert_load(indices, n_experts, ~mask)
+            self.loads[name]["image"] += expert_load(indices, n_experts, mask)
 
     @torch.no_grad()
     def step(self, all_reduce=None) -> dict[str, float]:

@@ -35,8 +35,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsv41.model.attention import Attention, StepContext, window_indices
-from dsv41.model.mhc import hc_pre, identity_pre_mix
+from dsv41.model.attention import Attention, window_indices
+from dsv41.model.common import QuantSite
+from dsv41.model.mhc import hc_pre
+from dsv41.model.step import ForwardOptions, StepContext
 
 
 def _no_autocast(device: torch.device):
@@ -71,8 +73,7 @@ def attention_forward(attn: Attention, u: torch.Tensor, ctx: StepContext) -> tor
     freqs = attn.rope.freqs(ctx.positions).to(u.device)
     qr, q = attn.queries(u, freqs)
     kv = attn.window_kv(u, freqs)
-    floor = ctx.window_floor if ctx.window_floor_layers is None or attn.layer in ctx.window_floor_layers else None
-    idx = window_indices(ctx.start, T, attn.window, True, floor).to(u.device)
+    idx = window_indices(ctx.start, T, attn.window, True, ctx.opts.floor_for(attn.layer)).to(u.device)
     kv_all = kv
     if attn.role.ratio:
         ckv, cidx = attn.compressed_part(u, qr, freqs, kv.size(1), ctx)
@@ -159,7 +160,6 @@ def moe_forward(moe, x: torch.Tensor) -> torch.Tensor:
     D = moe.dim
     x = x.reshape(-1, D)
     weights, indices, _ = moe.gate(x, None)
-    moe.last_route = (indices.view(*shape[:-1], -1), weights.view(*shape[:-1], -1))
     N, K = indices.shape
     counts = torch.bincount(indices.flatten(), minlength=moe.n_experts)
     # only the experts that got tokens take part (as in the reference loop): an unused expert's weights must get
@@ -214,21 +214,17 @@ def block_forward(block, x: torch.Tensor, pre_mix: torch.Tensor, ctx: StepContex
 
 def fast_forward(model, ids: torch.Tensor, cache, window_floor: torch.Tensor | None = None,
                  window_floor_layers: frozenset | None = None) -> torch.Tensor:
-    """Logits [B,T,V] fp32 of `model(ids, cache, 0, window_floor=..., window_floor_layers=...)` (a training
-    prefill at position 0) through the fast pieces of the module docstring; advances cache.pos like it."""
-    B, T = ids.shape
+    """Logits [B,T,V] fp32 of `model(ids, cache, 0, ForwardOptions(window_floor=..., window_floor_layers=...))` (a
+    training prefill at position 0) through the fast pieces of the module docstring; advances cache.pos like it."""
+    T = ids.size(1)
     start = cache.pos.clone()
     if int(start.abs().max()) != 0:
         raise ValueError("the fast training forward runs a prefill at position 0 only")
     hashes = model.engram_hashes(ids, cache, None)
-    ctx = StepContext(start, T, cache, window_floor=window_floor, window_floor_layers=window_floor_layers)
-    S = model.cfg.hc_mult
-    h = model.embed_tokens(ids).unsqueeze(2).repeat(1, 1, S, 1)
-    pre_mix = identity_pre_mix(B, T, S, h.device)
-    for L, layer in enumerate(model.layers):
-        if layer.engram is not None:
-            h = model.apply_engram(L, h, hashes, None)
-        h, pre_mix = block_forward(layer, h, pre_mix, ctx)
+    opts = ForwardOptions(window_floor=window_floor, window_floor_layers=window_floor_layers)
+    ctx = StepContext(start, T, cache, opts)
+    h, pre_mix = model.run_layers(*model.streams_in(model.embed_tokens(ids)), ctx, model.layers, hashes,
+                                  step=block_forward)
     logits, _ = model.logits_from(h, pre_mix)
     cache.pos = start + T
     return logits
@@ -236,5 +232,4 @@ def fast_forward(model, ids: torch.Tensor, cache, window_floor: torch.Tensor | N
 
 def fast_applies(model) -> bool:
     """Whether the fast path may stand in for the reference forward (QDQ off everywhere)."""
-    from dsv41.model.common import QuantSite
     return not any(m.quant for m in model.modules() if isinstance(m, QuantSite))

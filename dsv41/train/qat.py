@@ -20,9 +20,9 @@ seeded by (seed, step) alone, so that resume stays exact and n ranks of batch B 
 n*B draws: `replay_starts`) and, in the decoder layers (mode `decoder`: from `dsv41.config.ced_split` up), the
 encoder layers (`encoder`: below it) or both, hides every window key at a position < s from the queries at
 positions >= s; the global (compressed) KV stays complete, as it is in the cache, and queries before s are
-unchanged. It is one training prefill: `Transformer.forward(..., window_floor=[B], window_floor_layers=...)`,
-where `window_indices`' prefill branch applies the floor to the queries at or after it and
-`StepContext.window_floor_layers` restricts it to the chosen layers. What it equals (tests/test_train_replay.py):
+unchanged. It is one training prefill: `Transformer.forward` with `ForwardOptions(window_floor=[B],
+window_floor_layers=...)`, where `window_indices`' prefill branch applies the floor to the queries at or after it
+and `window_floor_layers` restricts it to the chosen layers. What it equals (tests/test_train_replay.py):
 with the decoder floored at s = N - W, the engine's ced-bounded prefill of the first N tokens at position N - 1;
 with every layer floored, a continuation from s over a store without SWA state. It is a simulation, not the
 inference path in every detail: on a prefix hit the engine reuses the cached global KV of the replayed tokens

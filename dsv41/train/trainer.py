@@ -46,6 +46,7 @@ from torch import nn
 from dsv41.config import ced_split, load_config
 from dsv41.model.common import set_quantization
 from dsv41.model.init import init_weights
+from dsv41.model.step import ForwardOptions
 from dsv41.train import data as D
 from dsv41.train.balance import LoadBalancer
 from dsv41.train.checkpoint import load_training_checkpoint, save_training_checkpoint, unwrap_state_dict
@@ -208,7 +209,7 @@ class LMTrainModule(nn.Module):
         if self.fast and fast_applies(m):               # the same function, faster (fast.py)
             logits = fast_forward(m, ids, cache, floor, layers)
         else:
-            logits = m(ids, cache, 0, window_floor=floor, window_floor_layers=layers).logits
+            logits = m(ids, cache, 0, ForwardOptions(window_floor=floor, window_floor_layers=layers)).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return loss, {}
 
@@ -465,9 +466,6 @@ class Trainer:
             times.append(time.time() - t)
         names = {n for n, p in self.model.named_parameters()
                  if p.requires_grad and p.grad is None and ".ffn.experts." not in n}
-        for m in self.model.modules():
-            if hasattr(m, "last_route"):
-                m.last_route = None
         # the first pass pays one-time costs; of the others the fastest (noise on shared cores only adds time)
         self.probe_step_time = min(times[1:]) if len(times) > 1 else times[-1]
         return set(self.dist.broadcast(sorted(names)))

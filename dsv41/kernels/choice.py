@@ -1,0 +1,45 @@
+"""Which kernel path the model takes for a given call, decided here rather than inside the model's modules.
+
+The model asks, per call: may the MoE run its experts as one op (`fused_moe`), may a decode step read the packed
+store in place (`packed_decode`), may one fused mHC step span two blocks (`fused_mhc_across`)? Each answer depends
+on the inputs (device, token count, store kind, hooks) and never on the numerics the model wants: every path
+computes the same function (the references are the model's own math).
+
+Legend: N tokens of the call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["FUSED_MOE_MAX_TOKENS", "fused_moe", "fused_mhc_across", "packed_decode", "set_packed_decode"]
+
+# Few tokens (a decode step) on a CUDA GPU: the experts as one op over their weights (`moe_experts`: Triton grouped
+# kernels, no host sync, ~10 launches instead of ~10 per active expert). Above this many tokens the module loop's
+# cuBLAS GEMMs read each expert's weights once, where the op's tiles of 16 pairs would re-read them.
+FUSED_MOE_MAX_TOKENS = 64
+
+_packed = {"enabled": True}
+
+
+def fused_moe(x: torch.Tensor) -> bool:
+    """Take the experts op for these tokens x [N, D]: on a CUDA GPU, up to FUSED_MOE_MAX_TOKENS of them."""
+    return x.is_cuda and x.size(0) <= FUSED_MOE_MAX_TOKENS
+
+
+def fused_mhc_across(*modules: nn.Module) -> bool:
+    """Whether one fused mHC step may span these modules. A module with forward hooks (e.g. FSDP2 unsharding a
+    block's parameters) must be entered through its __call__: its parameters may only be valid there."""
+    return not any(m._forward_pre_hooks or m._forward_hooks for m in modules)
+
+
+def set_packed_decode(enabled: bool) -> None:
+    """`False` forces the dense decode path everywhere (comparisons, profiles)."""
+    _packed["enabled"] = bool(enabled)
+
+
+def packed_decode(tokens: int, store_packed: bool, quantized: bool) -> bool:
+    """Decode attention straight from the packed store: one token per row, a store that keeps packed bytes, and
+    quantization on (the packed bytes hold the quantized values)."""
+    return _packed["enabled"] and tokens == 1 and store_packed and quantized

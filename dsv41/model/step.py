@@ -1,0 +1,93 @@
+"""What one pass through the stack carries: the caller's options (`ForwardOptions`), and the per-step state handed
+down the layers (`StepContext`): where each row's chunk starts, the bound store, what source layers publish for
+the layers above them (`Publications`) and what every layer of the step would otherwise compute again (`memo`).
+
+Legend: B batch, T tokens of this call, K top-k, N compressed entries visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv41.model.cache import KVStore
+
+
+@dataclass
+class ForwardOptions:
+    """How one `Transformer.forward` call runs beyond its tokens, store and start; the defaults are a plain call.
+
+    Each option serves one kind of caller: images (vision prompts), the official decode artifact and recording
+    (golden parity, `dsv41.model.runner`), window floors and `produce_kv` (replay: prefix caching and training's
+    bounded-replay simulation), the journal (speculative verification, `dsv41.engine.speculative`)."""
+
+    token_types: torch.Tensor | None = None    # [B,T] >= 0 on image-span tokens (VL routing bias, Engram mask)
+    images: list | None = None                 # the prompt's image records (first chunk only)
+    official_decode_artifact: bool = False     # decode reads the stale index-key publisher (MODEL.md 4)
+    record: dict | None = None                 # when a dict: per-layer streams, top-k, candidates, routes kept here
+    window_floor: torch.Tensor | None = None   # [B]: window keys before this position are absent (replay start)
+    window_floor_layers: frozenset | None = None   # layers window_floor applies to (None: every layer)
+    produce_kv: bool = True                    # False: KV sources skip compressing (their global KV already exists)
+    journal: dict | None = None                # speculative verify: compressors record their per-token sequence
+
+    def floor_for(self, layer: int) -> torch.Tensor | None:
+        """The window floor that applies to `layer` (None: its window is not truncated)."""
+        if self.window_floor_layers is None or layer in self.window_floor_layers:
+            return self.window_floor
+        return None
+
+
+@dataclass
+class Publications:
+    """What a source layer hands the layers above it within one step, by the source's layer id."""
+
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)         # index sources: ids [B,T,K], -1 none
+    cand: dict[int, torch.Tensor] = field(default_factory=dict)         # candidate sources: bool mask [B,T,N]
+    topk_packed: dict[int, torch.Tensor] = field(default_factory=dict)  # packed decode: ids [B,K], -1 none
+    pool: dict[int, torch.Tensor | None] = field(default_factory=dict)  # packed decode: candidate block pool
+
+
+@dataclass
+class StepContext:
+    """Per-forward state handed down the stack. Rows may sit at different positions (continuous batching); all
+    rows process `seqlen` tokens. `memo` holds what every layer of the step shares and computes once (the
+    visible-entry counts, RoPE tables, window rows of a decode step), keyed by what it depends on."""
+
+    start: torch.Tensor                 # [B] long: position of each row's first token in this call
+    seqlen: int
+    cache: KVStore
+    opts: ForwardOptions = field(default_factory=ForwardOptions)
+    published: Publications = field(default_factory=Publications)
+    image_mask: torch.Tensor | None = None     # [B,T] bool: image-span tokens (from opts.token_types)
+    memo: dict = field(default_factory=dict)
+
+    @property
+    def token_mask(self) -> torch.Tensor | None:
+        """[B,T] bool: text tokens (Engram gates only these), None when every token is text."""
+        return None if self.image_mask is None else ~self.image_mask
+
+    @property
+    def record(self) -> dict | None:
+        return self.opts.record
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[B,T] absolute positions of this call's tokens."""
+        return self.start.unsqueeze(1) + torch.arange(self.seqlen, device=self.start.device)
+
+    @property
+    def uniform_start(self) -> int | None:
+        """The common start position when every row has the same one (the official runtime's case)."""
+        lo, hi = int(self.start.min()), int(self.start.max())
+        return lo if lo == hi else None
+
+    @property
+    def all_prefill(self) -> bool:
+        return int(self.start.max()) == 0
+
+    def memoized(self, key, compute):
+        """memo[key], computed by `compute()` on the first ask within this step."""
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
