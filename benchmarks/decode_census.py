@@ -34,7 +34,7 @@ VIEW_OPS = {"view", "_unsafe_view", "as_strided", "reshape", "unsqueeze", "squee
 KERNEL_OPS = {"dsv41.model.common": ["qdq_fp8"], "dsv41.model.attention": ["qdq_fp8", "sparse_attn"],
               "dsv41.model.moe": ["qdq_fp8", "expert_act", "moe_experts"],
               "dsv41.model.packed_decode": ["sparse_attn_packed", "indexer_topk_packed"],
-              "dsv41.model.transformer": ["mhc_fused"], "dsv41.model.dspark": ["sparse_attn"],
+              "dsv41.model.block": ["mhc_fused"], "dsv41.model.dspark": ["sparse_attn"],
               "dsv41.kv.paged": ["pack_swa_rows"]}
 
 
@@ -93,8 +93,9 @@ def patch_kernel_ops(census: Census) -> collections.Counter:
         mod = importlib.import_module(mod_name)
         for n in names:
             setattr(mod, n, wrap(n, getattr(mod, n)))
-    from dsv41.model.moe import MoE
-    MoE.use_fused = lambda self, x: x.size(0) <= self.FUSED_MAX_TOKENS      # as on a GPU
+    from dsv41.kernels.choice import FUSED_MOE_MAX_TOKENS
+    from dsv41.model import moe
+    moe.fused_moe = lambda x: x.size(0) <= FUSED_MOE_MAX_TOKENS             # as on a GPU
     return calls
 
 

@@ -36,6 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     import dsv41.kernels as K
     from dsv41.config import load_config
+    from dsv41.kernels.choice import set_packed_decode
     from dsv41.kv import PackedKVPool
     from dsv41.model import packed_decode
     from dsv41.model.attention import set_tie_break
@@ -50,7 +51,7 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab_size, (2, 300), generator=g).cuda()
 
     def run(packed: bool, backend: str, capture=None):
-        packed_decode.set_packed_decode(packed)
+        set_packed_decode(packed)
         K.set_backend(backend)
         pool = PackedKVPool(cfg, device="cuda", dtype=torch.bfloat16)
         sids = [pool.new_sequence(), pool.new_sequence()]
@@ -63,7 +64,7 @@ def main() -> None:
                 out.append(m(ids[:, k:k + 1], pool.bind(sids)).logits)
                 if capture is not None and k == 290:
                     capture(False)
-        packed_decode.set_packed_decode(True)
+        set_packed_decode(True)
         K.set_backend("auto")
         return torch.cat(out, 1)
 

@@ -10,6 +10,7 @@ import torch
 
 from dsv41.config import load_config
 from dsv41.kernels import moe_experts, moe_experts_ref
+from dsv41.kernels.choice import FUSED_MOE_MAX_TOKENS
 from dsv41.model.common import set_quantization
 from dsv41.model.moe import MoE
 
@@ -80,10 +81,10 @@ def test_moe_decode_uses_the_op_on_cuda():
     x = torch.randn(1, 4, 256, device="cuda").bfloat16()
     with torch.no_grad():
         fused = moe(x)
-        weights, indices = moe.last_route[1].view(4, -1), moe.last_route[0].view(4, -1)
+        weights, indices, _ = moe.gate(x.view(4, -1))
         ref = moe.module_loop(x.view(4, -1), indices, weights).view_as(fused)
     assert rel_err(fused, ref) < 2e-2
-    big = torch.randn(1, MoE.FUSED_MAX_TOKENS + 1, 256, device="cuda").bfloat16()
+    big = torch.randn(1, FUSED_MOE_MAX_TOKENS + 1, 256, device="cuda").bfloat16()
     with torch.no_grad():                                                      # above the cut: the module loop
         weights, indices, _ = moe.gate(big.view(-1, 256))
         assert torch.equal(moe(big).view(-1, 256), moe.module_loop(big.view(-1, 256), indices, weights))

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.model.mhc import hc_post, hc_pre, identity_pre_mix
+from dsv41.model.mhc import hc_post, hc_pre
 from dsv41.train.qat import TrainCache
 
 CONFIDENCE_WEIGHT = 0.1
@@ -120,12 +120,10 @@ def draft_forward(model, main_hidden: torch.Tensor, markov_ids: torch.Tensor, an
     first, last = stages[0], stages[-1]
     B, A, G = markov_ids.shape
     anchors = torch.arange(A) if anchors is None else anchors
-    S = cfg.hc_mult
     main_x = first.main_norm(first.main_proj(main_hidden))                                  # [B,T,D]
     block = torch.full((B * A, G), cfg.dspark_noise_token_id, dtype=torch.long, device=markov_ids.device)
     block[:, 0] = markov_ids[:, :, 0].reshape(-1)
-    h = model.embed(block).unsqueeze(2).repeat(1, 1, S, 1)                                   # [B*A,G,S,D]
-    pre_mix = identity_pre_mix(B * A, G, S, h.device)
+    h, pre_mix = model.streams_in(model.embed(block))                                         # [B*A,G,S,D]
     for st in stages:
         h, pre_mix = _stage(st, h, pre_mix, main_x, anchors)
     x = hc_pre(h, pre_mix)                                                                   # [B*A,G,D]
