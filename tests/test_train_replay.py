@@ -16,6 +16,7 @@ from dsv41.config import ced_split
 from dsv41.engine.prefill import prefill
 from dsv41.model.attention import window_indices
 from dsv41.model.cache import DenseCache
+from dsv41.model.step import ForwardOptions
 from dsv41.train.trainer import replay_layers, replay_starts, train
 from tests.conftest import continuous_model, rel
 from tests.conftest import logged_losses
@@ -84,11 +85,12 @@ def test_floor_changes_only_queries_at_or_after_it_in_chosen_layers():
     split = ced_split(cfg)
     with torch.no_grad():
         rec0, rec1 = {}, {}
-        ref = m(ids, DenseCache(cfg, 2, torch.float32), 0, record=rec0).logits
-        got = m(ids, DenseCache(cfg, 2, torch.float32), 0, window_floor=s).logits
-        dec = m(ids, DenseCache(cfg, 2, torch.float32), 0, window_floor=s, record=rec1,
-                window_floor_layers=frozenset(range(split, cfg.n_layers))).logits
-        none = m(ids, DenseCache(cfg, 2, torch.float32), 0, window_floor=s, window_floor_layers=frozenset()).logits
+        ref = m(ids, DenseCache(cfg, 2, torch.float32), 0, ForwardOptions(record=rec0)).logits
+        got = m(ids, DenseCache(cfg, 2, torch.float32), 0, ForwardOptions(window_floor=s)).logits
+        dec = m(ids, DenseCache(cfg, 2, torch.float32), 0, ForwardOptions(
+            window_floor=s, record=rec1, window_floor_layers=frozenset(range(split, cfg.n_layers)))).logits
+        none = m(ids, DenseCache(cfg, 2, torch.float32), 0,
+                 ForwardOptions(window_floor=s, window_floor_layers=frozenset())).logits
     assert torch.equal(none, ref)                                     # no layer chosen: exactly no floor
     for b in range(2):
         sb = int(s[b])
@@ -113,15 +115,15 @@ def test_training_floor_equals_continuation_over_store_without_swa():
     ids = tokens(cfg, 2, T, seed=1)
     floor = torch.full((2,), s)
     with torch.no_grad():
-        one = m(ids, DenseCache(cfg, 2, torch.float32), 0, window_floor=floor,
-                window_floor_layers=frozenset(range(cfg.n_layers))).logits
+        one = m(ids, DenseCache(cfg, 2, torch.float32), 0,
+                ForwardOptions(window_floor=floor, window_floor_layers=frozenset(range(cfg.n_layers)))).logits
         plain = m(ids, DenseCache(cfg, 2, torch.float32), 0).logits
         c = DenseCache(cfg, 2, torch.float32)
         m(ids[:, :s], c, 0)
         g = torch.Generator().manual_seed(0)
         for ring in c.window.values():
             ring.copy_(torch.randn(ring.shape, generator=g) * 1e3)
-        cont = m(ids[:, s:], c, s, window_floor=floor).logits
+        cont = m(ids[:, s:], c, s, ForwardOptions(window_floor=floor)).logits
     assert rel(cont, one[:, s:]) < 1e-5
     assert rel(plain[:, s:], one[:, s:]) > 1e-2
 
@@ -139,8 +141,8 @@ def test_training_decoder_floor_equals_ced_bounded_prefill(N):
     with torch.no_grad():
         eng = prefill(m, ids[:, :N], DenseCache(cfg, 2, torch.float32), mode="ced-bounded").logits
         full = prefill(m, ids[:, :N], DenseCache(cfg, 2, torch.float32), mode="full").logits
-        tr = m(ids, DenseCache(cfg, 2, torch.float32), 0, window_floor=s,
-               window_floor_layers=replay_layers(cfg, "decoder")).logits[:, N - 1]
+        tr = m(ids, DenseCache(cfg, 2, torch.float32), 0,
+               ForwardOptions(window_floor=s, window_floor_layers=replay_layers(cfg, "decoder"))).logits[:, N - 1]
     assert rel(tr, eng) < 1e-5
     assert rel(full, eng) > 1e-3
 
