@@ -95,7 +95,10 @@ def test_floor_changes_only_queries_at_or_after_it_in_chosen_layers():
     for b in range(2):
         sb = int(s[b])
         for out in (got, dec):
-            assert torch.equal(out[b, :sb], ref[b, :sb])              # queries before the start: bit-identical
+            # queries before the start: the same function. Not bit for bit: the floor changes the routes of the
+            # later queries, so each expert's GEMM runs over another number of rows, and the math library's
+            # summation order for a row may depend on that count (a 1-ulp difference seen on an AMD EPYC)
+            assert rel(out[b, :sb], ref[b, :sb]) < 1e-5
             gap = (out[b, sb:] - ref[b, sb:]).abs().amax(-1)
             assert bool((gap > 1e-3).all()), gap                      # every query from the start on changes
     for L in range(split):                                            # encoder untouched by a decoder floor
