@@ -72,9 +72,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / a.norm().clamp_min(1e-30))
 
 
+def _floor(name: str) -> float:
+    """The smallest tolerance of a gradient tensor. The mHC scales (3 scalars a layer) sum over every token and
+    cancel: their gradients move by ~1e-4 under reorderings that the one measured below does not include (another
+    CPU's dispatch: 1.3e-4 on an AMD EPYC under ATEN_CPU_CAPABILITY=default), so 1e-3 for them, 1e-4 otherwise."""
+    return 1e-3 if name.endswith(("hc_attn_scale", "hc_ffn_scale")) else 1e-4
+
+
 def _check(m, x, y, replay: str, monkeypatch, strict_total: bool) -> None:
     """Fast vs reference: loss within 1e-4; the gradient over all parameters within 1e-4 (`strict_total`) and
-    every tensor within max(1e-4, 10 x the reference's own summation-order sensitivity); the same routes."""
+    every tensor within max(`_floor`, 10 x the reference's own summation-order sensitivity); the same routes."""
     l0, g0, r0 = _loss_and_grads(m, x, y, False, replay)
     l1, g1, r1 = _loss_and_grads(m, x, y, True, replay)
     with monkeypatch.context() as mp:
@@ -86,7 +93,7 @@ def _check(m, x, y, replay: str, monkeypatch, strict_total: bool) -> None:
     err, noise = _rel(total(g0), total(g1)), _rel(total(g0), total(g2))
     assert err < (1e-4 if strict_total else max(1e-4, 4 * noise)), (err, noise)
     bad = {n: (_rel(g0[n], g1[n]), _rel(g0[n], g2[n])) for n in g0
-           if _rel(g0[n], g1[n]) >= max(1e-4, 10 * _rel(g0[n], g2[n]))}
+           if _rel(g0[n], g1[n]) >= max(_floor(n), 10 * _rel(g0[n], g2[n]))}
     assert not bad, bad
     assert all(torch.equal(a, b) for a, b in zip(r0, r1))                     # the same expert routes
 
