@@ -298,8 +298,11 @@ class Attention(QuantSite):
         latent = apply_rope(latent, h2d(self.rope.freqs(pos), latent.device))
         cache.append_compressed(self.layer, row0, qdq_main_kv(latent) if self.quant else latent, count)
 
-    def compressed_part(self, u, qr, freqs, offset, ctx: StepContext):
-        """(compressed KV [B,N,C], indices into [window || compressed] [B,T,K]) of a layer with m > 0."""
+    def with_compressed(self, u, qr, freqs, win_kv: torch.Tensor, win_idx: torch.Tensor, ctx: StepContext):
+        """The window KV [B,W',C] and its index lists [B,T,Kw], extended by this layer's selected compressed
+        entries when it has m > 0: ([window || compressed] KV, indices into it [B,T,Kw+K])."""
+        if not self.role.ratio:
+            return win_kv, win_idx
         role, m, cache = self.role, self.role.ratio, ctx.cache
         B, T = u.shape[:2]
         n_vis = (ctx.start + T) // m                                                # [B]
@@ -317,8 +320,9 @@ class Attention(QuantSite):
                     ctx.record[("cand", self.layer)] = ctx.published.cand[self.layer]
         else:
             idx = ctx.published.topk[role.topk_from][:, -T:]                        # source may have run on more rows
-        idx = torch.where(idx >= 0, idx + offset, -1).int()
-        return cache.compressed(role.kv_from, n_vis), idx
+        idx = torch.where(idx >= 0, idx + win_kv.size(1), -1).int()
+        kv = torch.cat([win_kv, cache.compressed(role.kv_from, n_vis).to(win_kv.dtype)], dim=1)
+        return kv, torch.cat([win_idx, idx.to(win_idx.dtype)], dim=-1)
 
     def forward(self, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         if packed_decode.applies(self, ctx):
@@ -331,10 +335,6 @@ class Attention(QuantSite):
         win_kv = kv if prefill else torch.cat([ctx.cache.window_ring(self.layer).to(kv.dtype), kv], dim=1)
         idx = h2d(window_indices(ctx.start, T, self.window, prefill, ctx.opts.floor_for(self.layer)), u.device).int()
         ctx.cache.write_window(self.layer, ctx.start, kv)
-        kv_all = win_kv
-        if self.role.ratio:
-            ckv, cidx = self.compressed_part(u, qr, freqs, win_kv.size(1), ctx)
-            kv_all = torch.cat([win_kv, ckv.to(kv.dtype)], dim=1)
-            idx = torch.cat([idx, cidx], dim=-1)
+        kv_all, idx = self.with_compressed(u, qr, freqs, win_kv, idx, ctx)
         o = sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)
         return self.output(o, freqs)

@@ -42,11 +42,12 @@ class Block(nn.Module):
         self.hc_ffn_scale = nn.Parameter(torch.ones(3, dtype=f32))
         self.engram = Engram(cfg, role.layer, dtype) if role.has_engram else None
 
-    def mixes(self, x: torch.Tensor, which: str):
-        """(pre, post, comb) of the sub-layer `which` ("attn" or "ffn") from the stream x [B,T,S,D]."""
+    def mixes(self, x: torch.Tensor, which: str, compute=hc_mixes):
+        """(pre, post, comb) of the sub-layer `which` ("attn" or "ffn") from the stream x [B,T,S,D], by `compute`
+        (`hc_mixes`, or a function of its signature: the training fast path's)."""
         cfg = self.cfg
         fn, scale, base = (getattr(self, f"hc_{which}_{k}") for k in ("fn", "scale", "base"))
-        return hc_mixes(x, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        return compute(x, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
     def attn_input(self, x: torch.Tensor, pre_mix: torch.Tensor):
         """The attention side's mHC step on its own: (normed attention input [B,T,D], (pre, post, comb))."""

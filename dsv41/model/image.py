@@ -65,10 +65,6 @@ class ImageRecord:
     def length(self) -> int:
         return int(self.types.numel())
 
-    @property
-    def n_image_slots(self) -> int:
-        return int((self.types == IMAGE).sum())
-
 
 # ------------------------------------------------------------------------------------------------ size plan
 
@@ -145,12 +141,14 @@ def image_token_types(n_llm_h: int, n_llm_w: int) -> torch.Tensor:
 def open_image(source: Any) -> Image.Image:
     """An RGB PIL image from a path, raw bytes, a file object or a PIL image. ValueError when it is not an image
     or has zero size."""
+    def rgb(src: Image.Image) -> Image.Image:
+        if src.width <= 0 or src.height <= 0:
+            raise ValueError(f"image has zero size ({src.width}x{src.height})")
+        return src.convert("RGB")
+
     try:
         if isinstance(source, Image.Image):
-            src = source
-            if src.width <= 0 or src.height <= 0:
-                raise ValueError(f"image has zero size ({src.width}x{src.height})")
-            return src.convert("RGB")
+            return rgb(source)
         if isinstance(source, (bytes, bytearray, memoryview)):
             stream = io.BytesIO(bytes(source))
         elif isinstance(source, (str, os.PathLike)):
@@ -161,9 +159,7 @@ def open_image(source: Any) -> Image.Image:
         else:
             raise ValueError(f"cannot load an image from a {type(source).__name__}")
         with Image.open(stream) as src:
-            if src.width <= 0 or src.height <= 0:
-                raise ValueError(f"image has zero size ({src.width}x{src.height})")
-            return src.convert("RGB")
+            return rgb(src)
     except (UnidentifiedImageError, Image.DecompressionBombError, SyntaxError, EOFError) as e:
         raise ValueError(f"not a readable image: {e}") from e
     except OSError as e:

@@ -73,15 +73,16 @@ def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, tile: int = 32) -> to
     return w * _tile_scales(e8m0_to_float(scale), *w.shape, tile)
 
 
-def dequant_fp4(weight: torch.Tensor, scale: torch.Tensor, group: int = 32) -> torch.Tensor:
-    codes = unpack_nibbles(weight.view(torch.uint8))
-    w = e2m1_to_float(codes)
+def _row_scaled(w: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     return w * e8m0_to_float(scale).repeat_interleave(group, 1)[:, :w.size(1)]
+
+
+def dequant_fp4(weight: torch.Tensor, scale: torch.Tensor, group: int = 32) -> torch.Tensor:
+    return _row_scaled(e2m1_to_float(unpack_nibbles(weight.view(torch.uint8))), scale, group)
 
 
 def dequant_rows(weight: torch.Tensor, scale: torch.Tensor, group: int = 32) -> torch.Tensor:
-    w = e4m3_to_float(weight)
-    return w * e8m0_to_float(scale).repeat_interleave(group, 1)[:, :w.size(1)]
+    return _row_scaled(e4m3_to_float(weight), scale, group)
 
 
 def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -101,23 +102,26 @@ def quant_fp8(w: torch.Tensor, tile: int = 32) -> tuple[torch.Tensor, torch.Tens
     return codes.view(torch.float8_e4m3fn), float_to_e8m0(s).view(torch.float8_e8m0fnu)
 
 
-def quant_fp4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [out,in] -> (int8 [out,in/2] two E2M1 codes a byte, e8m0 bytes [out,in/32])."""
+def _quant_row_groups(w: torch.Tensor, group: int, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [out,in] -> (values divided by their scale [out,in], e8m0 bytes [out,in/group]): one power-of-two
+    scale per `group` along each row, the smallest that brings the group's amax within qmax."""
     w = w.float()
     R, C = w.shape
     g = w.view(R, C // group, group)
-    s = _pow2_scale(g.abs().amax(-1), 6.0)
-    codes = float_to_e2m1((g / s.unsqueeze(-1)).clamp(-6, 6).view(R, C))
-    return pack_nibbles(codes).view(torch.int8), float_to_e8m0(s).view(torch.float8_e8m0fnu)
+    s = _pow2_scale(g.abs().amax(-1), qmax)
+    return (g / s.unsqueeze(-1)).view(R, C), float_to_e8m0(s).view(torch.float8_e8m0fnu)
+
+
+def quant_fp4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [out,in] -> (int8 [out,in/2] two E2M1 codes a byte, e8m0 bytes [out,in/32])."""
+    x, s = _quant_row_groups(w, group, 6.0)
+    return pack_nibbles(float_to_e2m1(x.clamp(-6, 6))).view(torch.int8), s
 
 
 def quant_rows(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    w = w.float()
-    R, C = w.shape
-    g = w.view(R, C // group, group)
-    s = _pow2_scale(g.abs().amax(-1), 448.0)
-    codes = float_to_e4m3((g / s.unsqueeze(-1)).view(R, C))
-    return codes.view(torch.float8_e4m3fn), float_to_e8m0(s).view(torch.float8_e8m0fnu)
+    """float [out,in] -> (e4m3 bytes [out,in], e8m0 bytes [out,in/32]): the Engram table's storage."""
+    x, s = _quant_row_groups(w, group, 448.0)
+    return float_to_e4m3(x).view(torch.float8_e4m3fn), s
 
 
 def representable(model: torch.nn.Module, cfg: ModelConfig) -> None:

@@ -13,17 +13,15 @@ from dsv41.model.cache import DenseCache
 from dsv41.model.step import ForwardOptions, StepContext
 
 
-def _collect_prefill(model, rec: dict, out: dict, prefix: str = "") -> None:
+def _collect_prefill(model, rec: dict, out: dict) -> None:
     for r in model.roles:
         if r.is_index_source and ("topk", r.layer) in rec:
-            out[f"{prefix}topk.{r.layer}"] = rec[("topk", r.layer)]
+            out[f"topk.{r.layer}"] = rec[("topk", r.layer)]
         if ("cand", r.layer) in rec:
-            out[f"{prefix}candidates.{r.layer}"] = rec[("cand", r.layer)]
-    if not prefix:
-        for L in range(len(model.layers)):
-            idx, w = rec[("experts", L)]
-            out[f"experts.{L}"] = idx.int()
-            out[f"expert_weights.{L}"] = w.float()
+            out[f"candidates.{r.layer}"] = rec[("cand", r.layer)]
+        idx, w = rec[("experts", r.layer)]
+        out[f"experts.{r.layer}"] = idx.int()
+        out[f"expert_weights.{r.layer}"] = w.float()
 
 
 @torch.no_grad()

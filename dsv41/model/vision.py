@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.model.common import warm_up_transcendentals
+from dsv41.model.common import RMSNorm, warm_up_transcendentals
 from dsv41.model.image import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START
 
 VISION_NORM_EPS = 1e-6
@@ -46,18 +46,9 @@ class VisionLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class VisionRMSNorm(nn.Module):
-    """fp32 x * rsqrt(mean(x^2) + eps) times the fp32 weight, cast back to the input dtype."""
-
-    def __init__(self, dim: int, eps: float = VISION_NORM_EPS):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf).to(x.dtype)
+def vision_norm(dim: int) -> RMSNorm:
+    """The tower's RMSNorm: the model's, with an fp32 weight (fp32 math, cast back to the input dtype)."""
+    return RMSNorm(dim, VISION_NORM_EPS, torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------ 2D RoPE
@@ -138,9 +129,9 @@ class VisionMLP(nn.Module):
 class VisionBlock(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype):
         super().__init__()
-        self.norm1 = VisionRMSNorm(cfg.vision_dim)
+        self.norm1 = vision_norm(cfg.vision_dim)
         self.attn = VisionAttention(cfg, dtype)
-        self.norm2 = VisionRMSNorm(cfg.vision_dim)
+        self.norm2 = vision_norm(cfg.vision_dim)
         self.mlp = VisionMLP(cfg, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -162,7 +153,7 @@ class ViT(nn.Module):
         self.patch_size = cfg.vision_patch_size
         self.patch_embed = PatchEmbed(cfg, dtype)
         self.blocks = nn.ModuleList([VisionBlock(cfg, dtype) for _ in range(cfg.vision_n_layers)])
-        self.norm = VisionRMSNorm(C)
+        self.norm = vision_norm(C)
 
     def forward(self, patches: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
         p = self.patch_size

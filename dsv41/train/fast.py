@@ -74,11 +74,7 @@ def attention_forward(attn: Attention, u: torch.Tensor, ctx: StepContext) -> tor
     qr, q = attn.queries(u, freqs)
     kv = attn.window_kv(u, freqs)
     idx = window_indices(ctx.start, T, attn.window, True, ctx.opts.floor_for(attn.layer)).to(u.device)
-    kv_all = kv
-    if attn.role.ratio:
-        ckv, cidx = attn.compressed_part(u, qr, freqs, kv.size(1), ctx)
-        kv_all = torch.cat([kv, ckv.to(kv.dtype)], dim=1)
-        idx = torch.cat([idx, cidx.to(idx.dtype)], dim=-1)
+    kv_all, idx = attn.with_compressed(u, qr, freqs, kv, idx, ctx)
     o = dense_sparse_attn(q, kv_all, attn.attn_sink, idx, attn.softmax_scale)
     return attn.output(o, freqs)
 
@@ -142,12 +138,6 @@ def hc_mixes_fast(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     return pre, post, comb
 
 
-def block_mixes(block, x: torch.Tensor, which: str):
-    cfg = block.cfg
-    fn, scale, base = (getattr(block, f"hc_{which}_{k}") for k in ("fn", "scale", "base"))
-    return hc_mixes_fast(x, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
-
-
 # ------------------------------------------------------------------------------------------------ MoE
 
 def moe_forward(moe, x: torch.Tensor) -> torch.Tensor:
@@ -202,11 +192,11 @@ def moe_forward(moe, x: torch.Tensor) -> torch.Tensor:
 def block_forward(block, x: torch.Tensor, pre_mix: torch.Tensor, ctx: StepContext):
     """`Block.forward` (x [B,T,S,D], the previous block's FFN pre) -> (x', this block's FFN pre)."""
     residual = x
-    _, a_post, a_comb = a_mix = block_mixes(block, x, "attn")
+    _, a_post, a_comb = a_mix = block.mixes(x, "attn", hc_mixes_fast)
     h = block.attn_norm(hc_pre(x, pre_mix))
     h = attention_forward(block.attn, h, ctx) if type(block.attn) is Attention else block.attn(h, ctx)
     x = hc_post_fast(h, residual, a_post, a_comb)
-    f_pre, f_post, f_comb = block_mixes(block, x, "ffn")
+    f_pre, f_post, f_comb = block.mixes(x, "ffn", hc_mixes_fast)
     h = block.ffn_norm(hc_pre(x, a_mix[0]))
     h = moe_forward(block.ffn, h)
     return hc_post_fast(h, x, f_post, f_comb), f_pre
