@@ -17,6 +17,7 @@ import torch
 from dsv41.devices import h2d
 from dsv41.kernels import decode_window_rows, indexer_topk_packed, sparse_attn_packed
 from dsv41.kernels.choice import packed_decode
+from dsv41.model.cache import PackedKVStore
 from dsv41.model.common import apply_rope
 from dsv41.model.step import StepContext
 
@@ -31,7 +32,8 @@ def applies(attn, ctx: StepContext) -> bool:
 def _selection(attn, u, qr, freqs, ctx: StepContext) -> torch.Tensor:
     """Top-k compressed-entry ids [B,K] (ascending, -1 none) of a layer with m > 0; publishes what layers above
     read (their top-k source, their candidate pool as block ids)."""
-    role, m, cache, pub = attn.role, attn.role.ratio, ctx.cache, ctx.published
+    role, m, pub = attn.role, attn.role.ratio, ctx.published
+    cache: PackedKVStore = ctx.cache
     B = u.size(0)
     if not role.is_index_source:
         return pub.topk_packed[role.topk_from]
@@ -62,7 +64,8 @@ def _selection(attn, u, qr, freqs, ctx: StepContext) -> torch.Tensor:
 
 def attention_decode_packed(attn, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """`Attention.forward` for one token per row over the packed store. u [B,1,D] -> [B,1,D]."""
-    cache, L = ctx.cache, attn.layer
+    cache: PackedKVStore = ctx.cache
+    L = attn.layer
     rope = id(attn.rope.inv_freq)                       # one table per theta / YaRN setting (lru-cached)
     freqs = ctx.memoized(("rope-freqs", rope), lambda: h2d(attn.rope.freqs(ctx.positions), u.device))  # [B,1,R/2]
     qr, q = attn.queries(u, freqs)

@@ -20,7 +20,13 @@ class ForwardOptions:
 
     Each option serves one kind of caller: images (vision prompts), the official decode artifact and recording
     (golden parity, `dsv41.model.runner`), window floors and `produce_kv` (replay: prefix caching and training's
-    bounded-replay simulation), the journal (speculative verification, `dsv41.engine.speculative`)."""
+    bounded-replay simulation), the journal (speculative verification, `dsv41.engine.speculative`).
+
+    `window_floor` truncates the sliding window of every layer, or of those in `window_floor_layers` when given.
+    In a prefill at position 0 only the queries at or after the floor lose keys (training's replay simulation,
+    `dsv41.train.qat`); otherwise every query of the call does. `produce_kv=False` re-runs tokens whose global
+    KV is already stored; `journal` (a dict) receives what a speculative verify needs to roll back rejected
+    tokens."""
 
     token_types: torch.Tensor | None = None    # [B,T] >= 0 on image-span tokens (VL routing bias, Engram mask)
     images: list | None = None                 # the prompt's image records (first chunk only)

@@ -113,7 +113,7 @@ class Transformer(nn.Module):
         their __call__) or `fuse` is off (every block on its own, `Block.forward`: CED prefill's encoder, whose
         GPU numerics are those of the unfused steps). With ctx.record, each block's output stream and FFN pre
         are kept."""
-        head = None                      # this block's attention input, when the previous block computed it
+        attn_in = None                   # this block's attention input, when the previous block computed it
         for i, layer in enumerate(layers):
             if i or not entered:
                 h = self.block_input(layer, h, ctx, hashes, taps)
@@ -122,11 +122,11 @@ class Transformer(nn.Module):
             elif not (fuse and fused_mhc_across(layer)):
                 h, pre_mix = layer(h, pre_mix, ctx)
             else:
-                if head is None:
-                    head = layer.attn_input(h, pre_mix)
+                if attn_in is None:
+                    attn_in = layer.attn_input(h, pre_mix)
                 nxt = layers[i + 1] if i + 1 < len(layers) else None
                 nxt = nxt if nxt is not None and nxt.engram is None and fused_mhc_across(nxt) else None
-                h, pre_mix, head = layer.attn_and_ffn(h, *head, ctx, nxt=nxt)
+                h, pre_mix, attn_in = layer.attn_and_ffn(h, *attn_in, ctx, nxt=nxt)
             if ctx.record is not None:
                 ctx.record[("block_out", layer.layer)] = h
                 ctx.record[("block_pre_out", layer.layer)] = pre_mix
@@ -144,12 +144,8 @@ class Transformer(nn.Module):
         `last_only`: logits of the last position only.
 
         Prefill (P = 0, any T), decode (T = 1) and chunked prefill (any P, T) share this one path; rows may
-        sit at different positions (continuous batching). `opts` (`ForwardOptions`) for images, parity runs,
-        replay and speculative verification: `window_floor` truncates every layer's sliding window (replay), or
-        only those in `window_floor_layers` when given (training's replay simulation passes both with a prefill
-        at position 0: there only queries at or after the floor lose keys); `produce_kv=False` re-runs tokens
-        whose global KV is already stored (replay); `journal` (a dict) records what a speculative verify needs
-        to roll back rejected tokens (`dsv41.engine.speculative`)."""
+        sit at different positions (continuous batching). `opts` (`ForwardOptions`): images, parity recording,
+        replay (window floors, no KV production) and speculative verification (the journal)."""
         opts = opts or ForwardOptions()
         B, T = input_ids.shape
         start = cache.pos.clone()
