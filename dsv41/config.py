@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 PRESET_DIR = Path(__file__).parent / "presets"
 PRESETS = ("v41-flash", "v41-geometry", "tiny", "debug")
 
@@ -318,6 +320,19 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
     if not p.is_file():
         raise ValueError(f"no such config: {s!r} (presets: {', '.join(PRESETS)}; or a config.json / checkpoint dir)")
     return ModelConfig.from_json(p)
+
+
+# ------------------------------------------------------------------------------------------------ precision
+
+# The two precisions a model runs in: float32 (parity, tests) and bfloat16 (the official numerics).
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """The torch dtype a `--dtype` name stands for."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 # ------------------------------------------------------------------------------------------------ roles
