@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from dsv41.config import DTYPES, parse_dtype
 
 
 def register(sub) -> None:
@@ -34,7 +34,7 @@ def main(args) -> int:
     if args.decode_steps < 0:
         raise ValueError(f"--decode-steps must be >= 0, got {args.decode_steps}")
     t0 = time.perf_counter()
-    model, cfg = load_model(args.checkpoint, dtype=DTYPES[args.dtype])
+    model, cfg = load_model(args.checkpoint, dtype=parse_dtype(args.dtype))
     model.eval()
     seqs = json.loads(Path(args.tokens).read_text())
     images = [s for s in args.images.split(",") if s] if args.images else []
