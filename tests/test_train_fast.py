@@ -21,7 +21,7 @@ from dsv41.model.common import set_quantization
 from dsv41.model.init import init_weights
 from dsv41.model.transformer import Transformer
 from dsv41.train import fast as fast_mod
-from dsv41.train.trainer import LMTrainModule, replay_layers, replay_starts
+from dsv41.train.pretrain import LMTrainModule, replay_layers, replay_starts
 from tests.conftest import small_corpus
 
 SHAPES = {"debug": (4, 32), "tiny": (2, 128)}       # tiny: T = 2W, so compressed top-k and pools really select

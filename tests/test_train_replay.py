@@ -17,7 +17,8 @@ from dsv41.engine.prefill import prefill
 from dsv41.model.attention import window_indices
 from dsv41.model.cache import DenseCache
 from dsv41.model.step import ForwardOptions
-from dsv41.train.trainer import replay_layers, replay_starts, train
+from dsv41.train.pretrain import replay_layers, replay_starts
+from dsv41.train.trainer import train
 from tests.conftest import continuous_model, rel
 from tests.conftest import logged_losses
 from tests.test_train_trainer import _cfg

@@ -77,13 +77,18 @@ def checkpoint_step(out_dir: str | Path) -> int | None:
     return int(step) if step is not None else None
 
 
+def read_train_state(out_dir: str | Path) -> dict:
+    """The train state saved in `out_dir` (the run's settings under "config")."""
+    path = Path(out_dir) / TRAIN_STATE
+    if not path.is_file():
+        raise ValueError(f"--resume: {out_dir} holds no {TRAIN_STATE} (nothing to resume)")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load_training_checkpoint(out_dir: str | Path, model: torch.nn.Module) -> dict:
     """Load the model weights from `out_dir` into `model` (strict) and return the train state."""
     out = Path(out_dir)
-    state_path = out / TRAIN_STATE
-    if not state_path.is_file():
-        raise ValueError(f"--resume: {out} holds no {TRAIN_STATE} (nothing to resume)")
-    state = torch.load(state_path, map_location="cpu", weights_only=True)
+    state = read_train_state(out)
     step = checkpoint_step(out)
     if step != state["step"]:
         raise ValueError(f"--resume: {out} has model step {step} but train state step {state['step']} "

@@ -12,8 +12,10 @@ Examples
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from dsv41.train.trainer import DEFAULT_MINUTES, REPLAY_MODES, TrainConfig, train
+from dsv41.train.config import DEFAULT_MINUTES, DEVICES, MUON_NS, OPTIMIZERS, REPLAY_MODES, STAGES, TrainConfig
+from dsv41.train.trainer import train
 
 
 def register(subparsers) -> None:
@@ -21,7 +23,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a model (pretraining or the DSpark drafter stage)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default=d.preset, help="model preset (tiny, debug, ...) or config.json")
-    p.add_argument("--stage", choices=("pretrain", "dspark"), default=d.stage)
+    p.add_argument("--stage", choices=STAGES, default=d.stage)
     p.add_argument("--init", default=None, help="dspark stage: the pretrained checkpoint directory")
     p.add_argument("--data", default=None,
                    help="text file, directory or JSONL ('text' field); default: the Python standard library")
@@ -42,9 +44,9 @@ def register(subparsers) -> None:
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of the run)")
     p.add_argument("--clip", type=float, default=d.clip, help="gradient-norm clip (0: off)")
-    p.add_argument("--optimizer", choices=("muon", "adamw"), default=d.optimizer,
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
                    help="muon: head-wise Muon + Muon + Sinkhorn + AdamW by route; adamw: AdamW for everything")
-    p.add_argument("--muon-ns", choices=("auto", "fp32", "bf16"), default=d.muon_ns,
+    p.add_argument("--muon-ns", choices=MUON_NS, default=d.muon_ns,
                    help="Newton-Schulz dtype of the Muon routes (auto: bf16 on GPUs and on CPUs with AMX, else fp32)")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=d.fast,
                    help="the training-only fast forward (same function as the model's, dense masked attention, "
@@ -59,7 +61,7 @@ def register(subparsers) -> None:
     p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="validation windows per evaluation")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on CPU: 1, steady on shared cores)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
+    p.add_argument("--device", choices=DEVICES, default=d.device)
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 instead of DDP (under torchrun; NCCL on GPUs, gloo on CPU)")
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="greedy sample length at the end")
@@ -70,15 +72,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     out = args.out or f"runs/train-{args.preset}" + ("-dspark" if args.stage == "dspark" else "")
-    cfg = TrainConfig(preset=args.preset, stage=args.stage, data=args.data, out=out, init=args.init,
-                      steps=args.steps, minutes=args.minutes, seq_len=args.seq_len, batch_size=args.batch_size,
-                      grad_accum=args.grad_accum, lr=args.lr, weight_decay=args.weight_decay, warmup=args.warmup,
-                      clip=args.clip, optimizer=args.optimizer, muon_ns=args.muon_ns, fast=args.fast, qat=args.qat, balance_rate=args.balance_rate,
-                      seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows,
-                      val_fraction=args.val_fraction, replay=args.replay,
-                      threads=args.threads, device=args.device, fsdp=args.fsdp, sample_tokens=args.sample_tokens,
-                      quiet=args.quiet)
-    train(cfg, resume=args.resume, stop_at=args.stop_at)
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    train(TrainConfig(**{**given, "out": out}), resume=args.resume, stop_at=args.stop_at)
     return 0
 
 

@@ -33,12 +33,18 @@ accepted): a_i = #(slots 1..i all match) / #(slots 1..i-1 all match). Measured t
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
+from dsv41.config import load_config
 from dsv41.model.mhc import hc_post, hc_pre
 from dsv41.train.qat import TrainCache
+from dsv41.train.stage import Stage, greedy_continue
 
 CONFIDENCE_WEIGHT = 0.1
 DEFAULT_ANCHORS = 32
@@ -167,6 +173,28 @@ def acceptance_rates(counts: torch.Tensor) -> dict:
 
 # ------------------------------------------------------------------------------------------------ training
 
+def backbone(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen backbone's training prefill of ids [B,T]: (fp32 logits [B,T,V], main_hidden [B,T,taps*D])."""
+    with torch.no_grad():
+        out = model(ids, TrainCache(model.cfg, ids.size(0), model.dtype, ids.device), 0)
+    return out.logits.float(), out.main_hidden
+
+
+def drafts_and_targets(model, ids: torch.Tensor, anchors: torch.Tensor | None = None):
+    """Backbone, then the drafter at `anchors` (default 0..T-2) of ids [B,T]: (draft logits [B,A,G,V], confidence
+    logits [B,A,G], the target's logits for each slot [B,A,G,V], slot validity [B,A,G], backbone logits [B,T,V])."""
+    G = model.cfg.dspark_block_size
+    target_logits, main_hidden = backbone(model, ids)
+    markov, valid = anchor_ids(ids, G, model.cfg.engram_pad_id, anchors)
+    logits, conf = draft_forward(model, main_hidden, markov.to(ids.device), anchors)
+    return logits, conf, target_rows(target_logits, G, anchors), valid.to(ids.device), target_logits
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the drafts against the target's distribution, per slot: [..., V] -> [...]."""
+    return -(torch.softmax(target_logits, -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
+
+
 class DSparkTrainModule(nn.Module):
     """forward(ids [B,T], _) -> (loss, metrics): frozen backbone forward, then the drafter loss over the anchors
     of the last `anchors` positions (default: all). Every anchor costs G drafter tokens while the backbone
@@ -177,25 +205,12 @@ class DSparkTrainModule(nn.Module):
         super().__init__()
         self.model, self.anchors = model, anchors
 
-    def backbone(self, ids: torch.Tensor):
-        m = self.model
-        with torch.no_grad():
-            out = m(ids, TrainCache(m.cfg, ids.size(0), m.dtype, ids.device), 0)
-        return out.logits.float(), out.main_hidden
-
     def forward(self, ids: torch.Tensor, _targets: torch.Tensor | None = None):
-        cfg = self.model.cfg
-        G = cfg.dspark_block_size
-        target_logits, main_hidden = self.backbone(ids)
         T = ids.size(1)
         anchors = anchor_positions(T, max(0, T - 1 - self.anchors) if self.anchors else 0)
-        markov, valid = anchor_ids(ids, G, cfg.engram_pad_id, anchors)
-        logits, conf = draft_forward(self.model, main_hidden, markov.to(ids.device), anchors)
-        tl = target_rows(target_logits, G, anchors)                                         # [B,A,G,V]
-        valid = valid.to(ids.device)
-        ce = -(torch.softmax(tl, -1) * torch.log_softmax(logits.float(), -1)).sum(-1)        # [B,A,G]
+        logits, conf, tl, valid, _ = drafts_and_targets(self.model, ids, anchors)
         n = valid.sum().clamp(min=1)
-        loss = (ce * valid).sum() / n
+        loss = (soft_cross_entropy(logits, tl) * valid).sum() / n
         match = (logits.argmax(-1) == tl.argmax(-1)) & valid
         before = torch.cumprod(torch.cat([torch.ones_like(match[..., :1]), match[..., :-1]], -1).long(), -1)
         w = before.bool() & valid
@@ -209,20 +224,12 @@ class DSparkTrainModule(nn.Module):
 @torch.no_grad()
 def evaluate_drafter(model, windows: torch.Tensor, batch_size: int) -> dict:
     """Teacher-forced drafter loss and acceptance on validation windows [N, T+1] (their first T tokens)."""
-    mod = DSparkTrainModule(model)
-    G = model.cfg.dspark_block_size
-    counts = torch.zeros(G + 1, dtype=torch.long)
+    counts = torch.zeros(model.cfg.dspark_block_size + 1, dtype=torch.long)
     losses = []
     dev = next(model.parameters()).device
     for i in range(0, windows.size(0), batch_size):
-        ids = windows[i:i + batch_size, :-1].to(dev)
-        tl, hidden = mod.backbone(ids)
-        markov, valid = anchor_ids(ids, G, model.cfg.engram_pad_id)
-        logits, _ = draft_forward(model, hidden, markov.to(dev))
-        tgt = target_rows(tl, G)
-        valid = valid.to(dev)
-        ce = -(torch.softmax(tgt, -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
-        losses.append(float((ce * valid).sum() / valid.sum()))
+        logits, _, tgt, valid, _ = drafts_and_targets(model, windows[i:i + batch_size, :-1].to(dev))
+        losses.append(float((soft_cross_entropy(logits, tgt) * valid).sum() / valid.sum()))
         counts += acceptance_counts(logits.argmax(-1), tgt.argmax(-1), valid)
     out = acceptance_rates(counts)
     out["draft_ce"] = sum(losses) / len(losses)
@@ -234,18 +241,58 @@ def greedy_acceptance(model, prompts: torch.Tensor, n_new: int) -> dict:
     """Acceptance on the backbone's own greedy continuations of `prompts` [B,P]: anchors whose drafted tokens
     all lie in the generated part, target = the backbone's argmax on the whole sequence (what a verification
     forward computes)."""
-    from dsv41.train.trainer import greedy_continue
-
-    G = model.cfg.dspark_block_size
     seq = greedy_continue(model, prompts, n_new)
-    mod = DSparkTrainModule(model)
-    tl, hidden = mod.backbone(seq)
-    markov, valid = anchor_ids(seq, G, model.cfg.engram_pad_id)
-    logits, _ = draft_forward(model, hidden, markov.to(seq.device))
-    A = seq.size(1) - 1
-    in_gen = (torch.arange(A) >= prompts.size(1) - 1).view(1, A, 1).to(valid.device)
-    counts = acceptance_counts(logits.argmax(-1), target_rows(tl, G).argmax(-1), valid & in_gen)
-    out = acceptance_rates(counts)
-    agree = (tl[:, prompts.size(1) - 1:-1].argmax(-1) == seq[:, prompts.size(1):]).float().mean()
-    out["target_agrees_with_decode"] = float(agree)
+    logits, _, tgt, valid, tl = drafts_and_targets(model, seq)
+    A, P = seq.size(1) - 1, prompts.size(1)
+    in_gen = (torch.arange(A) >= P - 1).view(1, A, 1).to(valid.device)
+    out = acceptance_rates(acceptance_counts(logits.argmax(-1), tgt.argmax(-1), valid & in_gen))
+    out["target_agrees_with_decode"] = float((tl[:, P - 1:-1].argmax(-1) == seq[:, P:]).float().mean())
     return out
+
+
+class DSparkStage(Stage):
+    """The drafter (`mtp.*`) trained on the frozen backbone of `--init`, with that checkpoint's tokenizer; only
+    the drafter's MoEs are balanced."""
+    name = "dspark"
+    balance_prefix = "mtp."
+
+    @property
+    def source(self) -> str:
+        return self.cfg.init
+
+    def tokenizer(self, out, corpus, dist, say):
+        init = Path(self.cfg.init)
+        if not (init / "tokenizer.json").is_file():
+            raise ValueError(f"--init {self.cfg.init}: no tokenizer.json (train with `dsv41 train` first)")
+        prov = init / "tokenizer_provenance.json"
+        return init / "tokenizer.json", json.loads(prov.read_text()) if prov.is_file() else None
+
+    def model_config(self, tokenizer, n_compressed):
+        return load_config(self.cfg.init)
+
+    def init_weights(self, model):
+        model.load_state_dict(load_file(str(Path(self.cfg.init) / "model.safetensors")))
+
+    def trainable(self, model):
+        return {n for n, _ in model.named_parameters() if n.startswith("mtp.")}
+
+    def train_module(self, model, say):
+        return DSparkTrainModule(model, DEFAULT_ANCHORS)
+
+    def evaluate(self, model, val):
+        """Rank 0 measures, every rank gets the result."""
+        res = val.dist.broadcast(evaluate_drafter(model, val.windows, val.batch_size) if val.dist.main else {})
+        return {"val_draft_ce": res["draft_ce"], "val_acceptance": res["acceptance"],
+                "val_tokens_per_step": res["tokens_per_step"]}
+
+    def format_eval(self, step, ev):
+        acc = ", ".join(f"{a:.2f}" for a in ev["val_acceptance"])
+        return (f"step {step}: drafter val CE {ev['val_draft_ce']:.4f}, acceptance [{acc}], "
+                f"{ev['val_tokens_per_step']:.2f} tokens/step")
+
+    def finish(self, model, val, corpus, tokenizer):
+        """Acceptance on the backbone's own greedy continuations of validation prompts."""
+        res = greedy_acceptance(model, val.windows[:8, :32].to(val.dist.device), min(96, self.cfg.seq_len))
+        return {"greedy_acceptance": res["acceptance"], "greedy_survival": res["survival"],
+                "greedy_tokens_per_step": res["tokens_per_step"], "greedy_anchors": res["anchors"],
+                "target_agrees_with_decode": res["target_agrees_with_decode"]}
