@@ -134,7 +134,7 @@ def sweep(name, fn, ref_out, configs, sweep_log, which, err_fn=None, timer=None)
     """Time fn(**cfg) for each config (compile failures recorded, not fatal) -> (best time, best cfg, its error).
     which: the launcher's key in LAST (registers and spills of the compiled kernel are recorded); err_fn(out, ref)
     the error measure (default rel_err); timer: bench_graph (default) or bench."""
-    from dsv41.kernels.triton.sparse_attn_kernel import LAST
+    from dsv41.kernels.triton.common import LAST
     best = (float("inf"), None, None)
     err_fn = err_fn or rel_err
     timer = timer or bench_graph
@@ -157,48 +157,18 @@ def sweep(name, fn, ref_out, configs, sweep_log, which, err_fn=None, timer=None)
     return best
 
 
-# Attention: the staged path's best dense-kernel tiles (results/kernels-attn-2026-12-03.json), then each fused
-# kernel's best, for comparison.
-ATTN_CONFIGS = [dict(impl="staged", block_h=16, block_n=64, num_warps=4, num_stages=2),
-                dict(impl="staged", block_h=32, block_n=64, num_warps=4, num_stages=2),
-                dict(impl="staged", block_h=64, block_n=64, num_warps=8, num_stages=2),
-                dict(impl="staged", block_h=32, block_n=64, num_warps=4, num_stages=2, num_splits=2),
-                dict(impl="v2", block_h=32, block_n=32, num_warps=8),
-                dict(impl="v2", block_h=64, block_n=16, num_warps=8),
-                dict(impl="v1", block_h=32, block_n=32, num_warps=8)]
-STAGE_CONFIGS = [dict(block_n=bn, num_warps=nw, store=st) for bn, nw in ((32, 4), (16, 4), (64, 8), (32, 8))
-                 for st in ("interleave", "pairs")]
+# Launch-parameter sweeps of each kernel (its CONFIG is the best of earlier runs; benchmarks/results/README.md).
+# Attention: the dense kernel's tiles behind the packed decode's staging kernel.
+ATTN_CONFIGS = [dict(block_h=16, block_n=64, num_warps=4, num_stages=2),
+                dict(block_h=32, block_n=64, num_warps=4, num_stages=2),
+                dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
+                dict(block_h=32, block_n=64, num_warps=4, num_stages=2, num_splits=2)]
+STAGE_CONFIGS = [dict(block_n=bn, num_warps=nw) for bn, nw in ((32, 4), (16, 4), (64, 8), (32, 8))]
 DENSE_CONFIGS = [dict(block_h=16, block_n=64, num_warps=4, num_stages=2), dict(block_h=64, block_n=32, num_warps=8)]
-# indexer: v2 (the default) and the v3 candidates (dsv41/kernels/triton/indexer_kernel.py); tiles_per_program None
-# = the launcher's choice (v3: one wave of 4 programs per SM).
-INDEX_CONFIGS = [dict(impl="v2", block_n=64, num_warps=4), dict(impl="v2", block_n=128, num_warps=4),
-                 dict(impl="v3", block_n=64, num_warps=4),
-                 dict(impl="v3", block_n=64, num_warps=4, tiles_per_program=16),
-                 dict(impl="v3", block_n=128, num_warps=8, tiles_per_program=16),
-                 dict(impl="v3pipe", block_n=64, num_warps=4, num_stages=3),
-                 dict(impl="v3pipe", block_n=64, num_warps=4, num_stages=4, tiles_per_program=16)]
-# mHC: the tiled path's first tile (MHC_T, the default until session 5), and with one projection per tile over the 4
-# streams and paired y rounding (MHC_CC); the default now is MHC_CC on 64 x 32 tiles with 2 stages (the last entry).
-MHC_T = dict(impl="tiles", block_t=64, block_d=16, num_warps=4, num_stages=3, tiles_cat=False, tiles_cvt=False)
-MHC_CC = dict(MHC_T, tiles_cat=True, tiles_cvt=True)
-MHC_CONFIGS = [dict(impl="fused", block_t=32, block_d=128, num_warps=8), dict(MHC_T), dict(MHC_T, tiles_chunk=128),
-               dict(MHC_T, tiles_fin_block_d=1024), dict(MHC_T, tiles_cat=True), dict(MHC_CC),
-               dict(MHC_CC, tiles_chunk=128, num_stages=4), dict(MHC_CC, tiles_chunk=64),
-               dict(MHC_CC, tiles_wf32=False), dict(MHC_CC, block_t=128, num_warps=8),
-               dict(MHC_CC, block_t=128, num_warps=8, tiles_maxnreg=128), dict(MHC_CC, block_d=32, num_stages=2)]
-MHC_LAUNCH_KEYS = ("impl", "block_t", "block_d", "num_warps", "num_stages", "nsplit")
-
-
-def mhc_call(args, cfg):
-    """mhc_fused_triton(*args) with cfg's launch keywords, its other keys overriding the kernel's CONFIG meanwhile."""
-    from dsv41.kernels.triton import mhc_kernel as mk
-    saved = dict(mk.CONFIG)
-    mk.CONFIG.update({k: v for k, v in cfg.items() if k not in MHC_LAUNCH_KEYS})
-    try:
-        return mk.mhc_fused_triton(*args, **{k: v for k, v in cfg.items() if k in MHC_LAUNCH_KEYS})
-    finally:
-        mk.CONFIG.clear()
-        mk.CONFIG.update(saved)
+# indexer (the v3 kernel at these shapes): tiles_per_program None = the launcher's choice (one wave of 4 programs
+# per SM).
+INDEX_CONFIGS = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, tiles_per_program=16),
+                 dict(block_n=128, num_warps=8, tiles_per_program=16)]
 
 
 def mhc_inputs(T, D=5120, S=4, seed=0):
@@ -254,23 +224,13 @@ def moe_rows(rows, sweeps, Ns=(1, 16, 64), D=5120, F=2304, E=16, K=6):
         checkpoint(rows, sweeps)
 
 
-def run(quick: bool, only: tuple = SECTIONS) -> dict:
+def quant_rows(rows, sweeps) -> None:
+    """FP8 quantizers (memory-bound): activation QDQ at a decode row and a prefill chunk, SWA-KV row packing."""
     from dsv41.codecs import pack_swa_kv, qdq_fp8
-    from dsv41.kernels import indexer_scores_packed_ref, indexer_topk_packed_ref, sparse_attn_packed_ref
-    from dsv41.kernels import mhc_fused_ref, sparse_attn_ref
-    from dsv41.kernels.triton import (indexer_scores_packed_triton, indexer_topk_packed_triton, mhc_fused_triton,
-                                      pack_swa_kv_triton, qdq_fp8_triton, sparse_attn_packed_triton,
-                                      sparse_attn_triton)
-    rows, sweeps = [], []
-    if "moe" in only:
-        moe_rows(rows, sweeps)
-
-    # FP8 quantizers (memory-bound): activation QDQ at a decode row and a prefill chunk, SWA-KV row packing
-    for T in ((1, 4096) if "quant" in only else ()):
+    from dsv41.kernels.triton import pack_swa_kv_triton, qdq_fp8_triton
+    for T in (1, 4096):
         x = torch.randn(T, 5120, device=DEV).bfloat16()
-        ref = qdq_fp8(x)
-        out = qdq_fp8_triton(x)
-        same = bool(torch.equal(out, ref))
+        same = bool(torch.equal(qdq_fp8_triton(x), qdq_fp8(x)))
         t, t_ref = bench_graph(lambda: qdq_fp8_triton(x)), bench(lambda: qdq_fp8(x), rep=50)
         rows.append(row("qdq_fp8", f"T={T} K=5120 bf16", t, t_ref, 0, T * 5120 * 4, 0.0 if same else None,
                         {"bit_identical": same}))
@@ -282,8 +242,14 @@ def run(quick: bool, only: tuple = SECTIONS) -> dict:
                         {"bit_identical": same}))
         checkpoint(rows, sweeps)
 
-    # sparse attention decode over the packed store (the model's decode shape: 64 heads x 512, 128 + 512 indices)
-    for B in ((1, 16, 64, 128) if "attn" in only else ()):
+
+def attn_rows(rows, sweeps) -> None:
+    """Sparse attention decode over the packed store (the model's decode shape: 64 heads x 512, 128 + 512
+    indices), and its first stage alone."""
+    from dsv41.kernels import sparse_attn_packed_ref
+    from dsv41.kernels.triton import sparse_attn_packed_triton
+    from dsv41.kernels.triton.packed_staged import stage_packed_rows
+    for B in (1, 16, 64, 128):
         args = packed_attn_inputs(B)
         H, D, KW, K = 64, 512, args[3].size(1), args[6].size(1)
         ref = sparse_attn_packed_ref(*args)
@@ -294,7 +260,6 @@ def run(quick: bool, only: tuple = SECTIONS) -> dict:
         nbytes = B * (KW * 528 + K * 288 + 2 * H * D * 2 + (KW + K) * 4)
         rows.append(row("sparse_attn_packed (decode)", f"B={B} H={H} D={D} window={KW} topk={K}", t, t_ref, flops,
                         nbytes, err, cfg))
-        from dsv41.kernels.triton.packed_staged import stage_packed_rows
         want = stage_packed_rows(*args[1:7])[0]
         t_stage, stage_cfg, _ = sweep(f"stage_packed_rows B={B}", lambda **c: stage_packed_rows(*args[1:7], **c),
                                       want, STAGE_CONFIGS, sweeps, 'stage',
@@ -304,9 +269,31 @@ def run(quick: bool, only: tuple = SECTIONS) -> dict:
         checkpoint(rows, sweeps)
         del args, ref
 
-    # indexer scores over packed MXFP4 keys (32 heads x 128), whole visible context
-    for B, N in ((() if "indexer" not in only else ((1, 65536), (1, 1 << 20)) if quick
-                  else ((1, 65536), (1, 1 << 20), (4, 262144)))):
+
+def indexer_op_rows(rows, q, w, pages, table, n_vis, N) -> None:
+    """The whole decode indexer op of the three layer kinds (full, candidate source, Reindex) at N entries."""
+    from dsv41.kernels import indexer_topk_packed_ref
+    from dsv41.kernels.triton import indexer_topk_packed_triton
+    for label, kw in (("full", {}), ("candidate source (pool 2048x8)", dict(pool_blocks=2048)),
+                      ("reindex (pool 16384 entries)", None)):
+        if kw is None:
+            _, pool = indexer_topk_packed_triton(q, w, pages, table, n_vis, 512, pool_blocks=2048, n_max=N)
+            kw = dict(cand_blocks=pool)
+        fr = lambda: indexer_topk_packed_ref(q, w, pages, table, n_vis, 512, n_max=N, **kw)       # noqa: E731
+        ft = lambda: indexer_topk_packed_triton(q, w, pages, table, n_vis, 512, n_max=N, **kw)    # noqa: E731
+        got, want = ft()[0], fr()[0]
+        same = float((got.sort(-1).values == want.sort(-1).values).float().mean())
+        t_op, t_op_ref = bench_graph(ft, rep=50), bench(fr, rep=30)
+        n_scored = 16384 if "cand_blocks" in kw else N
+        rows.append(row(f"indexer_topk {label}", f"B=1 N={N} topk=512", t_op, t_op_ref,
+                        2 * n_scored * 32 * 128, n_scored * 72, None, {"same_ids_frac": same}))
+
+
+def indexer_rows(rows, sweeps, quick: bool) -> None:
+    """Indexer scores over packed MXFP4 keys (32 heads x 128), whole visible context."""
+    from dsv41.kernels import indexer_scores_packed_ref
+    from dsv41.kernels.triton import indexer_scores_packed_triton
+    for B, N in ((1, 65536), (1, 1 << 20)) + (() if quick else ((4, 262144),)):
         q, w, pages, table, n_vis = index_inputs(B, N)
         ref = indexer_scores_packed_ref(q, w, pages, table, n_vis, None, N)
         t_ref = bench(lambda: indexer_scores_packed_ref(q, w, pages, table, n_vis, None, N), rep=50)
@@ -321,28 +308,22 @@ def run(quick: bool, only: tuple = SECTIONS) -> dict:
         rows.append(row("indexer_scores (packed)", f"B={B} N={N} J=32 I=128", t, t_ref, 2 * B * N * 32 * 128,
                         B * N * (68 + 4), err, {**(cfg or {}), "bf16_ulp_mismatch_frac": mism}))
         checkpoint(rows, sweeps)
-        if B == 1 and N == 1 << 20:           # the whole decode indexer op of the three layer kinds at 1M entries
-            for label, kw in (("full", {}), ("candidate source (pool 2048x8)", dict(pool_blocks=2048)),
-                              ("reindex (pool 16384 entries)", None)):
-                if kw is None:
-                    _, pool = indexer_topk_packed_triton(q, w, pages, table, n_vis, 512, pool_blocks=2048, n_max=N)
-                    kw = dict(cand_blocks=pool)
-                fr = lambda: indexer_topk_packed_ref(q, w, pages, table, n_vis, 512, n_max=N, **kw)       # noqa: E731
-                ft = lambda: indexer_topk_packed_triton(q, w, pages, table, n_vis, 512, n_max=N, **kw)    # noqa: E731
-                got, want = ft()[0], fr()[0]
-                same = float((got.sort(-1).values == want.sort(-1).values).float().mean())
-                t_op, t_op_ref = bench_graph(ft, rep=50), bench(fr, rep=30)
-                n_scored = 16384 if "cand_blocks" in kw else N
-                rows.append(row(f"indexer_topk {label}", f"B=1 N={N} topk=512", t_op, t_op_ref,
-                                2 * n_scored * 32 * 128, n_scored * 72, None, {"same_ids_frac": same}))
+        if B == 1 and N == 1 << 20:
+            indexer_op_rows(rows, q, w, pages, table, n_vis, N)
         del q, w, pages, table, ref
-    # fused mHC step (4 streams x 5120, 20 Sinkhorn iterations): bytes (2S+2)*D bf16 + 48 fp32 coefficients/token
-    for T in ((4096, 16384) if "mhc" in only else ()):
+
+
+def mhc_rows(rows, sweeps) -> None:
+    """Fused mHC step (4 streams x 5120, 20 Sinkhorn iterations): bytes (2S+2)*D bf16 + 48 fp32 coefficients per
+    token."""
+    from dsv41.kernels import mhc_fused_ref
+    from dsv41.kernels.triton import mhc_fused_triton
+    for T in (4096, 16384):
         args = mhc_inputs(T)
         ref = mhc_fused_ref(*args)
         t_ref = bench(lambda: mhc_fused_ref(*args), rep=50)
-        t, cfg, err = sweep(f"mhc_fused T={T}", lambda **c: mhc_call(args, c), ref, MHC_CONFIGS, sweeps,
-                            'mhc', err_fn=mhc_err)
+        t, cfg, err = sweep(f"mhc_fused T={T}", lambda **c: mhc_fused_triton(*args), ref, [{}], sweeps, 'mhc',
+                            err_fn=mhc_err)
         D, S = 5120, 4
         rows.append(row("mhc_fused", f"T={T} S={S} D={D}", t, t_ref, T * 2 * 24 * S * D,
                         T * ((2 * S + 2) * D * 2 + 48 * 4), err, cfg))
@@ -350,8 +331,12 @@ def run(quick: bool, only: tuple = SECTIONS) -> dict:
         del args, ref
         torch.cuda.empty_cache()
 
-    # dense-KV sparse attention: a prefill chunk and a decode batch
-    for B, T, N in (((1, 4096, 6144), (64, 1, 4096)) if "dense" in only else ()):
+
+def dense_rows(rows, sweeps) -> None:
+    """Dense-KV sparse attention: a prefill chunk and a decode batch."""
+    from dsv41.kernels import sparse_attn_ref
+    from dsv41.kernels.triton import sparse_attn_triton
+    for B, T, N in ((1, 4096, 6144), (64, 1, 4096)):
         H, D, K = 64, 512, 640
         torch.manual_seed(1)
         q = torch.randn(B, T, H, D, device=DEV).bfloat16()
@@ -369,6 +354,15 @@ def run(quick: bool, only: tuple = SECTIONS) -> dict:
                         err, cfg))
         del q, kv, idx, ref
 
+
+def run(quick: bool, only: tuple = SECTIONS) -> dict:
+    rows, sweeps = [], []
+    for name, section in (("moe", lambda: moe_rows(rows, sweeps)), ("quant", lambda: quant_rows(rows, sweeps)),
+                          ("attn", lambda: attn_rows(rows, sweeps)),
+                          ("indexer", lambda: indexer_rows(rows, sweeps, quick)),
+                          ("mhc", lambda: mhc_rows(rows, sweeps)), ("dense", lambda: dense_rows(rows, sweeps))):
+        if name in only:
+            section()
     return {"rows": rows, "sweeps": sweeps}
 
 

@@ -251,9 +251,7 @@ ATTN_GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", ATTN_GPU_CASES)
-@pytest.mark.parametrize("opts", [dict(), dict(num_splits=3), dict(block_h=32), dict(impl="v2"),
-                                  dict(impl="v2", num_splits=1), dict(impl="v2", num_splits=3),
-                                  dict(impl="v2", sc3d=False, block_n=16), dict(impl="v1")])
+@pytest.mark.parametrize("opts", [dict(), dict(num_splits=1), dict(num_splits=3), dict(block_h=32)])
 def test_sparse_attn_packed_triton(kw, opts):
     from dsv41.kernels.triton import sparse_attn_packed_triton
     c = attn_case(device="cuda", seed=hash((str(kw), str(opts))) % 1000, **kw)
@@ -271,8 +269,7 @@ def test_sparse_attn_packed_triton(kw, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", ATTN_GPU_CASES)
-@pytest.mark.parametrize("opts", [dict(), dict(block_n=32), dict(block_n=64, num_warps=8), dict(store="pairs"),
-                                  dict(block_n=32, store="pairs")])
+@pytest.mark.parametrize("opts", [dict(), dict(block_n=32), dict(block_n=64, num_warps=8)])
 def test_stage_packed_rows_exact(kw, opts):
     """The staged path's first kernel: every listed entry decoded bit for bit as the codecs do, -1 where empty."""
     from dsv41.kernels.packed_ref import gather_records
@@ -319,7 +316,8 @@ INDEX_GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", INDEX_GPU_CASES + [dict(B=2, J=20, I=32, P=16, n_vis=(999, 64))])
+@pytest.mark.parametrize("kw", INDEX_GPU_CASES + [dict(B=2, J=20, I=32, P=16, n_vis=(999, 64)),
+                                                  dict(B=2, J=16, I=256, P=16, n_vis=(700, 90))])   # v1: I > 128
 def test_indexer_triton(kw):
     from dsv41.kernels.triton import indexer_scores_packed_triton, indexer_topk_packed_triton
     c = index_case(device="cuda", **kw)
@@ -343,9 +341,6 @@ def test_indexer_triton(kw):
             rwant, _ = indexer_topk_packed_ref(c.q, c.w, c.pages, c.table, c.n_vis, 512, cand_blocks=wpool)
             rgot, _ = indexer_topk_packed_triton(c.q, c.w, c.pages, c.table, c.n_vis, 512, cand_blocks=wpool)
             assert torch.allclose(_picked(ref, rgot), _picked(ref, rwant), rtol=2e-2, atol=0)
-    v1 = indexer_scores_packed_triton(c.q, c.w, c.pages, c.table, c.n_vis, impl="v1", block_n=64)
-    assert torch.equal(torch.isfinite(v1), fin) and (not fin.any() or float((v1[fin] - ref[fin]).abs().max() / scale)
-                                                      < 2e-2)
 
 
 @pytest.mark.gpu
@@ -364,18 +359,25 @@ def test_indexer_triton_gather_negative_and_invisible():
     assert float(d.max() / ref[fin].abs().max()) < 2e-2
 
 
+def _unaligned(pages: torch.Tensor) -> torch.Tensor:
+    """The same bytes at an odd address (v3 reads 32-bit words: such pages take v2)."""
+    out = torch.empty(pages.numel() + 1, dtype=torch.uint8, device=pages.device)[1:].view(pages.shape)
+    out.copy_(pages)
+    assert out.data_ptr() % 4
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", [dict(B=2, J=32, I=128, P=64, n_vis=(9000, 700)),      # one page per tile
                                 dict(B=2, J=32, I=128, P=16, n_vis=(3000, 5)),       # pages smaller than a tile
                                 dict(B=1, J=24, I=128, P=24, n_vis=(2000,)),         # P not a power of two
                                 dict(B=3, J=32, I=128, P=256, n_vis=(5000, 0, 257))])
-@pytest.mark.parametrize("opts", [dict(), dict(block_n=128, num_warps=8, tiles_per_program=3),
-                                  dict(impl="v3pipe", num_stages=3, tiles_per_program=5),
-                                  dict(impl="v3pipe", num_stages=4)])
+@pytest.mark.parametrize("opts", [dict(), dict(block_n=128, num_warps=8, tiles_per_program=3)])
 def test_indexer_triton_v3_exact(kw, opts):
-    """The v3 kernel and its variants (word loads, one K=128 fp16 dot per tile) give the reference's scores bit for
-    bit, as v2 does: whole contexts, entry lists (a Reindex pool, with -1 and ids past n_vis), and programs holding
-    an entry whose group scales span more than fp16's window (v2's per-group path)."""
+    """The v3 kernel (word loads, one K=128 fp16 dot per tile) gives the reference's scores bit for bit, as v2 (its
+    fallback, taken for pages at an address that is not a multiple of 4) does: whole contexts, entry lists (a
+    Reindex pool, with -1 and ids past n_vis), and programs holding an entry whose group scales span more than
+    fp16's window (v2's per-group path)."""
     from dsv41.kernels.triton import indexer_scores_packed_triton
     c = index_case(device="cuda", seed=hash((str(kw), str(opts))) % 1000, **kw)
     spread = c.pages.clone()                                   # entry 5 of row 0: group scales 2^23 ... 2^-30
@@ -384,8 +386,8 @@ def test_indexer_triton_v3_exact(kw, opts):
     ent = torch.randint(-1, max(kw["n_vis"]) + 40, (kw["B"], 1000), generator=gen).int().cuda()
     for pages, entries in ((c.pages, None), (spread, None), (c.pages, ent)):
         ref = indexer_scores_packed_ref(c.q, c.w, pages, c.table, c.n_vis, entries)
-        out = indexer_scores_packed_triton(c.q, c.w, pages, c.table, c.n_vis, entries, **{"impl": "v3", **opts})
-        v2 = indexer_scores_packed_triton(c.q, c.w, pages, c.table, c.n_vis, entries, impl="v2")
+        out = indexer_scores_packed_triton(c.q, c.w, pages, c.table, c.n_vis, entries, **opts)
+        v2 = indexer_scores_packed_triton(c.q, c.w, _unaligned(pages), c.table, c.n_vis, entries)
         torch.cuda.synchronize()
         fin = torch.isfinite(ref)
         assert torch.equal(fin, torch.isfinite(out))

@@ -1,9 +1,10 @@
 """Kernels: torch references (`*_ref`) and their Triton twins (same signatures), one backend switch.
 
-  ref.py         sparse_attn_ref: the model's sparse attention with sinks on dense KV (MODEL.md 3.8)
+  ref.py         sparse_attn_ref: the model's sparse attention with sinks on dense KV (MODEL.md 3.8); rms_norm
   packed_ref.py  references over the engine's packed store: sparse_attn_packed_ref (decode: FP8 ring + FP4 pages),
                  indexer_scores_packed_ref / indexer_topk_packed_ref (decode indexer, MXFP4 keys, candidate pool)
   mhc_ref.py     mhc_fused_ref: one mHC step between sub-layers (hc_post, next hc_mixes, lagged hc_pre + RMSNorm)
+  mhc_math.py    the mHC functions (hc_post, hc_mixes, hc_pre, hc_split_sinkhorn) the model and mhc_ref share
   gemm_ref.py    block_scaled_linear_ref: the fp8 / fp4-weight GEMM in the official summation order (per 32-wide K
                  block, blocks accumulated in K order)
   moe_ref.py     moe_experts_ref: a MoE layer's routed + shared experts over their weights (and the summation

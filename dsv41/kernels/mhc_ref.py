@@ -1,6 +1,6 @@
 """Torch reference of the fused mHC step between two sub-layers (MODEL.md 2 items 3-6), built from the model's own
-functions (`dsv41.model.mhc`, `dsv41.model.common.RMSNorm`), with the signature of its Triton twin
-(`dsv41.kernels.triton.mhc_fused_triton`).
+functions (`mhc_math`, which `dsv41.model.mhc` uses, and `ref.rms_norm`, the model's RMSNorm), with the signature
+of its Triton twin (`dsv41.kernels.triton.mhc_fused_triton`).
 
 Legend: S streams (hc_mult), D width, M = (2 + S) * S coefficients, leading dims (B, T) or any.
 
@@ -15,11 +15,10 @@ it reads residual (S*D) and f (D) and writes y (S*D) and h (D) per token, the (2
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
-from dsv41.model.mhc import hc_mixes, hc_post, hc_pre
+from dsv41.kernels.mhc_math import hc_mixes, hc_post, hc_pre
+from dsv41.kernels.ref import rms_norm
 
 __all__ = ["mhc_fused_ref"]
 
@@ -33,9 +32,8 @@ def mhc_fused_ref(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
     that stream; pre_lag [..,S] the lagged collapse weights; fn [M,S*D] fp32, scale [3], base [M] the next mixes'
     parameters; norm_weight [D] the next sub-layer's RMSNorm weight; iters Sinkhorn iterations, eps hc_eps,
     norm_eps the mixes' RMS epsilon, rms_eps the RMSNorm's."""
-    from dsv41.model.common import RMSNorm         # here: dsv41.model.common imports this package's ops
     S = residual.size(-2)
     y = hc_post(f, residual, post, comb)
     pre_n, post_n, comb_n = hc_mixes(y, fn, scale, base, S, iters, eps, norm_eps)
-    h = RMSNorm.forward(SimpleNamespace(eps=rms_eps, weight=norm_weight), hc_pre(y, pre_lag))
+    h = rms_norm(hc_pre(y, pre_lag), norm_weight, rms_eps)
     return y, h, pre_n, post_n, comb_n

@@ -33,7 +33,9 @@ __all__ = [
     "pool_entries",
     "candidate_pool",
     "indexer_select",
+    "indexer_topk_with",
     "indexer_topk_packed_ref",
+    "topk_indices",
 ]
 
 _LAST = torch.iinfo(torch.int32).max
@@ -124,8 +126,10 @@ def indexer_scores_packed_ref(q: torch.Tensor, w: torch.Tensor, index_pages: tor
     return score.float().masked_fill(~visible, -torch.inf)
 
 
-def _topk(score: torch.Tensor, k: int, ties: str) -> torch.Tensor:
-    """`dsv41.model.attention.topk_indices` (re-stated: the model imports this package)."""
+def topk_indices(score: torch.Tensor, k: int, ties: str) -> torch.Tensor:
+    """Indices of the k largest entries along the last axis: ties="official" torch's `topk(sorted=False)`,
+    ties="recent" ties broken toward the larger index (`dsv41.model.attention.topk_indices`, which could import
+    this one)."""
     if ties == "official":
         return score.topk(k, dim=-1, sorted=False).indices
     if ties != "recent":
@@ -151,7 +155,7 @@ def candidate_pool(scores: torch.Tensor, n_vis: torch.Tensor, pool_blocks: int, 
     nb = blocks.size(-1)
     last = torch.div(n_vis.view(-1, 1).long().to(scores.device) - 1, block_size, rounding_mode="floor")
     blocks = blocks.masked_fill(torch.arange(nb, device=scores.device) == last, torch.inf)
-    top = _topk(blocks, min(pool_blocks, nb), ties)
+    top = topk_indices(blocks, min(pool_blocks, nb), ties)
     keep = blocks.gather(-1, top) > -torch.inf
     return _ascending_tail(torch.where(keep, top, -1))
 
@@ -171,15 +175,15 @@ def indexer_select(scores: torch.Tensor, entries: torch.Tensor | None, n_vis: to
             entries = torch.arange(scores.size(-1) - pad, device=scores.device, dtype=torch.int32).expand(
                 scores.size(0), -1)
         entries = torch.nn.functional.pad(entries, (0, pad), value=-1)
-    pos = _topk(scores, k, ties)
+    pos = topk_indices(scores, k, ties)
     ids = pos if entries is None else entries.long().gather(-1, pos)
     ok = (ids >= 0) & (ids < n_vis.view(-1, 1).long().to(ids.device))
     return _ascending_tail(torch.where(ok, ids, -1))
 
 
-def _indexer_topk(score_fn, q, w, index_pages, page_table, n_vis, topk, cand_blocks, pool_blocks, block_size,
-                  ties, n_max=None):
-    """Shared by the reference and the Triton path (they differ only in `score_fn`)."""
+def indexer_topk_with(score_fn, q, w, index_pages, page_table, n_vis, topk, cand_blocks, pool_blocks, block_size,
+                      ties, n_max=None):
+    """`indexer_topk_packed_ref` with the scores of `score_fn`: the reference and the Triton path differ only there."""
     B = q.size(0)
     n_max = int(n_vis.max()) if n_max is None else n_max
     if n_max == 0:                                   # the model skips the indexer: empty selection, no pool
@@ -208,5 +212,5 @@ def indexer_topk_packed_ref(q: torch.Tensor, w: torch.Tensor, index_pages: torch
     mask-then-top-k selects (the same set; with ties='recent' the same ids, since the pool lists entries in
     ascending order). Shapes as `indexer_scores_packed_ref`. n_max: max(n_vis) when the caller knows it (the
     engine does), which saves a host sync."""
-    return _indexer_topk(indexer_scores_packed_ref, q, w, index_pages, page_table, n_vis, topk, cand_blocks,
-                         pool_blocks, block_size, ties, n_max)
+    return indexer_topk_with(indexer_scores_packed_ref, q, w, index_pages, page_table, n_vis, topk, cand_blocks,
+                             pool_blocks, block_size, ties, n_max)

@@ -1,4 +1,5 @@
-"""Torch reference kernels (the model's own math; every fast path is compared against these).
+"""Torch reference kernels (the model's own math; every fast path is compared against these): the sparse attention
+with sinks, and the RMSNorm that the model's `RMSNorm` module and the fused mHC step's reference share.
 
 Legend: B batch, T queries, H heads, D head dim, N KV rows, K selected indices per query.
 """
@@ -8,6 +9,13 @@ from __future__ import annotations
 import torch
 
 SPARSE_ATTN_BLOCK = 64
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, cast back to x's dtype (MODEL.md 2)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(x.dtype)
 
 
 def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41.kernels import qdq_fp8, quant_linear
+from dsv41.kernels.ref import rms_norm
 
 # Checkpoint storage kinds of a Linear weight (MODEL.md 9). Quantized kinds quantize their activation to FP8
 # (per 32 along K, ue8m0 scales) before the matmul; the weight itself is held dequantized (exact in bf16).
@@ -47,9 +48,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Linear(QuantSite):

@@ -1,19 +1,24 @@
 """Triton kernels (GPU fast paths). Importing this package imports `triton`: only `dsv41.kernels` does, lazily,
 once the backend switch (`dsv41.kernels.backend`) has chosen Triton for a call.
 
-  sparse_attn_kernel.py  sparse_attn_packed_triton (decode over the packed store), sparse_attn_triton (dense KV)
+  sparse_attn_kernel.py  sparse_attn_triton (sparse attention with sinks on dense KV: prefill and decode)
+  packed_staged.py       sparse_attn_packed_triton (decode over the packed store: entries decoded to bf16 rows, then
+                         the dense kernel)
   indexer_kernel.py      indexer_scores_packed_triton, indexer_topk_packed_triton (decode, packed MXFP4 keys)
   mhc_kernel.py          mhc_fused_triton (the fused mHC step between two sub-layers)
   moe_kernel.py          moe_experts_triton (a MoE layer's routed + shared experts: grouped GEMMs, no host sync)
   quant_kernel.py        qdq_fp8_triton (the FP8 activation QDQ in front of every quantized Linear),
                          pack_swa_kv_triton (the packed sliding-window KV row), expert_act_triton (SwiGLU + QDQ)
+  decoders.py            the E4M3 / UE8M0 / E2M1 decoders (arithmetic and PTX) of the packed-store kernels
+  common.py              the interpreter switches, the last compiled kernel per launcher, the SM count
 """
 
 from dsv41.kernels.triton.indexer_kernel import indexer_scores_packed_triton, indexer_topk_packed_triton
 from dsv41.kernels.triton.mhc_kernel import mhc_fused_triton
 from dsv41.kernels.triton.moe_kernel import moe_experts_triton
+from dsv41.kernels.triton.packed_staged import sparse_attn_packed_triton
 from dsv41.kernels.triton.quant_kernel import expert_act_triton, pack_swa_kv_triton, qdq_fp8_triton
-from dsv41.kernels.triton.sparse_attn_kernel import sparse_attn_packed_triton, sparse_attn_triton
+from dsv41.kernels.triton.sparse_attn_kernel import sparse_attn_triton
 
 __all__ = ["sparse_attn_packed_triton", "sparse_attn_triton", "indexer_scores_packed_triton",
            "indexer_topk_packed_triton", "mhc_fused_triton", "qdq_fp8_triton",

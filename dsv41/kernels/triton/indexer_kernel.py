@@ -7,27 +7,22 @@ Legend: B rows, J indexer heads (BJ padded to >= 16), I index-key width, E score
 tile, P page size, MP page-table width.
 
 One program per (row, run of tiles of BN entries): q [J, I] and w [J] stay on chip; each tile gathers its
-entries' 68-byte records through the page table (entry ids 0..E-1, or an explicit list: the candidate pool of a
-Reindex layer), dequantizes E2M1 * 2^(UE8M0) in registers (exact), and computes
+entries' records through the page table (entry ids 0..E-1, or an explicit list: the candidate pool of a Reindex
+layer), dequantizes E2M1 * 2^(UE8M0) in registers (exact), and computes
 I[t] = sum_j w[j] * ReLU(q_j . K_t) with the model's bf16 roundings (the einsum output, the product with w and
 the head sum are bf16 tensors there; here fp32 accumulation rounded to bf16 at the same three places, so ties
 come out as the model's). Only the [B, E] fp32 scores are written: the context is walked in tiles, nothing of
 size [heads x context] exists. The top-k, the block max of the candidate pool and the pool's top blocks are torch
 ops on those scores (`packed_ref.indexer_select` / `candidate_pool`), not fused.
 
-Kernels (`impl`): "v2" (index widths 32, 64, 128): per tile and group of 32 channels, two K=16
-fp16 tensor-core dots and the group's scale on the fp32 partial. "v3" (the default; index width 128, else v2;
-"v3pipe" the same with
-Triton's software pipeline instead of a register prefetch): 32-bit word loads, the scale folded into the fp16
-keys, one K=128 dot per tile (see the v3 section). "v1": the first kernel (bf16 dequantization, any width).
-H200 (benchmarks/results/kernels-indexer-2026-12-03.json, CUDA-graph timing, J=32 I=128, all scores bit-equal
-to the reference): v2 72.9 us at B=1 N=1M (1.04 TB/s, 22% of HBM; 6.0-8.1 us at N=65536); v3 in its first form
-(a per-tile check for the fallback, 160 registers: 3 programs per SM) 72.2-75.6 us, no faster: it issues 40%
-fewer instructions than v2 (525 against 890 per thread and tile of 64, ptxas for sm_90), so v2 was not
-instruction-bound alone. The present v3 (the fallback check deferred to the end of a program: 119 registers, 4
-programs per SM; v3pipe 127): 64.0 us at B=1 N=1M and at B=4 N=256K (1.18 TB/s, 24.6% of HBM) against 73.3 us for
-v2 in the same run, 6.9 us at N=65536 (v2 6.1-8.1), v3pipe 78.5 us; scores bit-equal to the reference in the
-benchmark and the GPU tests (benchmarks/results/kernels-2026-12-03c.json, gpu_tests-2026-12-03b.txt).
+Three kernels, chosen by the index width and the pages' alignment (`CONFIG` holds each one's launch parameters):
+  v3 (`_indexer_v3_kernel`, width 128 on 4-byte aligned pages, the model's case): 32-bit word loads, the scale
+     folded into the fp16 keys, one K=128 tensor-core dot per tile (see the v3 section);
+  v2 (`_indexer_v2_kernel`, widths 32, 64 and 128 otherwise): per tile and group of 32 channels, two K=16 fp16
+     tensor-core dots and the group's scale on the fp32 partial; also v3's exact path for entries whose group
+     scales span more than fp16's window;
+  v1 (`_indexer_v1_kernel`, widths above 128): bf16 dequantization of the whole tile, one bf16 dot.
+v3 and v2 give the same bits (the reference's, up to fp32 summation order).
 """
 
 from __future__ import annotations
@@ -36,29 +31,56 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.packed_ref import _indexer_topk
-from dsv41.kernels.triton.sparse_attn_kernel import (_ASM, _DOT_BF16, _E2M1_TO_E4M3, LAST, _e2m1_to_f32,
-                                                     _index_tile, _sm_count, _ue8m0_to_f32)
+from dsv41.kernels.packed_ref import indexer_topk_with
+from dsv41.kernels.triton.common import ASM, DOT_BF16, LAST, sm_count
+from dsv41.kernels.triton.decoders import e2m1_f16, e2m1_to_f32, ue8m0_to_f32, word_f16
 
 __all__ = ["indexer_scores_packed_triton", "indexer_topk_packed_triton", "CONFIG"]
 
-# Default v3 (64.0 us at B=1 N=1M and B=4 N=256K on the H200 against 73.3 us for v2; results/kernels-2026-12-03c.json);
-# the other keys are v2's launch parameters (v3's are V3_CONFIG).
-CONFIG = {"impl": "v3", "block_n": 64, "num_warps": 4, "num_stages": 1, "max_tiles_per_program": 8}
-# v3: one wave of resident programs (programs_per_sm at <= 128 registers), each a long run of tiles;
-# pipe_stages: v3pipe's num_stages.
-V3_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 1, "max_tiles_per_program": 32, "programs_per_sm": 4,
-             "pipe_stages": 3}
-# v3 variants (impl names) -> PREFETCH: the next tile's words loaded ahead in registers (1), or Triton's software
-# pipeline over num_stages streaming them through shared memory (0).
-V3_VARIANTS = {"v3": 1, "v3pipe": 0}
-V1_CONFIG = {"block_n": 128, "num_warps": 8, "num_stages": 1, "max_tiles_per_program": 8}
+# Launch parameters per kernel, picked by benchmarks/kernels.py's sweeps on the H200. v3: one wave of resident
+# programs (programs_per_sm at <= 128 registers), each a long run of tiles; v2 / v1: enough programs for ~4 per SM,
+# then longer runs (q reuse), up to max_tiles_per_program.
+CONFIG = {"v3": {"block_n": 64, "num_warps": 4, "num_stages": 1, "max_tiles_per_program": 32, "programs_per_sm": 4},
+          "v2": {"block_n": 64, "num_warps": 4, "num_stages": 1, "max_tiles_per_program": 8},
+          "v1": {"block_n": 128, "num_warps": 8, "num_stages": 1, "max_tiles_per_program": 8}}
+
+
+# ------------------------------------------------------------------------------------------ v1 (widths above 128)
+
+@triton.jit
+def _tile_records(ent_ptr, table_ptr, b, j, E, nv, P, MP, RB: tl.constexpr, GATHER: tl.constexpr):
+    """Tile positions j [BN] -> (inside the list, visible entry: 0 <= id < n_vis, the entry's record byte offset
+    through the page table; entry ids j, or the list's ids with GATHER)."""
+    inb = j < E
+    if GATHER:
+        e = tl.load(ent_ptr + b * E + j, mask=inb, other=-1)
+    else:
+        e = j
+    valid = inb & (e >= 0) & (e < nv)
+    e = tl.where(valid, e, 0)
+    page = tl.load(table_ptr + b * MP + e // P, mask=valid, other=0).to(tl.int64)
+    return inb, valid, (page * P + (e % P)) * RB
 
 
 @triton.jit
-def _indexer_scores_kernel(q_ptr, w_ptr, pages_ptr, table_ptr, ent_ptr, nvis_ptr, out_ptr, E, P, MP,
-                           tiles_per_prog, J, I: tl.constexpr, IDX_RB: tl.constexpr, BLOCK_J: tl.constexpr,
-                           BLOCK_N: tl.constexpr, GATHER: tl.constexpr, DOT_BF16: tl.constexpr):
+def _index_tile(ptr, row, valid, I: tl.constexpr, BN: tl.constexpr):
+    """bf16 [BN, I] of the index-key records at byte offsets row [BN] (codecs.unpack_index_k): nibbles as the
+    main KV, the UE8M0 scale of group d // 32 at byte I/2 + d // 32."""
+    g = tl.arange(0, I // 32)
+    c = tl.arange(0, 16)
+    byt = tl.load(ptr + row[:, None, None] + (g[None, :, None] * 16 + c[None, None, :]),
+                  mask=valid[:, None, None], other=0).to(tl.int32)
+    sc = tl.load(ptr + row[:, None] + I // 2 + g[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    scf = ue8m0_to_f32(sc)[:, :, None]
+    lo = (e2m1_to_f32(byt & 15) * scf).to(tl.bfloat16)
+    hi = (e2m1_to_f32(byt >> 4) * scf).to(tl.bfloat16)
+    return tl.reshape(tl.interleave(lo, hi), (BN, I))
+
+
+@triton.jit
+def _indexer_v1_kernel(q_ptr, w_ptr, pages_ptr, table_ptr, ent_ptr, nvis_ptr, out_ptr, E, P, MP,
+                       tiles_per_prog, J, I: tl.constexpr, IDX_RB: tl.constexpr, BLOCK_J: tl.constexpr,
+                       BLOCK_N: tl.constexpr, GATHER: tl.constexpr, DOT_BF16: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pb = tl.program_id(1)
     hj = tl.arange(0, BLOCK_J)
@@ -71,15 +93,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, pages_ptr, table_ptr, ent_ptr, nvis_ptr
     nv = tl.load(nvis_ptr + b)
     for tt in range(tiles_per_prog):
         j = (pb * tiles_per_prog + tt) * BLOCK_N + tl.arange(0, BLOCK_N)
-        inb = j < E
-        if GATHER:
-            e = tl.load(ent_ptr + b * E + j, mask=inb, other=-1)
-        else:
-            e = j
-        valid = inb & (e >= 0) & (e < nv)                            # visible: 0 <= id < n_vis
-        e = tl.where(valid, e, 0)
-        page = tl.load(table_ptr + b * MP + e // P, mask=valid, other=0).to(tl.int64)
-        k = _index_tile(pages_ptr, (page * P + (e % P)) * IDX_RB, valid, I, BLOCK_N)    # [BN, I] bf16
+        inb, valid, rec = _tile_records(ent_ptr, table_ptr, b, j, E, nv, P, MP, IDX_RB, GATHER)
+        k = _index_tile(pages_ptr, rec, valid, I, BLOCK_N)                                # [BN, I] bf16
         if DOT_BF16:
             s = tl.dot(q, tl.trans(k))                               # einsum q.K -> [BJ, BN], bf16 in the model
         else:
@@ -99,20 +114,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, pages_ptr, table_ptr, ent_ptr, nvis_ptr
 # 2^-38 of the largest term), and the UE8M0 scale of each (entry, group) times 2^(6 - c) multiplies the fp32 partial
 # (powers of two: exact) before the group sum. Products are exact in fp32, so the score equals the model's bf16
 # einsum up to fp32 summation order; then relu, * w and the head sum with the model's three bf16 roundings
-# (packed bf16x2 PTX on the GPU). The dots run on the tensor cores (wgmma), the decode in 13 integer/convert
-# instructions per 8 channels.
-
-_E2M1_F16_ASM = tl.constexpr("""{
-.reg .b16 a0, a1, b0, b1;
-.reg .b32 t1, t2, A, B;
-""" + _E2M1_TO_E4M3.format(x="$4") + """
-mov.b32 {a0, a1}, A;
-mov.b32 {b0, b1}, B;
-cvt.rn.f16x2.e4m3x2 $0, a0;
-cvt.rn.f16x2.e4m3x2 $1, a1;
-cvt.rn.f16x2.e4m3x2 $2, b0;
-cvt.rn.f16x2.e4m3x2 $3, b1;
-}""")
+# (packed bf16x2 PTX on the GPU). The dots run on the tensor cores (wgmma), the decode (decoders.e2m1_f16) in 13
+# integer/convert instructions per 8 channels.
 
 # r = bf16(relu(bf16(s)) * w): $1 $2 = two fp32 scores, $3 = their two bf16 head weights, $0 = bf16x2 result.
 _RELU_W_ASM = tl.constexpr("""{
@@ -123,19 +126,6 @@ max.bf16x2 t, t, z;
 mov.b32 z, 0x80008000;
 fma.rn.bf16x2 $0, t, $3, z;
 }""")
-
-
-@triton.jit
-def _e2m1_f16(byt, ASM: tl.constexpr):
-    """uint8 bytes -> (low-nibble, high-nibble) E2M1 values * 2^-6 in fp16 (exact)."""
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(_E2M1_F16_ASM, "=r,=r,=r,=r,r", [byt], dtype=(tl.float16, tl.float16),
-                                           is_pure=True, pack=4)
-    else:
-        c = byt.to(tl.int32)
-        lo = (_e2m1_to_f32(c & 15) * 0.015625).to(tl.float16)
-        hi = (_e2m1_to_f32(c >> 4) * 0.015625).to(tl.float16)
-    return lo, hi
 
 
 @triton.jit
@@ -174,8 +164,8 @@ def _k_group(pages_ptr, rec, valid, kmul, qlo, qhi, g: tl.constexpr, I: tl.const
     c = tl.arange(0, 16)
     byt = tl.load(pages_ptr + rec[:, None] + 16 * g + c[None, :], mask=valid[:, None], other=0)
     sb = tl.load(pages_ptr + rec + I // 2 + g, mask=valid, other=0).to(tl.int32)
-    lo, hi = _e2m1_f16(byt, ASM)
-    return _pair_dots(lo, hi, qlo, qhi, DOT16) * (_ue8m0_to_f32(sb) * kmul)[:, None]
+    lo, hi = e2m1_f16(byt, ASM)
+    return _pair_dots(lo, hi, qlo, qhi, DOT16) * (ue8m0_to_f32(sb) * kmul)[:, None]
 
 
 @triton.jit
@@ -217,15 +207,7 @@ def _indexer_v2_kernel(q_ptr, w_ptr, pages_ptr, table_ptr, ent_ptr, nvis_ptr, ou
     nv = tl.load(nvis_ptr + b)
     for tt in range(tiles_per_prog):
         j = (pb * tiles_per_prog + tt) * BLOCK_N + tl.arange(0, BLOCK_N)
-        inb = j < E
-        if GATHER:
-            e = tl.load(ent_ptr + b * E + j, mask=inb, other=-1)
-        else:
-            e = j
-        valid = inb & (e >= 0) & (e < nv)
-        e = tl.where(valid, e, 0)
-        page = tl.load(table_ptr + b * MP + e // P, mask=valid, other=0).to(tl.int64)
-        rec = (page * P + (e % P)) * RB
+        inb, valid, rec = _tile_records(ent_ptr, table_ptr, b, j, E, nv, P, MP, RB, GATHER)
         s = _k_group(pages_ptr, rec, valid, kmul, ql0, qh0, 0, I, ASM, DOT16)
         if G > 1:
             s += _k_group(pages_ptr, rec, valid, kmul, ql1, qh1, 1, I, ASM, DOT16)
@@ -240,61 +222,17 @@ def _indexer_v2_kernel(q_ptr, w_ptr, pages_ptr, table_ptr, ent_ptr, nvis_ptr, ou
 # ------------------------------------------------------------------------------------------ v3
 # Index width 128 (68-byte records = 17 words: words 0-15 the nibbles, word 16 the four UE8M0 scale bytes). Each
 # tile's records are read as 32-bit words (17 loads per entry instead of 68 byte loads; one page-table read per tile
-# when P % BN == 0 and no entry list), the next tile's words loaded while this one is computed ("v3pipe": Triton's
-# pipeline over num_stages instead). Word v of a record holds channels 8v..8v+7; one PTX block turns it into 8 fp16
-# values E2M1 * 2^-6 * 2^(S_g - R_n) (the E4M3 trick of v2, then one mul.f16x2 by the group's power of two), with
-# R_n = max_g S_g - 15 per entry: every value of an entry whose four group scales lie within 29 binades is exact in
-# fp16 (a program meeting another entry recomputes its tiles on v2's per-group path at its end, exact for any
-# scales). The fp16 tile [BN, 128], its channels permuted as the decode leaves them (q's rows permuted to match: a
-# dot product is a sum, any order of its terms is the same sum when every partial sum is exact), makes one K=128
-# tensor-core dot with q (fp16 times 2^c as in v2). The per-entry power of two 2^(R_n + 6 - c - 127) commutes with
-# relu, the bf16 roundings and the head sum, so it multiplies the entry's final score only (one multiply per entry,
-# not one per head and group). ptxas (sm_90, BN 64, 4 warps): 119 registers, ~530 instructions per thread and tile
-# against v2's 890. Not adopted yet: its first form measured no faster than v2 (module docstring); tried and
-# dropped: the head sum as a second tensor-core dot (slower), K split into eight K=16 dots or a permuted K order to
-# feed the MMA from registers (Triton still went through shared memory, with more instructions).
-
-# $8 = one word (4 bytes: channels 2k low nibble, 2k+1 high), $9 = the fp16x2 power of two of its group;
-# $0..$7 = channels 0, 2, 4, 6, 1, 3, 5, 7 of the word as fp16.
-_WORD_F16_ASM = tl.constexpr("""{
-.reg .b16 a0, a1, b0, b1;
-.reg .b32 t1, t2, A, B, r0, r1, r2, r3;
-""" + _E2M1_TO_E4M3.format(x="$8") + """
-mov.b32 {a0, a1}, A;
-mov.b32 {b0, b1}, B;
-cvt.rn.f16x2.e4m3x2 r0, a0;
-cvt.rn.f16x2.e4m3x2 r1, a1;
-cvt.rn.f16x2.e4m3x2 r2, b0;
-cvt.rn.f16x2.e4m3x2 r3, b1;
-mul.rn.f16x2 r0, r0, $9;
-mul.rn.f16x2 r1, r1, $9;
-mul.rn.f16x2 r2, r2, $9;
-mul.rn.f16x2 r3, r3, $9;
-mov.b32 {$0, $1}, r0;
-mov.b32 {$2, $3}, r1;
-mov.b32 {$4, $5}, r2;
-mov.b32 {$6, $7}, r3;
-}""")
-
-
-@triton.jit
-def _word_f16(wd, mul, ASM: tl.constexpr):
-    """int32 words -> 8 fp16 tensors (channels 0, 2, 4, 6, 1, 3, 5, 7 of each word) * 2^-6 * mul; mul int32 holding
-    the fp16x2 bits of a power of two (exact)."""
-    if ASM:
-        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            _WORD_F16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, mul], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-    else:
-        m = (mul & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.015625
-        o0 = (_e2m1_to_f32(wd & 15) * m).to(tl.float16)
-        o4 = (_e2m1_to_f32((wd >> 4) & 15) * m).to(tl.float16)
-        o1 = (_e2m1_to_f32((wd >> 8) & 15) * m).to(tl.float16)
-        o5 = (_e2m1_to_f32((wd >> 12) & 15) * m).to(tl.float16)
-        o2 = (_e2m1_to_f32((wd >> 16) & 15) * m).to(tl.float16)
-        o6 = (_e2m1_to_f32((wd >> 20) & 15) * m).to(tl.float16)
-        o3 = (_e2m1_to_f32((wd >> 24) & 15) * m).to(tl.float16)
-        o7 = (_e2m1_to_f32((wd >> 28) & 15) * m).to(tl.float16)
-    return o0, o1, o2, o3, o4, o5, o6, o7
+# when P % BN == 0 and no entry list), the next tile's words loaded while this one is computed. Word v of a record
+# holds channels 8v..8v+7; one PTX block (decoders.word_f16) turns it into 8 fp16 values E2M1 * 2^-6 * 2^(S_g - R_n)
+# (the E4M3 trick of v2, then one mul.f16x2 by the group's power of two), with R_n = max_g S_g - 15 per entry: every
+# value of an entry whose four group scales lie within 29 binades is exact in fp16 (a program meeting another entry
+# recomputes its tiles on v2's per-group path at its end, exact for any scales). The fp16 tile [BN, 128], its channels
+# permuted as the decode leaves them (q's rows permuted to match: a dot product is a sum, any order of its terms is
+# the same sum when every partial sum is exact), makes one K=128 tensor-core dot with q (fp16 times 2^c as in v2). The
+# per-entry power of two 2^(R_n + 6 - c - 127) commutes with relu, the bf16 roundings and the head sum, so it
+# multiplies the entry's final score only (one multiply per entry, not one per head and group). The fast-path check is
+# deferred to the end of a program (fewer live registers: 4 programs per SM); the tuning history is in
+# benchmarks/results/README.md.
 
 
 @triton.jit
@@ -334,7 +272,7 @@ def _v3_words(valid, rp):
 @triton.jit
 def _indexer_v3_kernel(q_ptr, w_ptr, words_ptr, table_ptr, ent_ptr, nvis_ptr, out_ptr, E, MP, tiles_per_prog, J,
                        P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, GATHER: tl.constexpr,
-                       ASM: tl.constexpr, DOT16: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr):
+                       ASM: tl.constexpr, DOT16: tl.constexpr):
     I: tl.constexpr = 128
     b = tl.program_id(0).to(tl.int64)
     pb = tl.program_id(1)
@@ -358,25 +296,19 @@ def _indexer_v3_kernel(q_ptr, w_ptr, words_ptr, table_ptr, ent_ptr, nvis_ptr, ou
     gsh = 8 * (vw // 4)                                             # word v's scale byte: bits 8(v // 4)..
     t0 = pb * tiles_per_prog
     bad = tl.zeros([BLOCK_N], tl.int32)
-    if PREFETCH == 0:   # Triton's software pipeline (num_stages) streams the words through shared memory
-        for tt in tl.range(tiles_per_prog, num_stages=NUM_STAGES):
-            t = t0 + tt
-            valid_c, rp = _v3_tile(words_ptr, table_ptr, ent_ptr, b, t, E, MP, nv, P, BLOCK_N, GATHER)
-            wd, sw = _v3_words(valid_c, rp)
-            bad |= _v3_tile_scores(wd, sw, valid_c, t, qt, wb, fq, gsh, out_ptr, b, E, BLOCK_N, ASM, DOT16)
-    else:               # the next tile's words loaded in registers while this one is computed
-        valid, rp = _v3_tile(words_ptr, table_ptr, ent_ptr, b, t0, E, MP, nv, P, BLOCK_N, GATHER)
-        wd_n, sw_n = _v3_words(valid, rp)
-        valid_n, rp_n = _v3_tile(words_ptr, table_ptr, ent_ptr, b, t0 + 1, E, MP, nv, P, BLOCK_N, GATHER)
-        for tt in range(tiles_per_prog):
-            t = t0 + tt
-            wd = wd_n
-            sw = sw_n
-            valid_c = valid
-            valid = valid_n
-            wd_n, sw_n = _v3_words(valid_n, rp_n)                                   # prefetch tile t + 1
-            valid_n, rp_n = _v3_tile(words_ptr, table_ptr, ent_ptr, b, t + 2, E, MP, nv, P, BLOCK_N, GATHER)
-            bad |= _v3_tile_scores(wd, sw, valid_c, t, qt, wb, fq, gsh, out_ptr, b, E, BLOCK_N, ASM, DOT16)
+    # the next tile's words loaded in registers while this one is computed
+    valid, rp = _v3_tile(words_ptr, table_ptr, ent_ptr, b, t0, E, MP, nv, P, BLOCK_N, GATHER)
+    wd_n, sw_n = _v3_words(valid, rp)
+    valid_n, rp_n = _v3_tile(words_ptr, table_ptr, ent_ptr, b, t0 + 1, E, MP, nv, P, BLOCK_N, GATHER)
+    for tt in range(tiles_per_prog):
+        t = t0 + tt
+        wd = wd_n
+        sw = sw_n
+        valid_c = valid
+        valid = valid_n
+        wd_n, sw_n = _v3_words(valid_n, rp_n)                                   # prefetch tile t + 1
+        valid_n, rp_n = _v3_tile(words_ptr, table_ptr, ent_ptr, b, t + 2, E, MP, nv, P, BLOCK_N, GATHER)
+        bad |= _v3_tile_scores(wd, sw, valid_c, t, qt, wb, fq, gsh, out_ptr, b, E, BLOCK_N, ASM, DOT16)
     # A tile holding an entry whose four group scales span more than fp16's window (never seen in real keys; the
     # fast path's values for it are not used): all of this program's tiles again on v2's per-group path, exact
     # for any scales; the barrier orders these stores after the first ones.
@@ -403,7 +335,7 @@ def _v3_tile_scores(wd, sw, valid_c, t, qt, wb, fq, gsh, out_ptr, b, E, BLOCK_N:
     mn = tl.minimum(tl.minimum(s0, s1), tl.minimum(s2, s3))
     e16 = ((sw[:, None] >> gsh[None, :]) & 255) - mx[:, None] + 30      # fp16 exponent field of 2^(S_g - R_n)
     mul = tl.maximum(e16, 1) * 0x04000400
-    o0, o1, o2, o3, o4, o5, o6, o7 = _word_f16(wd, mul, ASM)
+    o0, o1, o2, o3, o4, o5, o6, o7 = word_f16(wd, mul, ASM)
     k = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))  # [.., 8]
     k = tl.reshape(k, (BLOCK_N, I))                                     # column 8v + i: word v's value i
     if DOT16:
@@ -434,10 +366,10 @@ def _v3_exact_tile(q_ptr, words_ptr, table_ptr, ent_ptr, b, t, E, MP, nv, J, hj,
     for g in tl.static_range(4):
         byt = tl.load(rb[:, None] + (16 * g + c)[None, :], mask=valid[:, None], other=0)
         sb = tl.load(rb + (64 + g), mask=valid, other=0).to(tl.int32)
-        lo, hi = _e2m1_f16(byt, ASM)
+        lo, hi = e2m1_f16(byt, ASM)
         qlo = _q_half(q_ptr, b, J, hj, jm, qs, g, 0, 128)
         qhi = _q_half(q_ptr, b, J, hj, jm, qs, g, 1, 128)
-        part = _pair_dots(lo, hi, qlo, qhi, DOT16) * _ue8m0_to_f32(sb)[:, None]
+        part = _pair_dots(lo, hi, qlo, qhi, DOT16) * ue8m0_to_f32(sb)[:, None]
         if g == 0:
             s = part
         else:
@@ -445,16 +377,28 @@ def _v3_exact_tile(q_ptr, words_ptr, table_ptr, ent_ptr, b, t, E, MP, nv, J, hj,
     return s, tl.full([BLOCK_N], 1.0, tl.float32) * kmul
 
 
+def _launch_plan(kernel: str, B: int, E: int, device: torch.device, block_n: int | None,
+                 tiles_per_program: int | None) -> tuple[int, int, tuple[int, int]]:
+    """(BN, tiles per program, grid) of one launch; block_n / tiles_per_program override CONFIG's choice."""
+    cfg = CONFIG[kernel]
+    BN = block_n or cfg["block_n"]
+    n_tiles = triton.cdiv(E, BN)
+    if tiles_per_program is None and kernel == "v3":    # one wave of resident programs, long runs of tiles
+        waves = cfg["programs_per_sm"] * sm_count(device)
+        tiles_per_program = max(1, min(cfg["max_tiles_per_program"], triton.cdiv(n_tiles * B, waves)))
+    elif tiles_per_program is None:      # enough programs for ~4 per SM, then longer runs per program (q reuse)
+        tiles_per_program = max(1, min(cfg["max_tiles_per_program"], n_tiles * B // (4 * sm_count(device))))
+    return BN, tiles_per_program, (B, triton.cdiv(n_tiles, tiles_per_program))
+
+
 def indexer_scores_packed_triton(q: torch.Tensor, w: torch.Tensor, index_pages: torch.Tensor,
                                  page_table: torch.Tensor, n_vis: torch.Tensor, entries: torch.Tensor | None = None,
                                  n_entries: int | None = None, *, block_n: int | None = None,
-                                 num_warps: int | None = None, num_stages: int | None = None,
-                                 tiles_per_program: int | None = None, impl: str | None = None) -> torch.Tensor:
+                                 num_warps: int | None = None, tiles_per_program: int | None = None) -> torch.Tensor:
     """Triton twin of `indexer_scores_packed_ref` -> [B, E] fp32 (bf16-rounded values, -inf where invisible).
 
-    impl "v2" (index widths 32, 64, 128: `_indexer_v2_kernel`, `CONFIG`), "v3" (default) / "v3pipe" (index width
-    128, 4-byte aligned pages: `_indexer_v3_kernel`, `V3_CONFIG`; otherwise v2), "v1" (the first kernel,
-    `V1_CONFIG`; any width)."""
+    The kernel follows from the index width and the pages' alignment (module docstring); the keywords override its
+    CONFIG entry."""
     B, J, I = q.shape
     if q.dtype != torch.bfloat16:
         raise ValueError(f"indexer scores (triton): q must be bfloat16 (the model's rounding), got {q.dtype}")
@@ -463,18 +407,8 @@ def indexer_scores_packed_triton(q: torch.Tensor, w: torch.Tensor, index_pages: 
     if index_pages.dtype != torch.uint8 or index_pages.dim() != 3 or index_pages.size(2) != I // 2 + I // 32:
         raise ValueError(f"indexer scores (triton): index_pages must be uint8 [*, *, {I // 2 + I // 32}], got "
                          f"{index_pages.dtype} {tuple(index_pages.shape)}")
-    impl = impl or CONFIG["impl"]
-    if impl not in ("v1", "v2") and impl not in V3_VARIANTS:
-        raise ValueError(f"indexer scores (triton): impl must be 'v1', 'v2' or 'v3' (or one of {sorted(V3_VARIANTS)}),"
-                         f" got {impl!r}")
-    variant = V3_VARIANTS.get(impl)
     index_pages = index_pages.contiguous()
-    if variant is not None:
-        impl = "v3" if I == 128 and index_pages.data_ptr() % 4 == 0 else "v2"
-    if I > 128:
-        impl = "v1"
-    cfg = {"v1": V1_CONFIG, "v2": CONFIG, "v3": V3_CONFIG}[impl]
-    BN = block_n or cfg["block_n"]
+    kernel = "v1" if I > 128 else "v3" if I == 128 and index_pages.data_ptr() % 4 == 0 else "v2"
     if entries is None:
         E = int(n_vis.max()) if n_entries is None else n_entries
     else:
@@ -483,37 +417,24 @@ def indexer_scores_packed_triton(q: torch.Tensor, w: torch.Tensor, index_pages: 
     out = torch.empty(B, E, dtype=torch.float32, device=q.device)
     if B == 0 or E == 0:
         return out
-    n_tiles = triton.cdiv(E, BN)
-    if tiles_per_program is None and impl == "v3":      # one wave of resident programs, long runs of tiles
-        waves = cfg["programs_per_sm"] * _sm_count(q.device)
-        tiles_per_program = max(1, min(cfg["max_tiles_per_program"], triton.cdiv(n_tiles * B, waves)))
-    elif tiles_per_program is None:      # enough programs for ~4 per SM, then longer runs per program (q reuse)
-        tiles_per_program = max(1, min(cfg["max_tiles_per_program"], n_tiles * B // (4 * _sm_count(q.device))))
-    grid = (B, triton.cdiv(n_tiles, tiles_per_program))
+    BN, tpp, grid = _launch_plan(kernel, B, E, q.device, block_n, tiles_per_program)
     BJ = max(16, triton.next_power_of_2(J))
-    if impl == "v3":
+    args = (q.contiguous(), w.contiguous(), index_pages.view(torch.int32) if kernel == "v3" else index_pages,
+            page_table.to(torch.int32).contiguous(), out if entries is None else entries,
+            n_vis.to(torch.int32).contiguous(), out, E)
+    launch = dict(num_warps=num_warps or CONFIG[kernel]["num_warps"], num_stages=CONFIG[kernel]["num_stages"])
+    if kernel == "v3":
         LAST['indexer'] = _indexer_v3_kernel[grid](
-            q.contiguous(), w.contiguous(), index_pages.view(torch.int32), page_table.to(torch.int32).contiguous(),
-            out if entries is None else entries, n_vis.to(torch.int32).contiguous(), out, E, page_table.size(1),
-            tiles_per_program, J, P=index_pages.size(1), BLOCK_J=BJ, BLOCK_N=BN, GATHER=entries is not None,
-            ASM=_ASM, DOT16=_DOT_BF16, PREFETCH=variant,
-            NUM_STAGES=num_stages or cfg["pipe_stages"], num_warps=num_warps or cfg["num_warps"],
-            num_stages=cfg["num_stages"])                      # (num_stages: v3pipe's depth, its loop only)
-        return out
-    if impl == "v2":
+            *args, page_table.size(1), tpp, J, P=index_pages.size(1), BLOCK_J=BJ, BLOCK_N=BN,
+            GATHER=entries is not None, ASM=ASM, DOT16=DOT_BF16, **launch)
+    elif kernel == "v2":
         LAST['indexer'] = _indexer_v2_kernel[grid](
-            q.contiguous(), w.contiguous(), index_pages.contiguous(), page_table.to(torch.int32).contiguous(),
-            out if entries is None else entries, n_vis.to(torch.int32).contiguous(), out, E, index_pages.size(1),
-            page_table.size(1), tiles_per_program, J, I=I, BLOCK_J=BJ, BLOCK_N=BN, GATHER=entries is not None,
-            ASM=_ASM, DOT16=_DOT_BF16, num_warps=num_warps or cfg["num_warps"],
-            num_stages=num_stages or cfg["num_stages"])
-        return out
-    LAST['indexer'] = _indexer_scores_kernel[grid](
-        q.contiguous(), w.contiguous(), index_pages.contiguous(), page_table.to(torch.int32).contiguous(),
-        out if entries is None else entries, n_vis.to(torch.int32).contiguous(), out, E, index_pages.size(1),
-        page_table.size(1), tiles_per_program, J, I=I, IDX_RB=I // 2 + I // 32,
-        BLOCK_J=BJ, BLOCK_N=BN, GATHER=entries is not None, DOT_BF16=_DOT_BF16,
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+            *args, index_pages.size(1), page_table.size(1), tpp, J, I=I, BLOCK_J=BJ, BLOCK_N=BN,
+            GATHER=entries is not None, ASM=ASM, DOT16=DOT_BF16, **launch)
+    else:
+        LAST['indexer'] = _indexer_v1_kernel[grid](
+            *args, index_pages.size(1), page_table.size(1), tpp, J, I=I, IDX_RB=I // 2 + I // 32, BLOCK_J=BJ,
+            BLOCK_N=BN, GATHER=entries is not None, DOT_BF16=DOT_BF16, **launch)
     return out
 
 
@@ -522,5 +443,5 @@ def indexer_topk_packed_triton(q: torch.Tensor, w: torch.Tensor, index_pages: to
                                pool_blocks: int = 0, block_size: int = 8, ties: str = "official",
                                n_max: int | None = None):
     """Triton twin of `indexer_topk_packed_ref`: the Triton scores, then the reference's torch selection."""
-    return _indexer_topk(indexer_scores_packed_triton, q, w, index_pages, page_table, n_vis, topk, cand_blocks,
-                         pool_blocks, block_size, ties, n_max)
+    return indexer_topk_with(indexer_scores_packed_triton, q, w, index_pages, page_table, n_vis, topk, cand_blocks,
+                             pool_blocks, block_size, ties, n_max)

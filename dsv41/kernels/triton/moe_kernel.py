@@ -34,13 +34,11 @@ except ImportError:  # pragma: no cover
 
 from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
 from dsv41.kernels.triton.quant_kernel import _fp8_groups, qdq_fp8_triton
-from dsv41.kernels.triton.sparse_attn_kernel import _DOT_BF16, _INTERPRET, LAST
+from dsv41.kernels.triton.common import DOT_BF16, INTERPRET, LAST
 
 __all__ = ["moe_experts_triton", "CONFIG"]
 
-# H200, v41-geometry (D 5120, F 2304, 16 experts, 6 active + shared; results/kernels-moe-2026-12-03.json, at 128-wide
-# reduction chunks then): 282 / 608 / 1258 us at 1 / 16 / 64 tokens against 1570 / 3547 / 3351 us for the module loop
-# (1760 GB/s of expert weights at one token, 37% of HBM). 64-wide F tiles spill and were slower.
+# Picked by benchmarks/kernels.py on the H200 (figures: benchmarks/results/README.md); 64-wide F tiles spill.
 CONFIG = {"block_m": 16, "up_block_f": 32, "up_block_d": 256, "down_block_d": 32, "down_block_f": 256,
           "combine_block_d": 512, "num_warps": 4}
 
@@ -204,11 +202,11 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     LAST['moe_up'] = _moe_up_kernel[(E + 1, triton.cdiv(F, BF))](
         xq, _address_table(w1, dev), _address_table(w3, dev), order, pw, counts, offs, h, D, F, KP, float(limit),
         FP8_AMAX_FLOOR, FP8_MAX_INV, CLAMP=limit > 0, QUANT=bool(quant_mid), BM=BM, BF=BF, BD=cfg["up_block_d"],
-        GROUP=FP8_GROUP, DOT_BF16=_DOT_BF16, LIBDEVICE=not _INTERPRET, num_warps=nw, enable_fp_fusion=False)
+        GROUP=FP8_GROUP, DOT_BF16=DOT_BF16, LIBDEVICE=not INTERPRET, num_warps=nw, enable_fp_fusion=False)
     BD2 = cfg["down_block_d"]
     LAST['moe_down'] = _moe_down_kernel[(E + 1, triton.cdiv(D, BD2))](
         h, _address_table(w2, dev), counts, offs, out, D, F, BM=BM, BD=BD2, BF=cfg["down_block_f"],
-        DOT_BF16=_DOT_BF16, num_warps=nw)
+        DOT_BF16=DOT_BF16, num_warps=nw)
     BC = cfg["combine_block_d"]
     _moe_combine_kernel[(N, triton.cdiv(D, BC))](out, inv, y, D, KP, BD=BC, num_warps=4)
     return y
