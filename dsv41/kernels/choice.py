@@ -13,8 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FUSED_MOE_MAX_TOKENS", "fused_moe", "fused_mhc_across", "packed_decode", "set_packed_decode"]
-
 # Few tokens (a decode step) on a CUDA GPU: the experts as one op over their weights (`moe_experts`: Triton grouped
 # kernels, no host sync, ~10 launches instead of ~10 per active expert). Above this many tokens the module loop's
 # cuBLAS GEMMs read each expert's weights once, where the op's tiles of 16 pairs would re-read them.

@@ -39,21 +39,6 @@ from torch import nn
 from dsv41.codecs import qdq_fp8
 from dsv41.model.common import Linear
 
-__all__ = [
-    "DEAD",
-    "GATE_CLAMP",
-    "build_compressed_token_map",
-    "identity_token_map",
-    "is_prime",
-    "engram_primes",
-    "check_engram_tables",
-    "hash_multipliers",
-    "hash_column_offsets",
-    "NgramHasher",
-    "EngramEmbedding",
-    "Engram",
-]
-
 DEAD = -1           # compressed id of a position that takes no part in an n-gram (MODEL.md 6.2)
 GATE_CLAMP = 1e-6   # |dot| floor before the signed square root (MODEL.md 6.3, 10.1)
 

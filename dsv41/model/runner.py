@@ -41,34 +41,23 @@ def run_logits(model, tokens: torch.Tensor, decode_steps: int = 0, official_deco
         out["embed_out"] = rec["embed_out"].float()
     if cfg.dspark_enabled:
         model.draft(None, res.main_hidden, cache, 0)
-    dec_tokens, dec_logits, topks = [], [], {}
-    ds_tok, ds_log, ds_conf = [], [], []
+    steps: dict[str, list[torch.Tensor]] = {}            # capture name -> its tensor of each decode step
     nxt = res.logits[:, -1].argmax(-1)
     for k in range(decode_steps):
-        dec_tokens.append(nxt)
-        P = T + k
         rec = {}
         r = model(nxt.unsqueeze(1), cache,
                   opts=ForwardOptions(record=rec, official_decode_artifact=official_decode_artifact))
-        dec_logits.append(r.logits[:, -1].float())
-        for ro in model.roles:
-            if ro.is_index_source and ("topk", ro.layer) in rec:
-                topks.setdefault(ro.layer, []).append(rec[("topk", ro.layer)][:, 0])
+        new = {"decode_tokens": nxt, "decode_logits": r.logits[:, -1].float()}
+        new.update({f"decode_topk.{ro.layer}": rec[("topk", ro.layer)][:, 0] for ro in model.roles
+                    if ro.is_index_source and ("topk", ro.layer) in rec})
         nxt = r.logits[:, -1].argmax(-1)
         if cfg.dspark_enabled:
-            ids, lg, conf = model.draft(nxt, r.main_hidden, cache, P)
-            ds_tok.append(ids)
-            ds_log.append(lg.float())
-            ds_conf.append(conf.float())
-    if decode_steps:
-        out["decode_tokens"] = torch.stack(dec_tokens, 1)
-        out["decode_logits"] = torch.stack(dec_logits, 1)
-        for L, lst in topks.items():
-            out[f"decode_topk.{L}"] = _pad_stack(lst)
-        if ds_tok:
-            out["dspark_tokens"] = torch.stack(ds_tok, 1)
-            out["dspark_logits"] = torch.stack(ds_log, 1)
-            out["dspark_confidence"] = torch.stack(ds_conf, 1)
+            ids, lg, conf = model.draft(nxt, r.main_hidden, cache, T + k)
+            new.update(dspark_tokens=ids, dspark_logits=lg.float(), dspark_confidence=conf.float())
+        for name, t in new.items():
+            steps.setdefault(name, []).append(t)
+    out.update({name: _pad_stack(ts) if name.startswith("decode_topk.") else torch.stack(ts, 1)
+                for name, ts in steps.items()})
     return out
 
 
