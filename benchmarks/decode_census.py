@@ -35,7 +35,7 @@ KERNEL_OPS = {"dsv41.model.common": ["qdq_fp8"], "dsv41.model.attention": ["qdq_
               "dsv41.model.moe": ["qdq_fp8", "expert_act", "moe_experts"],
               "dsv41.model.packed_decode": ["sparse_attn_packed", "indexer_topk_packed"],
               "dsv41.model.block": ["mhc_fused"], "dsv41.model.dspark": ["sparse_attn"],
-              "dsv41.kv.paged": ["pack_swa_rows"]}
+              "dsv41.kv.batch_view": ["pack_swa_rows"]}
 
 
 def geometry_config(shrink: bool = True):

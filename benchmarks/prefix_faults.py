@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from dsv41.config import load_config  # noqa: E402
 from dsv41.kv.manager import PrefixCache  # noqa: E402
-from dsv41.kv.paged import PackedKVPool  # noqa: E402
+from dsv41.kv.pool import PackedKVPool  # noqa: E402
 from dsv41.kv.prefix import chain_keys, engram_history_at  # noqa: E402
 from dsv41.kv.swa_pool import MemorySwaPool, RedisSwaPool  # noqa: E402
 from dsv41.model.init import random_model  # noqa: E402

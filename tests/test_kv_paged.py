@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from dsv41.analysis.kv_bytes import global_kv_bytes_per_token
-from dsv41.codecs import (index_k_bytes, main_kv_bytes, pack_index_k, pack_main_kv, pack_swa_kv, qdq_fp8,
-                          qdq_index_k, qdq_main_kv, swa_kv_bytes, unpack_index_k, unpack_main_kv, unpack_swa_kv)
+from dsv41.codecs import (index_k_bytes, main_kv_bytes, pack_index_k, pack_main_kv, pack_main_kv_exact, pack_swa_kv,
+                          qdq_fp8, qdq_index_k, qdq_main_kv, swa_kv_bytes, unpack_index_k, unpack_main_kv,
+                          unpack_swa_kv)
 from dsv41.config import load_config
 from dsv41.model.attention import set_tie_break
-from dsv41.kv import PackedKVPool, pack_main_kv_exact
+from dsv41.kv import PackedKVPool
 from dsv41.kv.accounting import bench_kv, fill_random
 from dsv41.model.cache import DenseCache, cache_spec
 from dsv41.model.common import set_quantization

@@ -23,7 +23,8 @@ import types
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from dsv41.kv.disk import HEADER_BYTES, DiskStore
+from dsv41.kv.disk import DiskStore
+from dsv41.kv.disk_format import HEADER_BYTES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP, FP2 = "a" * 64, "b" * 64

@@ -20,7 +20,7 @@ import torch
 from dsv41.config import load_config
 from dsv41.kv.accounting import fill_random
 from dsv41.kv.manager import PrefixCache
-from dsv41.kv.paged import PackedKVPool
+from dsv41.kv.pool import PackedKVPool
 from dsv41.kv.prefix import chain_keys, engram_history_at, fingerprint
 from dsv41.kv.swa_pool import MemorySwaPool, RedisSwaPool
 from dsv41.model.init import random_model

@@ -1,4 +1,4 @@
-"""Pool export / import for prefix caching (`dsv41.kv.paged`): global and SWA states through their binary layouts
+"""Pool export / import for prefix caching (`dsv41.kv.pool`, `dsv41.kv.state_format`): global and SWA states through their binary layouts
 restore a sequence that continues bit-identically; prefixes of an append-only store, segments and their joins;
 malformed bytes and misuse are ValueErrors."""
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dsv41.config import load_config
-from dsv41.kv.paged import GlobalState, PackedKVPool, SwaState
+from dsv41.kv import GlobalState, PackedKVPool, SwaState
 from dsv41.kv.prefix import engram_history_at
 from dsv41.model.init import random_model
 

@@ -14,7 +14,9 @@ index K (3.6)      pack_index_k / unpack_...  qdq_index_k(x) == qdq_index_q   d/
 ``qdq_fp8`` is also the activation quantization before every fp8/fp4 Linear; ``qdq_index_k`` is also the
 indexer query quantization. Element primitives for the checkpoint loader: ``e4m3_to_float``,
 ``float_to_e4m3``, ``e8m0_to_float``, ``float_to_e8m0``, ``e2m1_to_float``, ``float_to_e2m1``,
-``pack_nibbles``, ``unpack_nibbles``. See fp8.py and fp4.py for the bit layouts.
+``pack_nibbles``, ``unpack_nibbles``. ``pack_main_kv_exact`` writes the main-KV record so that it decodes to a
+QDQ value exactly even where the codec's re-derived scale would not (the packed KV store's writer). See fp8.py and
+fp4.py for the bit layouts.
 """
 
 from .fp4 import (
@@ -30,6 +32,7 @@ from .fp4 import (
     main_kv_bytes,
     pack_index_k,
     pack_main_kv,
+    pack_main_kv_exact,
     pack_nibbles,
     qdq_index_k,
     qdq_index_q,
@@ -77,6 +80,7 @@ __all__ = [
     "main_kv_bytes",
     "pack_index_k",
     "pack_main_kv",
+    "pack_main_kv_exact",
     "pack_nibbles",
     "pack_swa_kv",
     "qdq_fp8",

@@ -58,6 +58,7 @@ __all__ = [
     "pack_main_kv",
     "unpack_main_kv",
     "qdq_main_kv",
+    "pack_main_kv_exact",
     "index_k_bytes",
     "pack_index_k",
     "unpack_index_k",
@@ -71,6 +72,7 @@ INDEX_K_GROUP = 32
 MAIN_KV_AMAX_FLOOR = 6 * 2.0**-9  # 0.01171875, so the scale is at least the smallest E4M3 subnormal
 INDEX_K_AMAX_FLOOR = 6 * 2.0**-126
 FP4_MAX_INV = f32(1.0 / 6.0)  # fp32(1/6), multiplied before the power-of-two ceiling
+_E2M1_MAGNITUDES = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -139,14 +141,39 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _e2m1_of(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E2M1 values (fp32) of groups g [.., G, group] at their scales [.., G, 1]: clamp(g / scale) rounded."""
+    return round_to_e2m1((g / scale).clamp(-E2M1_MAX, E2M1_MAX))
+
+
+def _main_kv_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The codec's scale e4m3(max(amax, floor) / 6) of groups with maxima amax [.., G, 1]."""
+    floored = amax.clamp_min(MAIN_KV_AMAX_FLOOR)
+    return round_to_e4m3(floored / torch.full_like(floored, E2M1_MAX))   # tensor divisor: a true fp32 division
+
+
 def _main_kv_quant(x: torch.Tensor, group: int, what: str):
     """MODEL.md 3.4 quantizer. Returns (E2M1 values fp32 [..,G,group], scale fp32 [..,G,1])."""
     g = grouped(x, group, what)
-    amax = g.abs().amax(dim=-1, keepdim=True).clamp_min(MAIN_KV_AMAX_FLOOR)
-    six = torch.full_like(amax, E2M1_MAX)  # tensor divisor: a true fp32 division on every device
-    scale = round_to_e4m3(amax / six)  # saturating at 448
-    v = (g / scale).clamp(-E2M1_MAX, E2M1_MAX)
-    return round_to_e2m1(v), scale
+    scale = _main_kv_scale(g.abs().amax(dim=-1, keepdim=True))     # saturating at 448
+    return _e2m1_of(g, scale), scale
+
+
+def _fp4_record(r: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+    """uint8[..., d/2 + G]: the nibble-packed codes of E2M1 values r [.., G, group], then one scale byte per group."""
+    return torch.cat([pack_nibbles(_e2m1_code_of_exact(r).flatten(-2)), scale_bytes.squeeze(-1).to(torch.uint8)],
+                     dim=-1)
+
+
+def _unpack_fp4(packed: torch.Tensor, group: int, decode_scale, what: str) -> torch.Tensor:
+    """uint8[..., d/2 + d/group] -> fp32[..., d] = E2M1(code) * decode_scale(scale byte)."""
+    b = as_u8(packed)
+    n = b.shape[-1]
+    d = n * 2 * group // (group + 2)
+    if d <= 0 or d % group or d // 2 + d // group != n:
+        raise ValueError(f"{what}: {n} bytes is not d/2 + d/{group} for any d divisible by {group}")
+    vals = e2m1_to_float(unpack_nibbles(b[..., : d // 2])).unflatten(-1, (d // group, group))
+    return (vals * decode_scale(b[..., d // 2 :]).unsqueeze(-1)).flatten(-2)
 
 
 def main_kv_bytes(d: int = 512) -> int:
@@ -170,20 +197,46 @@ def pack_main_kv(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
     if check_finite:
         require_finite(x, "pack_main_kv")
     r, scale = _main_kv_quant(x, MAIN_KV_GROUP, "pack_main_kv")
-    codes = pack_nibbles(_e2m1_code_of_exact(r).flatten(-2))
-    return torch.cat([codes, float_to_e4m3(scale.squeeze(-1))], dim=-1)
+    return _fp4_record(r, float_to_e4m3(scale))
 
 
 def unpack_main_kv(packed: torch.Tensor) -> torch.Tensor:
     """uint8[..., d/2 + d/16] -> fp32[..., d] = E2M1(code) * E4M3(scale)."""
-    b = as_u8(packed)
-    n = b.shape[-1]
-    d = n * 16 // 9
-    if d <= 0 or d % MAIN_KV_GROUP or main_kv_bytes(d) != n:
-        raise ValueError(f"unpack_main_kv: {n} bytes is not d/2 + d/16 for any d divisible by 16")
-    vals = e2m1_to_float(unpack_nibbles(b[..., : d // 2])).unflatten(-1, (d // MAIN_KV_GROUP, MAIN_KV_GROUP))
-    scale = e4m3_to_float(b[..., d // 2 :]).unsqueeze(-1)
-    return (vals * scale).flatten(-2)
+    return _unpack_fp4(packed, MAIN_KV_GROUP, e4m3_to_float, "unpack_main_kv")
+
+
+def _represents(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[..., G, 1] bool: every value of the group is E2M1(code) * scale exactly (|code| <= 6)."""
+    return (_e2m1_of(g, scale) * scale == g).all(dim=-1, keepdim=True)
+
+
+def pack_main_kv_exact(x: torch.Tensor) -> torch.Tensor:
+    """x[..., d] -> uint8[..., d/2 + d/16], the `pack_main_kv` record layout, decoding to x exactly when x is
+    representable (every `qdq_main_kv` output is).
+
+    Why: `pack_main_kv` re-derives the E4M3 scale from the group maximum; for groups whose scale is an E4M3
+    *subnormal* (group amax below about 0.09) that re-derivation can pick another scale, so pack(qdq(x)) is lossy
+    there (`qdq_main_kv` is not idempotent). The packed KV store writes main KV through this function instead.
+
+    The scale is `pack_main_kv`'s (e4m3(max(amax, floor) / 6)) when that reproduces the group; otherwise the first
+    of amax / c, c in the E2M1 magnitudes 6, 4, ..., 0.5, that is an E4M3 value and reproduces it (for a
+    representable group amax = c_max * scale, so one candidate is the group's true scale). Groups matching no
+    candidate (unrepresentable input) keep the codec's scale and round like `pack_main_kv`. No host sync on
+    accelerators (every candidate is evaluated); on CPU the candidates are skipped when the codec's scale fits."""
+    d = x.shape[-1]
+    if d % MAIN_KV_GROUP:
+        raise ValueError(f"main-KV width must be a multiple of {MAIN_KV_GROUP}, got {d}")
+    g = x.float().unflatten(-1, (d // MAIN_KV_GROUP, MAIN_KV_GROUP))
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    scale = _main_kv_scale(amax)
+    ok = _represents(g, scale)
+    if not (g.device.type == "cpu" and bool(ok.all())):
+        for c in _E2M1_MAGNITUDES:
+            s = amax / torch.full_like(amax, c)               # tensor divisor: a true division on every device
+            good = (s > 0) & (round_to_e4m3(s) == s) & _represents(g, s)
+            scale = torch.where(ok | ~good, scale, s)
+            ok = ok | good
+    return _fp4_record(_e2m1_of(g, scale), float_to_e4m3(scale))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -197,8 +250,7 @@ def _index_k_quant(x: torch.Tensor, group: int, what: str):
     amax = g.abs().amax(dim=-1, keepdim=True).clamp_min(INDEX_K_AMAX_FLOOR)
     sbyte = ue8m0_scale_byte(amax * FP4_MAX_INV)
     scale = e8m0_to_float(sbyte)
-    v = (g / scale).clamp(-E2M1_MAX, E2M1_MAX)
-    return round_to_e2m1(v), scale, sbyte
+    return _e2m1_of(g, scale), scale, sbyte
 
 
 def index_k_bytes(d: int = 128) -> int:
@@ -217,7 +269,7 @@ def qdq_index_k(x: torch.Tensor, group: int = INDEX_K_GROUP) -> torch.Tensor:
     """
     g = grouped(x, group, "qdq_index_k")                  # `_index_k_quant` without the scale bytes
     scale = pow2_ceil(g.abs().amax(dim=-1, keepdim=True).clamp_min(INDEX_K_AMAX_FLOOR) * FP4_MAX_INV)
-    return (round_to_e2m1((g / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale).flatten(-2).to(x.dtype)
+    return (_e2m1_of(g, scale) * scale).flatten(-2).to(x.dtype)
 
 
 qdq_index_q = qdq_index_k
@@ -228,17 +280,9 @@ def pack_index_k(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
     if check_finite:
         require_finite(x, "pack_index_k")
     r, _, sbyte = _index_k_quant(x, INDEX_K_GROUP, "pack_index_k")
-    codes = pack_nibbles(_e2m1_code_of_exact(r).flatten(-2))
-    return torch.cat([codes, sbyte.squeeze(-1).to(torch.uint8)], dim=-1)
+    return _fp4_record(r, sbyte)
 
 
 def unpack_index_k(packed: torch.Tensor) -> torch.Tensor:
     """uint8[..., d/2 + d/32] -> fp32[..., d] = E2M1(code) * 2^(scale byte - 127)."""
-    b = as_u8(packed)
-    n = b.shape[-1]
-    d = n * 32 // 17
-    if d <= 0 or d % INDEX_K_GROUP or index_k_bytes(d) != n:
-        raise ValueError(f"unpack_index_k: {n} bytes is not d/2 + d/32 for any d divisible by 32")
-    vals = e2m1_to_float(unpack_nibbles(b[..., : d // 2])).unflatten(-1, (d // INDEX_K_GROUP, INDEX_K_GROUP))
-    scale = e8m0_to_float(b[..., d // 2 :]).unsqueeze(-1)
-    return (vals * scale).flatten(-2)
+    return _unpack_fp4(packed, INDEX_K_GROUP, e8m0_to_float, "unpack_index_k")

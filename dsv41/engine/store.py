@@ -45,6 +45,6 @@ def make_pool(model, device="cpu"):
     from dsv41.model.common import QuantSite
     quant = all(m.quant for m in model.modules() if isinstance(m, QuantSite))
     if quant:
-        from dsv41.kv.paged import PackedKVPool
+        from dsv41.kv import PackedKVPool
         return PackedKVPool(model.cfg, device=device, dtype=model.dtype)
     return DensePool(model.cfg, model.dtype, device)

@@ -6,9 +6,11 @@ interface, and its byte accounting.
     model(ids, pool.bind([sid, ...]))                        # any batch of sequences, rows at any positions
     pool.seq_bytes(sid), pool.global_bytes_per_token(sid)    # bytes by kind
 
-Only for quantized models (the packed formats round unquantized values); see `dsv41.kv.paged`.
+Only for quantized models (the packed formats round unquantized values); see `dsv41.kv.pool`.
 """
 
-from dsv41.kv.paged import BatchView, PackedKVPool, pack_main_kv_exact
+from dsv41.kv.batch_view import BatchView
+from dsv41.kv.pool import PackedKVPool
+from dsv41.kv.state_format import GlobalState, SwaState
 
-__all__ = ["BatchView", "PackedKVPool", "pack_main_kv_exact"]
+__all__ = ["BatchView", "GlobalState", "PackedKVPool", "SwaState"]

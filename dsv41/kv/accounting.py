@@ -25,7 +25,7 @@ import torch
 from dsv41.analysis.kv_bytes import global_kv_bytes_per_token, swa_bytes_per_sequence
 from dsv41.codecs import pack_index_k, pack_main_kv, qdq_fp8
 from dsv41.config import ModelConfig, load_config
-from dsv41.kv.paged import PackedKVPool
+from dsv41.kv.pool import PackedKVPool
 
 __all__ = ["analytic_global_bytes_per_token", "analytic_swa_bytes", "analytic_pending_bytes", "fill_random",
            "kv_bytes_report", "bench_kv", "as_number"]

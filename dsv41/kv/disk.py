@@ -4,26 +4,13 @@
     store.put(key, payload, meta)      -> bool     (False: not persisted; never raises on storage faults)
     store.get(key) / get_entry(key)    -> payload / (meta, payload) or None (a miss)
 
-Entry file `<key>.kv` (key: 64 lowercase hex), little-endian:
+Entry files `<key>.kv` (key: 64 lowercase hex) are laid out as `dsv41.kv.disk_format` says: a header with the
+namespace fingerprint, the key, the lengths and a SHA-256 of the body, itself CRC-checked.
 
-    offset size  field
-    0      8     magic b"DSV41KV\\0"
-    8      2     format version (u16) = 1
-    10     2     flags (u16) = 0
-    12     4     meta length M (u32, at most 65536)
-    16     32    fingerprint (the 32 bytes of the namespace's SHA-256 fingerprint)
-    48     32    key (the 32 bytes of the file's own key: a renamed or copied file is detected)
-    80     8     payload length N (u64)
-    88     8     created (f64, the store clock at write time)
-    96     32    SHA-256 of meta || payload
-    128    4     CRC-32 of bytes 0..127 (header checksum)
-    132    4     reserved (0)
-    136    M     meta (small, caller-defined; the prefix manager keeps its boundary index there)
-    136+M  N     payload
-
-Writes are atomic: a temp file `.tmp.<key>.<pid>.<random>` in the same directory, written, fsync'd, renamed over
-`<key>.kv`, the directory fsync'd, then the file's mtime set to the store clock (mtime is the LRU recency; hits
-touch it). A reader therefore sees either no file or a complete one, from any process.
+Writes are atomic (`dsv41.kv.disk_files.write_atomic`: a temp file `.tmp.<key>.<pid>.<random>` in the same
+directory, written, fsync'd, renamed over `<key>.kv`, the directory fsync'd), then the file's mtime is set to the
+store clock (mtime is the LRU recency; hits touch it). A reader therefore sees either no file or a complete one,
+from any process.
 
 Start-up scans the directory: every entry's header is read (not its payload) into the index, so the index survives
 restarts; a header that is unreadable, inconsistent with the file size, or zero-length is a corrupt entry and is
@@ -48,48 +35,30 @@ in-memory byte total is refreshed by a rescan whenever it nears a limit and ever
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import hashlib
 import logging
 import os
-import secrets
 import shutil
-import struct
-import threading
 import time
-import zlib
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv41.kv.counted import Counted
+from dsv41.kv.disk_files import TMP_PREFIX, flock, fsync_dir, is_stale_tmp, read_file, tmp_name, write_atomic
+from dsv41.kv.disk_format import (HEADER_BYTES, MAX_META, BadEntry, entry_header, fingerprint_bytes, parse_entry,
+                                  parse_header)
 from dsv41.kv.prefix import check_key
 
-__all__ = ["DiskStore", "MAGIC", "FORMAT_VERSION", "HEADER_BYTES", "COUNTERS", "parse_entry"]
+__all__ = ["DiskStore", "COUNTERS"]
 
 log = logging.getLogger("dsv41.kv.disk")
 
-MAGIC = b"DSV41KV\x00"
-FORMAT_VERSION = 1
-MAX_META = 1 << 16
-_HEAD = struct.Struct("<8sHHI32s32sQd32s")        # 128 bytes
-_TAIL = struct.Struct("<II")                      # header CRC-32, reserved
-HEADER_BYTES = _HEAD.size + _TAIL.size            # 136
 SUFFIX = ".kv"
-TMP_PREFIX = ".tmp."
 LOCK_NAME = ".lock"
 COUNTERS = ("hits", "misses", "writes", "bytes_written", "bytes_read", "evictions", "evicted_bytes",
             "corrupt_removed", "foreign_removed", "write_errors", "read_errors", "skipped_full",
             "skipped_too_large", "stale_tmp_removed", "dir_fsync_errors")
-
-
-class BadEntry(Exception):
-    """An entry that must not be served; `counter` says how it is counted when removed."""
-
-    def __init__(self, reason: str, counter: str = "corrupt_removed"):
-        super().__init__(reason)
-        self.reason, self.counter, self.ino = reason, counter, None
 
 
 @dataclass
@@ -101,57 +70,7 @@ class _Info:
     meta: bytes
 
 
-def _fp_bytes(fp: str | None) -> bytes:
-    return bytes(32) if fp is None else bytes.fromhex(check_key(fp))
-
-
-def parse_header(head: bytes, key: str | None = None, file_size: int | None = None):
-    """(meta length, payload length, created, fingerprint, digest) of an entry header; BadEntry if it is not one
-    (or does not belong to `key`, or disagrees with `file_size`)."""
-    if len(head) < HEADER_BYTES:
-        raise BadEntry(f"truncated header ({len(head)} of {HEADER_BYTES} bytes)")
-    magic, version, _flags, m_len, fp, k, n_len, created, digest = _HEAD.unpack_from(head)
-    crc, _ = _TAIL.unpack_from(head, _HEAD.size)
-    if magic != MAGIC:
-        raise BadEntry("bad magic")
-    if zlib.crc32(head[:_HEAD.size]) != crc:
-        raise BadEntry("header checksum mismatch")
-    if version != FORMAT_VERSION:
-        raise BadEntry(f"format version {version}, this reader knows {FORMAT_VERSION}")
-    if m_len > MAX_META:
-        raise BadEntry("meta too long")
-    if key is not None and k != bytes.fromhex(key):
-        raise BadEntry("header key differs from the file name")
-    if file_size is not None and file_size != HEADER_BYTES + m_len + n_len:
-        raise BadEntry(f"length mismatch (file {file_size} bytes, header says {HEADER_BYTES + m_len + n_len})")
-    return m_len, n_len, created, fp, digest
-
-
-def parse_entry(data: bytes, key: str | None = None, fingerprint: str | None = None) -> tuple[bytes, bytes]:
-    """(meta, payload) of a whole entry file after every check; BadEntry otherwise (counter `foreign_removed`
-    when only the fingerprint differs from the expected one)."""
-    m_len, n_len, _created, fp, digest = parse_header(data, key, len(data))
-    body = memoryview(data)[HEADER_BYTES:]
-    if hashlib.sha256(body).digest() != digest:
-        raise BadEntry("payload checksum mismatch")
-    if fingerprint is not None and fp != _fp_bytes(fingerprint):
-        raise BadEntry("entry of another fingerprint", "foreign_removed")
-    return bytes(body[:m_len]), bytes(body[m_len:])
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
-class DiskStore:
+class DiskStore(Counted):
     """One directory of prefix-unit entries (see the module docstring).
 
     dir             the directory (created if missing)
@@ -175,20 +94,18 @@ class DiskStore:
                  repair: bool = True):
         if max_bytes <= 0 or min_free_bytes < 0 or min_age_s < 0:
             raise ValueError("max_bytes must be positive; min_free_bytes and min_age_s non-negative")
+        super().__init__(COUNTERS, log)
         self.dir = Path(dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.min_free_bytes, self.min_age_s = int(max_bytes), int(min_free_bytes), float(min_age_s)
         self.clock, self.durable, self.disk_usage = clock, durable, disk_usage
         self.fingerprint = None if fingerprint is None else check_key(fingerprint)
-        self._fp = _fp_bytes(self.fingerprint)
+        self._fp = fingerprint_bytes(self.fingerprint)
         self.stale_tmp_s, self.rescan_s, self.repair = float(stale_tmp_s), float(rescan_s), repair
-        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._index: dict[str, _Info] = {}
         self._total = 0
         self._pinned: Counter = Counter()
         self._own_tmp: set[str] = set()
-        self._mu = threading.RLock()
-        self._logged: set = set()
         # indirections for fault-injection tests (ENOSPC / EIO)
         self._os_write, self._os_fsync = os.write, os.fsync
         self._last_scan = float("-inf")
@@ -197,15 +114,6 @@ class DiskStore:
     # ---------------------------------------------------------------- paths and helpers
     def _path(self, key: str) -> Path:
         return self.dir / (key + SUFFIX)
-
-    def _log_once(self, what, msg: str, *args) -> None:
-        if what not in self._logged:
-            self._logged.add(what)
-            log.warning(msg, *args)
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._mu:
-            self.counters[name] += n
 
     def _now_ns(self) -> int:
         return int(round(self.clock() * 1e9))
@@ -221,25 +129,6 @@ class DiskStore:
                 self._pinned[key] -= 1
                 if self._pinned[key] <= 0:
                     del self._pinned[key]
-
-    @contextmanager
-    def _flock(self):
-        """Advisory exclusive lock on `.lock` (several processes evicting at once); a failure to lock only loses
-        the mutual exclusion, never the write."""
-        fd = None
-        try:
-            fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:
-            self._log_once(("flock", e.errno), "prefix cache %s: cannot lock (%s); evicting without it", self.dir, e)
-        try:
-            yield
-        finally:
-            if fd is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                finally:
-                    os.close(fd)
 
     def _set_index(self, key: str, info: _Info | None) -> None:
         with self._mu:
@@ -276,40 +165,30 @@ class DiskStore:
 
     def _read_info(self, key: str) -> _Info | None:
         """Header of <key>.kv as an index record; None if the file is gone; BadEntry if it is not an entry."""
-        path = self._path(key)
         try:
-            with open(path, "rb") as f:
+            with open(self._path(key), "rb") as f:
                 st = os.fstat(f.fileno())
-                head = f.read(HEADER_BYTES)
                 try:
-                    m_len, _n, created, fp, _d = parse_header(head, key, st.st_size)
+                    head = parse_header(f.read(HEADER_BYTES), key, st.st_size)
                 except BadEntry as bad:
                     bad.ino = st.st_ino
                     raise
-                meta = f.read(m_len)
+                meta = f.read(head.meta_len)
         except FileNotFoundError:
             return None
         except OSError as e:
             raise BadEntry(f"unreadable ({e})") from None
-        if len(meta) != m_len:
-            bad = BadEntry("truncated meta")
-            bad.ino = st.st_ino
-            raise bad
-        return _Info(st.st_size, st.st_mtime_ns, created, fp, meta)
+        if len(meta) != head.meta_len:
+            raise BadEntry("truncated meta", ino=st.st_ino)
+        return _Info(st.st_size, st.st_mtime_ns, head.created, head.fingerprint, meta)
+
+    def _drop_bad(self, key: str, bad: BadEntry) -> None:
+        """Remove a corrupt entry met by a scan or a lookup (only the very file that was read)."""
+        log.info("prefix cache %s: removing %s (%s)", self.dir, key + SUFFIX, bad.reason)
+        if bad.ino is not None:
+            self._remove(key, "corrupt_removed", bad.ino)
 
     # ---------------------------------------------------------------- scanning
-    def _is_stale_tmp(self, name: str, mtime: float) -> bool:
-        if name in self._own_tmp:
-            return False
-        parts = name[len(TMP_PREFIX):].split(".")
-        try:
-            pid = int(parts[1])
-        except (IndexError, ValueError):
-            return time.time() - mtime > self.stale_tmp_s
-        if pid == os.getpid():
-            return True                                   # ours but not in flight: a leftover
-        return not _pid_alive(pid) or time.time() - mtime > self.stale_tmp_s
-
     def _scan(self, full: bool = True) -> list[tuple[str, bytes]]:
         """Sync the index with the directory: new entries' headers read (corrupt ones removed), vanished ones
         dropped, stale temp files removed, and (full=True) every entry's size and recency refreshed from a stat.
@@ -325,7 +204,8 @@ class DiskStore:
             name = de.name
             try:
                 if name.startswith(TMP_PREFIX):
-                    if self.repair and self._is_stale_tmp(name, de.stat().st_mtime):
+                    if (self.repair and name not in self._own_tmp
+                            and is_stale_tmp(name, de.stat().st_mtime, self.stale_tmp_s)):
                         os.unlink(de.path)
                         self._count("stale_tmp_removed")
                     continue
@@ -342,9 +222,7 @@ class DiskStore:
                             seen[key] = 0
                             continue
                 st = de.stat()
-            except FileNotFoundError:
-                continue
-            except OSError:
+            except OSError:                               # vanished (FileNotFoundError) or unreadable
                 continue
             seen[key] = st.st_mtime_ns
             with self._mu:
@@ -356,8 +234,7 @@ class DiskStore:
                 info = self._read_info(key)
             except BadEntry as bad:
                 if self.repair and bad.ino is not None:
-                    log.info("prefix cache %s: removing %s (%s)", self.dir, name, bad.reason)
-                    self._remove(key, "corrupt_removed", bad.ino)
+                    self._drop_bad(key, bad)
                 seen.pop(key, None)
                 continue
             if info is None:
@@ -391,9 +268,7 @@ class DiskStore:
         try:
             info = self._read_info(key)
         except BadEntry as bad:
-            log.info("prefix cache %s: removing %s (%s)", self.dir, path.name, bad.reason)
-            if bad.ino is not None:
-                self._remove(key, "corrupt_removed", bad.ino)
+            self._drop_bad(key, bad)
             return False
         if info is None:
             return False
@@ -412,9 +287,7 @@ class DiskStore:
         path = self._path(key)
         with self._pin(key):
             try:
-                with open(path, "rb") as f:
-                    st = os.fstat(f.fileno())
-                    data = f.read()
+                data, ino = read_file(path)
             except FileNotFoundError:
                 self._set_index(key, None)
                 self._count("misses")
@@ -426,11 +299,11 @@ class DiskStore:
                 self._count("misses")
                 return None
             try:
-                meta, payload = parse_entry(data, key, self.fingerprint)
+                head, meta, payload = parse_entry(data, key, self.fingerprint)
             except BadEntry as bad:
                 log.warning("prefix cache %s: entry %s is bad (%s): removed, not served", self.dir, path.name,
                             bad.reason)
-                if not self._remove(key, bad.counter, st.st_ino):
+                if not self._remove(key, bad.counter, ino):
                     self._count(bad.counter)              # someone else removed or replaced it: still counted
                 self._count("misses")
                 return None
@@ -439,8 +312,7 @@ class DiskStore:
                 os.utime(path, ns=(now, now))
             except OSError:
                 pass
-            _m, _n, created, fp, _d = parse_header(data)
-            self._set_index(key, _Info(len(data), now, created, fp, meta))
+            self._set_index(key, _Info(len(data), now, head.created, head.fingerprint, meta))
             self._count("hits")
             self._count("bytes_read", len(data))
             return meta, payload
@@ -464,19 +336,24 @@ class DiskStore:
     def _fits(self, total: int, free: int, size: int) -> bool:
         return total + size <= self.max_bytes and free - size >= self.min_free_bytes
 
-    def _make_room(self, key: str, size: int) -> bool:
+    def _total_without(self, key: str) -> int:
+        """Bytes of the indexed entries but `key`'s (which a write of `key` replaces)."""
         with self._mu:
             old = self._index.get(key)
-            total = self._total - (old.size if old else 0)
+            return self._total - (old.size if old else 0)
+
+    def _lock_failed(self, e: OSError) -> None:
+        self._log_once(("flock", e.errno), "prefix cache %s: cannot lock (%s); evicting without it", self.dir, e)
+
+    def _make_room(self, key: str, size: int) -> bool:
+        """Evict (LRU, under the directory lock) until an entry of `size` bytes fits; False if it cannot."""
         due = self.clock() - self._last_scan >= self.rescan_s
-        if not due and self._fits(total, self._free(), size):
+        if not due and self._fits(self._total_without(key), self._free(), size):
             return True
-        with self._flock():
+        with flock(self.dir / LOCK_NAME, self._lock_failed):
             self._scan()
             with self._mu:
-                old = self._index.get(key)
-                total = self._total - (old.size if old else 0)
-                free = self._free()
+                total, free = self._total_without(key), self._free()
                 if self._fits(total, free, size):
                     return True
                 now = self.clock()
@@ -498,28 +375,6 @@ class DiskStore:
                 self._remove(k, "evictions", used_ns=used)
             return True
 
-    def _write_all(self, fd: int, data) -> None:
-        mv = memoryview(data).cast("B")
-        while len(mv):
-            n = self._os_write(fd, mv)
-            if n <= 0:
-                raise OSError(errno.EIO, "short write")
-            mv = mv[n:]
-
-    def _fsync_dir(self) -> None:
-        try:
-            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            return
-        try:
-            self._os_fsync(fd)
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.ENOTSUP):
-                self._count("dir_fsync_errors")
-                self._log_once(("dirsync", e.errno), "prefix cache %s: directory fsync failed (%s)", self.dir, e)
-        finally:
-            os.close(fd)
-
     def put(self, key: str, payload, meta: bytes = b"") -> bool:
         """Persist one entry atomically; True when it is on disk. False (counted, logged once) when it does not
         fit (`skipped_full`, `skipped_too_large`) or the write failed (`write_errors`: ENOSPC, EIO, ...)."""
@@ -534,60 +389,42 @@ class DiskStore:
         if size > self.max_bytes:
             self._count("skipped_too_large")
             return False
-        tmp_name = None
         with self._pin(key):
             try:
                 if not self._make_room(key, size):
                     return False
                 created = self.clock()
-                h = hashlib.sha256()
-                h.update(meta)
-                h.update(payload)
-                head = _HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(meta), self._fp, bytes.fromhex(key), len(payload),
-                                  created, h.digest())
-                head += _TAIL.pack(zlib.crc32(head), 0)
-                tmp_name = f"{TMP_PREFIX}{key}.{os.getpid()}.{secrets.token_hex(4)}"
-                with self._mu:
-                    self._own_tmp.add(tmp_name)
-                tmp = self.dir / tmp_name
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                try:
-                    self._write_all(fd, head)
-                    self._write_all(fd, meta)
-                    self._write_all(fd, payload)
-                    if self.durable:
-                        self._os_fsync(fd)
-                finally:
-                    os.close(fd)
-                final = self._path(key)
-                os.replace(tmp, final)
-                with self._mu:
-                    self._own_tmp.discard(tmp_name)
-                tmp_name = None
-                if self.durable:
-                    self._fsync_dir()
-                ns = int(round(created * 1e9))
-                try:
-                    os.utime(final, ns=(ns, ns))
-                except OSError:
-                    pass
-                self._set_index(key, _Info(size, ns, created, self._fp, meta))
-                self._count("writes")
-                self._count("bytes_written", size)
-                return True
+                self._write_atomic(key, entry_header(key, self._fp, meta, payload, created), meta, payload)
             except OSError as e:
                 self._count("write_errors")
                 self._log_once(("write", e.errno), "prefix cache %s: write failed (%s): not persisting (further "
                                "errors of this kind are counted, not logged)", self.dir, e)
                 return False
-            finally:
-                if tmp_name is not None:
-                    try:
-                        os.unlink(self.dir / tmp_name)
-                    except OSError:
-                        pass
-                    with self._mu:
-                        self._own_tmp.discard(tmp_name)
+            ns = int(round(created * 1e9))
+            try:
+                os.utime(self._path(key), ns=(ns, ns))
+            except OSError:
+                pass
+            self._set_index(key, _Info(size, ns, created, self._fp, meta))
+            self._count("writes")
+            self._count("bytes_written", size)
+            return True
+
+    def _write_atomic(self, key: str, *parts) -> None:
+        """`write_atomic` of <key>.kv through a temp file this process owns meanwhile (scans leave it alone)."""
+        tmp = self.dir / tmp_name(key)
+        with self._mu:
+            self._own_tmp.add(tmp.name)
+        try:
+            write_atomic(tmp, self._path(key), parts, self.durable, self._os_write, self._os_fsync)
+        finally:
+            with self._mu:
+                self._own_tmp.discard(tmp.name)
+        if self.durable:
+            e = fsync_dir(self.dir, self._os_fsync)
+            if e is not None:
+                self._count("dir_fsync_errors")
+                self._log_once(("dirsync", e.errno), "prefix cache %s: directory fsync failed (%s)", self.dir, e)
 
     # ---------------------------------------------------------------- operations
     def keys(self) -> list[str]:
@@ -628,11 +465,8 @@ class DiskStore:
         store has one). Bad entries are reported and, with remove=True, removed (stale temp files too)."""
         report = {"checked": 0, "ok": 0, "ok_bytes": 0, "bad": [], "removed": 0, "fingerprints": {}}
         for key in self.entry_files():
-            path = self._path(key)
             try:
-                with open(path, "rb") as f:
-                    ino = os.fstat(f.fileno()).st_ino
-                    data = f.read()
+                data, ino = read_file(self._path(key))
             except FileNotFoundError:
                 continue
             except OSError as e:
@@ -640,13 +474,12 @@ class DiskStore:
                 continue
             report["checked"] += 1
             try:
-                parse_entry(data, key, self.fingerprint)
+                fp = parse_entry(data, key, self.fingerprint)[0].fingerprint.hex()
             except BadEntry as bad:
                 report["bad"].append({"key": key, "reason": bad.reason})
                 if remove and self._remove(key, bad.counter, ino):
                     report["removed"] += 1
                 continue
-            fp = parse_header(data)[3].hex()
             report["fingerprints"][fp] = report["fingerprints"].get(fp, 0) + 1
             report["ok"] += 1
             report["ok_bytes"] += len(data)

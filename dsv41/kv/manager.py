@@ -43,12 +43,12 @@ import hashlib
 import logging
 import shutil
 import struct
-import threading
 import time
 from dataclasses import dataclass, field
 
+from dsv41.kv.counted import Counted
 from dsv41.kv.disk import DiskStore
-from dsv41.kv.paged import GlobalState, SwaState
+from dsv41.kv.state_format import GlobalState, SwaState
 from dsv41.kv.prefix import (DEFAULT_INTERVAL, chain_keys, check_key, encode_ids, engram_history_at,
                              fingerprint as make_fingerprint, ratio_align, tail_key)
 from dsv41.kv.swa_pool import DEFAULT_TTL_S, SwaPool, make_swa_pool
@@ -96,7 +96,7 @@ def _disk_defaults(cache_dir, max_bytes, min_free_bytes) -> tuple[int, int]:
     return int(max_bytes), int(min_free_bytes)
 
 
-class PrefixCache:
+class PrefixCache(Counted):
     """Prefix caching over a persistent tier (global KV, `DiskStore`) and an SWA pool (`SwaPool`).
 
     fingerprint     the namespace (`dsv41.kv.prefix.fingerprint`)
@@ -119,6 +119,7 @@ class PrefixCache:
                  min_free_bytes: int | None = None, min_age_s: float = 300.0, swa_ttl_s: float | None = None,
                  clock=time.time, hasher=None, refresh_s: float = 2.0, durable: bool = True,
                  disk: DiskStore | None = None):
+        super().__init__(COUNTERS, log)
         self.fp = check_key(fingerprint)
         if interval <= 0 or align <= 0 or interval % align:
             raise ValueError(f"interval {interval} must be a positive multiple of {align} (the compression ratios)")
@@ -134,10 +135,7 @@ class PrefixCache:
         self.disk = disk
         self.swa = (make_swa_pool(swa_pool, ttl_s=DEFAULT_TTL_S if swa_ttl_s is None else swa_ttl_s)
                     if isinstance(swa_pool, str) else swa_pool)
-        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self._mu = threading.RLock()
         self._extras: dict[bytes, set[int]] = {}          # parent chain key -> tail offsets (the boundary index)
-        self._logged: set = set()
         self._last_refresh = float("-inf")
         if self.disk is not None:
             for key in self.disk.keys():
@@ -153,15 +151,6 @@ class PrefixCache:
         return cls(make_fingerprint(cfg, weights_id, tokenizer_id), **kw)
 
     # ---------------------------------------------------------------- bookkeeping
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._mu:
-            self.counters[name] += n
-
-    def _log_once(self, what, msg: str, *args) -> None:
-        if what not in self._logged:
-            self._logged.add(what)
-            log.warning(msg, *args)
-
     def _note_meta(self, key: str, meta: bytes | None) -> None:
         """Record a tail unit in the boundary index (metas that are not ours are ignored)."""
         if not meta or len(meta) != UNIT_META.size:

@@ -50,7 +50,7 @@ def fingerprint(cfg, weights_id: str, tokenizer_id: str, layout_version: int | N
     `GLOBAL_LAYOUT_VERSION`). Canonical JSON (sorted keys, no whitespace) of those, so equal inputs give equal
     fingerprints in every process and Python version."""
     if layout_version is None:
-        from dsv41.kv.paged import GLOBAL_LAYOUT_VERSION
+        from dsv41.kv.state_format import GLOBAL_LAYOUT_VERSION
         layout_version = GLOBAL_LAYOUT_VERSION
     conf = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
     doc = {"scheme": KEY_SCHEME, "config": conf, "weights": str(weights_id), "tokenizer": str(tokenizer_id),

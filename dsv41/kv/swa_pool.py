@@ -25,9 +25,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict
+
+from dsv41.kv.counted import Counted
 
 __all__ = ["SwaPool", "MemorySwaPool", "RedisSwaPool", "make_swa_pool", "default_pool_bytes", "DEFAULT_TTL_S"]
 
@@ -45,19 +46,14 @@ def default_pool_bytes() -> int:
         return 1 << 30
 
 
-class SwaPool:
+class SwaPool(Counted):
     """Interface: bytes by key with a TTL. Implementations never raise on a storage fault."""
 
     ttl_s: float = DEFAULT_TTL_S
     kind: str = "none"
 
     def __init__(self) -> None:
-        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self._mu = threading.Lock()
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._mu:
-            self.counters[name] += n
+        super().__init__(COUNTERS, log)
 
     def get(self, key: str) -> bytes | None:
         raise NotImplementedError
@@ -171,7 +167,6 @@ class RedisSwaPool(SwaPool):
                                               retry_on_timeout=False, retry=Retry(NoBackoff(), 0))
                          for u in self.urls]
         self._down_until = [float("-inf")] * len(self.urls)
-        self._logged: set[int] = set()
         self.counters.update(skipped_down=0)
 
     def shard(self, key: str) -> int:
@@ -193,10 +188,8 @@ class RedisSwaPool(SwaPool):
         except (self._redis.exceptions.RedisError, OSError) as e:
             self._down_until[i] = self.clock() + self.retry_s
             self._count("errors")
-            if i not in self._logged:
-                self._logged.add(i)
-                log.warning("SWA pool %s unavailable (%s: %s): treating it as misses (logged once)", self.urls[i],
-                            type(e).__name__, e)
+            self._log_once(i, "SWA pool %s unavailable (%s: %s): treating it as misses (logged once)", self.urls[i],
+                           type(e).__name__, e)
             raise _Down() from None
         return out
 

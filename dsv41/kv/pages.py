@@ -1,0 +1,99 @@
+"""The page allocator of one KV-source layer's global store (SYSTEM.md 3).
+
+Legend: P page size in entries, C latent width, I index-key width.
+
+Pages of P entries, `main [n_pages, P, C/2 + C/16]` and `index [n_pages, P, I/2 + I/32]` uint8 (288 B + 68 B for
+the released geometry), one free list, the page count doubling when it runs out. A sequence holds a page list per
+layer (page ids in entry order) and holds pages only for entries it has written; the main and index records of
+entry e share page e // P.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.codecs import index_k_bytes, main_kv_bytes
+from dsv41.devices import h2d
+from dsv41.model.cache import LayerCacheSpec
+
+__all__ = ["KINDS", "PagedLayer", "grown"]
+
+KINDS = ("main", "index")                   # the two record kinds of a global-store entry
+
+
+def grown(t: torch.Tensor, n: int, fill: float | None = None) -> torch.Tensor:
+    """t with its first dim grown to n rows; the new rows hold `fill` (None: left uninitialised)."""
+    shape = (n, *t.shape[1:])
+    out = t.new_empty(shape) if fill is None else t.new_full(shape, fill)
+    out[:t.size(0)] = t
+    return out
+
+
+class PagedLayer:
+    """One KV-source layer's global store: uint8 pages for main and index records and a free list."""
+
+    def __init__(self, spec: LayerCacheSpec, page_size: int, n_pages: int, device: torch.device):
+        self.spec, self.page_size, self.device = spec, page_size, device
+        self.record_bytes = {"main": main_kv_bytes(spec.width), "index": index_k_bytes(spec.index_width)}
+        self.data = {k: torch.zeros(n_pages, page_size, b, dtype=torch.uint8, device=device)
+                     for k, b in self.record_bytes.items()}
+        self.free: list[int] = list(range(n_pages - 1, -1, -1))       # pop() hands out the lowest id first
+        self.version = 0                                               # bumped on every write (view memos)
+        self.page_epoch = 0                                            # bumped whenever pages are released
+
+    @property
+    def n_pages(self) -> int:
+        return self.data["main"].size(0)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * sum(self.record_bytes.values())
+
+    def pages_for(self, entries: int) -> int:
+        return -(-entries // self.page_size)
+
+    def alloc(self, k: int) -> list[int]:
+        while len(self.free) < k:
+            self._grow()
+        return [self.free.pop() for _ in range(k)]
+
+    def release(self, pages: list[int]) -> None:
+        self.free.extend(reversed(pages))
+        self.page_epoch += 1
+
+    def ensure(self, pages: list[int], entries: int) -> list[int]:
+        """Extend a sequence's page list (in place) to hold `entries` entries; returns it."""
+        need = self.pages_for(entries) - len(pages)
+        if need > 0:
+            pages.extend(self.alloc(need))
+        return pages
+
+    def truncate(self, pages: list[int], entries: int) -> None:
+        """Release the pages of a sequence's page list (in place) beyond those `entries` entries need."""
+        need = self.pages_for(entries)
+        if len(pages) > need:
+            self.release(pages[need:])
+            del pages[need:]
+
+    def _grow(self) -> None:
+        """Double the page count (copying the held pages); the new pages join the free list uninitialised (reads
+        mask every entry a sequence has not written)."""
+        old = self.n_pages
+        new = max(1, 2 * old)
+        self.data = {k: grown(t, new) for k, t in self.data.items()}
+        self.free = list(range(new - 1, old - 1, -1)) + self.free
+
+    # ---------------------------------------------------------------- records by entry
+    def records(self, kind: str) -> torch.Tensor:
+        """uint8 [n_pages * P, bytes]: the records of `kind`, row page * P + slot."""
+        data = self.data[kind]
+        return data.view(-1, data.size(2))
+
+    def entry_rows(self, pages: list[int], e0: int, e1: int) -> torch.Tensor:
+        """Rows of `records` (on the device) holding entries e0..e1-1 (e1 > e0) of a sequence with this page
+        list; only the pages those entries lie in are read (O(e1 - e0), not O(context))."""
+        P = self.page_size
+        p0 = e0 // P
+        sub = torch.tensor(pages[p0:(e1 - 1) // P + 1], dtype=torch.long)
+        e = torch.arange(e0, e1)
+        return h2d(sub[e // P - p0] * P + e % P, self.device)
