@@ -14,12 +14,14 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dsv41.model.loading import save_checkpoint
+from dsv41.train.optim.muon import full_tensor, local_rows
 
 TRAIN_STATE = "train_state.pt"
 MODEL_FILE = "model.safetensors"
@@ -28,23 +30,7 @@ PROVENANCE = "tokenizer_provenance.json"
 
 def unwrap_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A full (unsharded) CPU state dict, also for FSDP2 models (DTensor parameters)."""
-    out = {}
-    for k, v in model.state_dict().items():
-        if hasattr(v, "full_tensor"):
-            v = v.full_tensor()
-        out[k] = v.detach().cpu()
-    return out
-
-
-class _StateView(torch.nn.Module):
-    """Hands a ready state dict to `save_checkpoint`, which asks the model for `state_dict()`."""
-
-    def __init__(self, state: dict[str, torch.Tensor]):
-        super().__init__()
-        self._state = state
-
-    def state_dict(self, *args, **kwargs):
-        return self._state
+    return {k: full_tensor(v).detach().cpu() for k, v in model.state_dict().items()}
 
 
 def save_training_checkpoint(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg,
@@ -56,7 +42,8 @@ def save_training_checkpoint(out_dir: str | Path, state_dict: dict[str, torch.Te
     if tmp.exists():
         shutil.rmtree(tmp)
     meta = {"step": step, **(extra_meta or {})}
-    save_checkpoint(_StateView(state_dict), cfg, tmp, extra_meta=meta, tokenizer_json=tokenizer_json)
+    model = SimpleNamespace(state_dict=lambda: state_dict)       # what `save_checkpoint` asks of a model
+    save_checkpoint(model, cfg, tmp, extra_meta=meta, tokenizer_json=tokenizer_json)
     if provenance is not None:
         (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
     torch.save({**train_state, "step": step}, tmp / TRAIN_STATE)
@@ -100,10 +87,6 @@ def load_training_checkpoint(out_dir: str | Path, model: torch.nn.Module) -> dic
         raise ValueError(f"--resume: {out}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     with torch.no_grad():
         for k, v in own.items():
-            src = tensors[k].to(v.dtype)
-            if hasattr(v, "to_local"):
-                from dsv41.train.optim.muon import local_rows
-                v.to_local().copy_(local_rows(v, src).to(v.device))
-            else:
-                v.copy_(src.to(v.device))
+            local = v.to_local() if hasattr(v, "to_local") else v
+            local.copy_(local_rows(v, tensors[k].to(v.dtype)).to(v.device))
     return state

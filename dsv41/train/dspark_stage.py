@@ -103,20 +103,24 @@ def anchor_positions(T: int, first: int = 0) -> torch.Tensor:
     return torch.arange(first, T - 1)
 
 
+def slot_positions(T: int, G: int, anchors: torch.Tensor | None = None) -> torch.Tensor:
+    """The positions p+1..p+G of the draft slots of anchors p (default 0..T-2), [A,G] on the CPU (past the end
+    for the last anchors)."""
+    anchors = anchor_positions(T) if anchors is None else anchors.cpu()
+    return anchors.view(-1, 1) + 1 + torch.arange(G)
+
+
 def anchor_ids(ids: torch.Tensor, G: int, fill: int, anchors: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """For anchors p (default 0..T-2): the tokens at p+1..p+G [B,A,G] (`fill` past the end), their validity."""
     B, T = ids.shape
-    anchors = anchor_positions(T) if anchors is None else anchors.cpu()
-    A = anchors.numel()
-    pos = anchors.view(A, 1) + 1 + torch.arange(G)                                            # [A,G]
+    pos = slot_positions(T, G, anchors)                                                       # [A,G]
     valid = pos <= T - 1
     out = ids[:, pos.clamp(max=T - 1)]
-    return torch.where(valid, out, torch.full_like(out, fill)), valid.expand(B, A, G)
+    return torch.where(valid, out, torch.full_like(out, fill)), valid.expand(B, *pos.shape)
 
 
-def draft_forward(model, main_hidden: torch.Tensor, markov_ids: torch.Tensor, anchors: torch.Tensor | None = None,
-                  detach_confidence: bool = True):
+def draft_forward(model, main_hidden: torch.Tensor, markov_ids: torch.Tensor, anchors: torch.Tensor | None = None):
     """The drafter at anchors p (default 0..A-1) of a sequence.
 
     main_hidden [B,T,taps*D]: the target's taps of positions 0..T-1; markov_ids [B,A,G]: slot i's Markov input
@@ -136,9 +140,7 @@ def draft_forward(model, main_hidden: torch.Tensor, markov_ids: torch.Tensor, an
     logits = model.head(last.norm(x).float())                                                # [B*A,G,V]
     bias, e = last.markov_head(markov_ids.reshape(B * A, G))
     logits = logits + bias
-    if detach_confidence:
-        x, e = x.detach(), e.detach()
-    confidence = last.confidence_head(x, e)
+    confidence = last.confidence_head(x.detach(), e.detach())              # trains the confidence head alone
     return logits.view(B, A, G, -1), confidence.view(B, A, G)
 
 
@@ -148,8 +150,7 @@ def target_rows(target_logits: torch.Tensor, G: int, anchors: torch.Tensor | Non
     """The target's logits for slot i of anchor p: row p+1+i (clamped at the end; masked by the caller).
     [B,T,V] -> [B,A,G,V]."""
     T = target_logits.size(1)
-    anchors = anchor_positions(T) if anchors is None else anchors.cpu()
-    pos = (anchors.view(-1, 1) + 1 + torch.arange(G)).clamp(max=T - 1)
+    pos = slot_positions(T, G, anchors).clamp(max=T - 1)
     return target_logits[:, pos.to(target_logits.device)]
 
 

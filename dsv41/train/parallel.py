@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as tdist
 from torch import nn
 
 
@@ -30,28 +31,23 @@ class Dist:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (moved through the device for NCCL)."""
-        if self.world > 1:
-            import torch.distributed as dist
-            if self.device.type == "cuda" and t.device.type != "cuda":
-                tmp = t.to(self.device)
-                dist.all_reduce(tmp)
-                t.copy_(tmp.cpu())
-            else:
-                dist.all_reduce(t)
+        if self.world > 1 and self.device.type == "cuda" and t.device.type != "cuda":
+            tmp = t.to(self.device)
+            tdist.all_reduce(tmp)
+            t.copy_(tmp.cpu())
+        elif self.world > 1:
+            tdist.all_reduce(t)
         return t
 
     def barrier(self) -> None:
         if self.world > 1:
-            import torch.distributed as dist
-            dist.barrier()
+            tdist.barrier()
 
     def broadcast(self, obj):
         """Rank 0's `obj` on every rank."""
-        if self.world == 1:
-            return obj
-        import torch.distributed as dist
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        if self.world > 1:
+            tdist.broadcast_object_list(box, src=0)
         return box[0]
 
 
@@ -63,13 +59,12 @@ def setup_distributed(device: str) -> Dist:
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return Dist(device=torch.device("cuda" if use_cuda else "cpu"))
-    import torch.distributed as dist
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    if not tdist.is_initialized():
+        tdist.init_process_group(backend="nccl" if use_cuda else "gloo")
     return Dist(rank, world, local, torch.device(f"cuda:{local}" if use_cuda else "cpu"))
 
 
@@ -80,7 +75,6 @@ def parallelize(module: nn.Module, model: nn.Module, dist: Dist, fsdp: bool) -> 
     ones (clipping, the optimizers) must collect them again. DDP wraps the module when there are several ranks;
     one plain process runs it as it is."""
     if fsdp:
-        import torch.distributed as tdist
         if not tdist.is_initialized():
             raise ValueError("--fsdp needs a torchrun launch (also for one process: FSDP2 needs the process group)")
         from torch.distributed.fsdp import fully_shard

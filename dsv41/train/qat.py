@@ -12,7 +12,7 @@ Where: the compressed entries reach the store through `cache.append_compressed(l
 where the model applies `qdq_main_kv` when its QDQ is on (after RoPE, MODEL.md 3.4). `TrainCache` (a
 `DenseCache`) applies the STE there when `kv_qat` is set, so QAT needs no change to the model.
 
-Bounded-replay simulation (`TrainConfig.replay` / `--replay decoder|encoder|both`, in trainer.py). At inference
+Bounded-replay simulation (`TrainConfig.replay` / `--replay decoder|encoder|both`, in pretrain.py). At inference
 the decoder runs only the last n_win prompt tokens, with its sliding window truncated at the replay start s
 (SYSTEM.md 2); on a prefix hit the encoder replays the last n_win cached tokens the same way (SYSTEM.md 4). To let
 the model adapt, a training step draws one replay start s per sequence (uniform over [W, T - 1], from a generator

@@ -13,12 +13,6 @@ class OptimizerSet:
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
         self.optimizers = dict(optimizers)
 
-    def __getitem__(self, kind: str) -> torch.optim.Optimizer:
-        return self.optimizers[kind]
-
-    def __contains__(self, kind: str) -> bool:
-        return kind in self.optimizers
-
     def step(self) -> None:
         for opt in self.optimizers.values():
             opt.step()

@@ -68,11 +68,16 @@ def muon_scale(rows: int, cols: int, gamma: float = GAMMA) -> float:
 
 def orthogonalize_heads(n: torch.Tensor, heads: int, gamma: float = GAMMA) -> torch.Tensor:
     """N [R, C] -> scaled orthogonal factor of each of its `heads` row blocks, [R, C] fp32."""
+    r, c = _block_shape(n, heads)
+    return (newton_schulz(n.reshape(heads, r, c)) * muon_scale(r, c, gamma)).reshape(n.shape)
+
+
+def _block_shape(n: torch.Tensor, heads: int) -> tuple[int, int]:
+    """The [R/heads, C] shape of one head block of a matrix [R, C]."""
     R, C = n.shape
     if R % heads:
         raise ValueError(f"a [{R}, {C}] matrix cannot be split into {heads} head blocks")
-    blocks = newton_schulz(n.reshape(heads, R // heads, C))
-    return (blocks * muon_scale(R // heads, C, gamma)).reshape(R, C)
+    return R // heads, C
 
 
 def muon_momentum(grad: torch.Tensor, momentum: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,10 +119,43 @@ def apply_update(p: torch.Tensor, update: torch.Tensor, lr: float, weight_decay:
     data.sub_(lr * u)
 
 
-class Muon(torch.optim.Optimizer):
-    """Head-wise Muon for 2-D parameters. Each param group has `heads` (row blocks per matrix); matrices of a
-    group whose blocks share a shape are orthogonalised in one batched Newton-Schulz call. A parameter without
-    a gradient in a step is skipped (its momentum is left as it was)."""
+class MomentumOptimizer(torch.optim.Optimizer):
+    """What Muon and SinkhornMomentum share: 2-D parameters only, one fp32 momentum buffer each (created at zero),
+    updates computed from the full gradient (FSDP2) one param group at a time (`update_group`). A parameter
+    without a gradient in a step is skipped (its momentum is left as it was)."""
+
+    def __init__(self, params, defaults: dict):
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"{type(self).__name__} takes matrices; got a parameter of shape "
+                                     f"{tuple(p.shape)}")
+
+    def gradients(self, group: dict):
+        """(parameter, full gradient, its state) for each parameter of `group` that has a gradient."""
+        for p in group["params"]:
+            if p.grad is not None:
+                g = full_tensor(p.grad)
+                state = self.state[p]
+                if "momentum" not in state:
+                    state["momentum"] = torch.zeros(g.shape, dtype=torch.float32, device=g.device)
+                yield p, g, state
+
+    def update_group(self, group: dict) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            self.update_group(group)
+        return loss
+
+
+class Muon(MomentumOptimizer):
+    """Head-wise Muon. Each param group has `heads` (row blocks per matrix); matrices of a group whose blocks
+    share a shape are orthogonalised in one batched Newton-Schulz call."""
 
     def __init__(self, params, lr: float = 1e-3, beta: float = 0.95, weight_decay: float = 0.0, heads: int = 1,
                  gamma: float = GAMMA, ns_dtype: torch.dtype | None = None):
@@ -125,33 +163,14 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Muon: lr {lr}, beta {beta}, weight_decay {weight_decay} out of range")
         super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay, heads=heads, gamma=gamma))
         self.ns_dtype = ns_dtype        # Newton-Schulz compute dtype; None: `newton_schulz`'s default (a run setting)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"Muon takes matrices; got a parameter of shape {tuple(p.shape)}")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            heads, beta = group["heads"], group["beta"]
-            buckets: dict[tuple[int, int], list] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = full_tensor(p.grad)
-                state = self.state[p]
-                if "momentum" not in state:
-                    state["momentum"] = torch.zeros(g.shape, dtype=torch.float32, device=g.device)
-                m, n = muon_momentum(g, state["momentum"], beta)
-                state["momentum"] = m
-                R, C = n.shape
-                if R % heads:
-                    raise ValueError(f"a [{R}, {C}] matrix cannot be split into {heads} head blocks")
-                buckets.setdefault((R // heads, C), []).append((p, n))
-            for (r, c), items in buckets.items():
-                blocks = newton_schulz(torch.cat([n.reshape(-1, r, c) for _, n in items]),
-                                       dtype=self.ns_dtype) * muon_scale(r, c, group["gamma"])
-                for (p, n), upd in zip(items, blocks.split([n.numel() // (r * c) for _, n in items])):
-                    apply_update(p, upd.reshape(n.shape), group["lr"], group["weight_decay"])
-        return loss
+    def update_group(self, group: dict) -> None:
+        buckets: dict[tuple[int, int], list] = {}
+        for p, g, state in self.gradients(group):
+            state["momentum"], n = muon_momentum(g, state["momentum"], group["beta"])
+            buckets.setdefault(_block_shape(n, group["heads"]), []).append((p, n))
+        for (r, c), items in buckets.items():
+            blocks = newton_schulz(torch.cat([n.reshape(-1, r, c) for _, n in items]),
+                                   dtype=self.ns_dtype) * muon_scale(r, c, group["gamma"])
+            for (p, n), upd in zip(items, blocks.split([n.numel() // (r * c) for _, n in items])):
+                apply_update(p, upd.reshape(n.shape), group["lr"], group["weight_decay"])

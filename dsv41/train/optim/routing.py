@@ -28,6 +28,7 @@ All routes share one learning rate: Muon and Sinkhorn updates are scaled to Adam
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -109,7 +110,7 @@ def format_routing(routes: list[Route], detail: bool = False) -> str:
         rs = [r for r in routes if r.kind == kind]
         if not rs:
             continue
-        n = sum(_numel(r.shape) for r in rs)
+        n = sum(math.prod(r.shape) for r in rs)
         patterns = sorted({re.sub(r"\.\d+\.", ".*.", r.name) for r in rs})
         shown = ", ".join(patterns[:4]) + (f", ... ({len(patterns)} patterns)" if len(patterns) > 4 else "")
         lines.append(f"{kind:<14} {len(rs):>8} {n:>12,}  {shown}")
@@ -120,13 +121,6 @@ def format_routing(routes: list[Route], detail: bool = False) -> str:
             extra += f" lr x{r.lr_mult:g}" if r.lr_mult != 1 else ""
             lines.append(f"  {r.name:<50} {str(list(r.shape)):<16} {r.kind}{extra}  ({r.why})")
     return "\n".join(lines)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def build_optimizers(model: torch.nn.Module, routes: list[Route], lr: float, weight_decay: float = 0.1,

@@ -30,11 +30,10 @@ import math
 
 import torch
 
-from dsv41.train.optim.muon import apply_update, full_tensor
+from dsv41.train.optim.muon import GAMMA, MomentumOptimizer, apply_update
 
 SINKHORN_ITERS = 11
 TAU = 1e-3
-GAMMA = 0.18
 
 
 def _safe_div(x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
@@ -76,31 +75,18 @@ def sinkhorn_update(grad: torch.Tensor, momentum: torch.Tensor, beta: float, ite
     return gamma * sinkhorn_direction(n, iters, tau), m
 
 
-class SinkhornMomentum(torch.optim.Optimizer):
-    """The optimizer of the module docstring. Param groups may carry an `lr` of their own (Engram: 5x)."""
+class SinkhornMomentum(MomentumOptimizer):
+    """The optimizer of the module docstring, for [rows, width] tables. Param groups may carry an `lr` of their own
+    (Engram: 5x)."""
 
     def __init__(self, params, lr: float = 1e-3, beta: float = 0.95, iters: int = SINKHORN_ITERS, tau: float = TAU,
                  gamma: float = GAMMA):
         if lr < 0 or not 0 <= beta < 1 or iters < 1 or tau < 0:
             raise ValueError(f"SinkhornMomentum: lr {lr}, beta {beta}, iters {iters}, tau {tau} out of range")
         super().__init__(params, dict(lr=lr, beta=beta, iters=iters, tau=tau, gamma=gamma))
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"SinkhornMomentum takes [rows, width] tables; got shape {tuple(p.shape)}")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = full_tensor(p.grad)
-                state = self.state[p]
-                if "momentum" not in state:
-                    state["momentum"] = torch.zeros(g.shape, dtype=torch.float32, device=g.device)
-                upd, state["momentum"] = sinkhorn_update(g, state["momentum"], group["beta"], group["iters"],
-                                                         group["tau"], group["gamma"])
-                apply_update(p, upd, group["lr"])
-        return loss
+    def update_group(self, group: dict) -> None:
+        for p, g, state in self.gradients(group):
+            upd, state["momentum"] = sinkhorn_update(g, state["momentum"], group["beta"], group["iters"],
+                                                     group["tau"], group["gamma"])
+            apply_update(p, upd, group["lr"])
