@@ -147,8 +147,9 @@ def start_local_server(checkpoint: str | None, preset: str, max_batch: int, max_
     from dsv41.model.common import set_quantization
     from dsv41.model.init import random_model
     from dsv41.model.loading import load_model, save_checkpoint
-    from dsv41.server.app import ServerSettings, create_app, serve_in_thread
-    from dsv41.server.cli import build_engine
+    from dsv41.engine.options import engine_args, engine_from_args
+    from dsv41.server.app import create_app, serve_in_thread
+    from dsv41.server.state import ServerSettings
 
     tmp = None
     if checkpoint is None:
@@ -160,9 +161,8 @@ def start_local_server(checkpoint: str | None, preset: str, max_batch: int, max_
     if exact:
         set_quantization(model, False)
         set_tie_break(model, "recent")
-    ns = argparse.Namespace(checkpoint=checkpoint, prefill_mode="ced-bounded", max_batch=max_batch,
-                            max_seq_len=max_seq_len, chunk_size=None, cache_dir=None, swa_pool=None)
-    engine = build_engine(ns, model=model)
+    ns = engine_args(checkpoint=checkpoint, max_batch=max_batch, max_seq_len=max_seq_len, speculative="off")
+    engine = engine_from_args(ns, model=model)
     name = "bench"
     app = create_app(engine, ServerSettings(model_name=name, checkpoint=checkpoint))
     return serve_in_thread(app), name, tmp

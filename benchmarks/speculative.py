@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dsv41.config import DTYPES, parse_dtype  # noqa: E402
+
 
 class AgreeingDrafter:
     """The real drafter's forward (for its cost), proposing the target's greedy continuation instead, each draft
@@ -94,7 +96,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--config", default=None, help="random weights of this preset instead of a checkpoint")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompt-tokens", type=int, default=256, help="random-weight runs: prompt length")
@@ -110,9 +112,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from dsv41.engine.engine import Engine
-    from dsv41.engine.speculative import (PROFILE_FILE, DSparkDrafter, StepProfile, has_trained_drafter,
-                                          profile_step)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    from dsv41.engine.speculative.drafter import DSparkDrafter
+    from dsv41.engine.speculative.policy import has_trained_drafter
+    from dsv41.engine.speculative.profile import PROFILE_FILE, StepProfile, profile_step
+    dtype = parse_dtype(args.dtype)
     dev = args.device
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0) if dev.startswith("cuda") else "cpu",

@@ -9,17 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv41.config import load_config
 from dsv41.engine.engine import Engine
 from dsv41.engine.prefill import decoder_rows, prefill
 from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.store import DensePool
-from dsv41.model.attention import set_tie_break
-from dsv41.model.common import set_quantization
-from dsv41.model.init import random_model
 from tests.conftest import continuous_model, rel
-
-
 
 
 def run(m, ids, mode, chunk=None, decode=3):

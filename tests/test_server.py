@@ -313,13 +313,12 @@ def test_packed_kv_stats_match_analytic(ckpt):
 
 def test_cached_tokens_on_repeat(ckpt, tmp_path):
     """Lights up with the prefix cache (issue 6): the same chat twice -> cached_tokens > 0 on the repeat."""
-    import argparse
-
-    from dsv41.server.app import ServerSettings, create_app, serve_in_thread
-    from dsv41.server.cli import build_engine
-    ns = argparse.Namespace(checkpoint=str(ckpt), dtype="float32", prefill_mode="ced-bounded", max_batch=4, max_seq_len=512,
-                            chunk_size=None, cache_dir=str(tmp_path / "pc"), swa_pool="memory")
-    handle = serve_in_thread(create_app(build_engine(ns), ServerSettings(model_name=MODEL)))
+    from dsv41.engine.options import engine_args, engine_from_args
+    from dsv41.server.app import create_app, serve_in_thread
+    from dsv41.server.state import ServerSettings
+    ns = engine_args(checkpoint=str(ckpt), max_batch=4, max_seq_len=512, cache_dir=str(tmp_path / "pc"),
+                     swa_pool="memory", speculative="off")
+    handle = serve_in_thread(create_app(engine_from_args(ns), ServerSettings(model_name=MODEL)))
     try:
         client = openai_client(handle)
         long_user = "Tell me everything about the sea, the waves and the tides. " * 4

@@ -148,4 +148,4 @@ def test_metrics_prefix_cache_series():
                  'dsv41_prefix_store{name="prefix_disk_hits"} 3.0', "dsv41_running_sequences 2.0",
                  'dsv41_finished_sequences_total{reason="stop"} 1.0'):
         assert line in text, line
-    assert store_counters(SimpleNamespace()) == {}
+    assert store_counters(SimpleNamespace(prefix_cache=None)) == {}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from dsv41.server import cli
+from dsv41.engine.options import engine_from_args
+from dsv41.server import cli, demo
 from dsv41.server.demo import RANDOM_MARKER, ensure_checkpoint, has_model
 
 
@@ -22,18 +23,18 @@ def test_serve_and_demo_flags():
         ("x", "127.0.0.1", 0, "c", "redis://127.0.0.1:6379", 4, "full")
     assert a.func is cli.serve_main
     d = _parser().parse_args(["demo"])
-    assert d.checkpoint == cli.DEMO_CHECKPOINT and d.func is cli.demo_main and d.cache_dir is None
+    assert d.checkpoint == demo.DEMO_CHECKPOINT and d.func is demo.run_demo and d.cache_dir is None
 
 
 def test_build_engine_cache_flags(tmp_path, capsys):
     from test_server_fixtures import make_checkpoint
     ckpt = make_checkpoint(tmp_path / "c")
     a = _parser().parse_args(["serve", "--checkpoint", str(ckpt), "--max-seq-len", "256"])
-    eng = cli.build_engine(a)
+    eng = engine_from_args(a)
     assert eng.max_seq_len == 256 and "prefix caching" not in capsys.readouterr().err
     a = _parser().parse_args(["serve", "--checkpoint", str(ckpt), "--cache-dir", str(tmp_path / "pc"),
                               "--swa-pool", "memory"])
-    eng = cli.build_engine(a)
+    eng = engine_from_args(a)
     assert eng.prefix_cache is not None                      # the flags reach the engine's prefix cache
 
 
@@ -53,7 +54,6 @@ def test_demo_end_to_end_random_tiny(tmp_path, capsys):
 
 
 def test_ensure_checkpoint_paths(tmp_path, monkeypatch):
-    from dsv41.server import demo
     from test_server_fixtures import make_checkpoint
 
     calls = []

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 
@@ -14,8 +13,9 @@ from dsv41.model.attention import set_tie_break
 from dsv41.model.common import set_quantization
 from dsv41.model.init import random_model
 from dsv41.model.loading import load_model, save_checkpoint
-from dsv41.server.app import ServerSettings, create_app, serve_in_thread
-from dsv41.server.cli import build_engine
+from dsv41.engine.options import engine_args, engine_from_args
+from dsv41.server.app import create_app, serve_in_thread
+from dsv41.server.state import ServerSettings
 
 MODEL = "dbg"
 
@@ -35,10 +35,8 @@ def running_server(ckpt, exact: bool = True, max_batch: int = 8, max_seq_len: in
     if exact:
         set_quantization(model, False)
         set_tie_break(model, "recent")
-    ns = argparse.Namespace(checkpoint=str(ckpt), prefill_mode="ced-bounded", max_batch=max_batch,
-                            max_seq_len=max_seq_len, chunk_size=None, cache_dir=None, swa_pool=None,
-                            speculative=speculative, step_profile=None)
-    engine = build_engine(ns, model=model)
+    ns = engine_args(checkpoint=str(ckpt), max_batch=max_batch, max_seq_len=max_seq_len, speculative=speculative)
+    engine = engine_from_args(ns, model=model)
     settings.setdefault("model_name", MODEL)
     app = create_app(engine, ServerSettings(**settings))
     handle = serve_in_thread(app)

@@ -15,9 +15,13 @@ import torch
 from dsv41.config import load_config
 from dsv41.engine.engine import Engine
 from dsv41.engine.sampling import SamplingParams, target_probs
-from dsv41.engine.speculative import (AcceptanceCalibration, MeasuredCost, Proposal, Speculation, StepProfile,
-                                      VerifyJournal, accept_drafts, choose_verify_lengths, expected_tokens,
-                                      profile_step)
+from dsv41.engine.speculative.drafter import Proposal
+from dsv41.engine.speculative.policy import Speculation
+from dsv41.engine.speculative.profile import StepProfile, profile_step
+from dsv41.engine.speculative.rejection import accept_drafts
+from dsv41.engine.speculative.rollback import VerifyJournal
+from dsv41.engine.speculative.scheduler import (AcceptanceCalibration, MeasuredCost, choose_verify_lengths,
+                                                expected_tokens)
 from dsv41.engine.store import make_pool
 from dsv41.model.attention import set_tie_break
 from dsv41.model.common import set_quantization
@@ -487,7 +491,7 @@ def test_profile_step_measures_every_shape(debug_model, one_thread):
 def test_auto_speculation_follows_the_checkpoint(tmp_path, debug_model):
     import json
 
-    from dsv41.engine.speculative import has_trained_drafter, resolve_speculation
+    from dsv41.engine.speculative.policy import has_trained_drafter, resolve_speculation
     cfg, m = debug_model
     assert not has_trained_drafter(tmp_path) and not has_trained_drafter(None)
     assert resolve_speculation(m, tmp_path, "auto")[0].mode == "off"

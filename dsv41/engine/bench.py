@@ -14,14 +14,14 @@ import time
 
 import torch
 
+from dsv41.config import DTYPES, load_config, parse_dtype
 from dsv41.engine.prefill import check_ced, decoder_rows, prefill
+from dsv41.engine.store import make_pool
+from dsv41.model.common import set_quantization
+from dsv41.model.init import random_model
 
 
 def _model(config: str, dtype: torch.dtype, device: str, quant: bool):
-    from dsv41.config import load_config
-    from dsv41.model.common import set_quantization
-    from dsv41.model.init import random_model
-
     cfg = load_config(config)
     m = random_model(cfg, dtype=dtype, seed=0, device=device)
     set_quantization(m, quant)
@@ -41,8 +41,6 @@ def analytic_ratio(cfg, mode: str, n: int) -> float:
 
 def bench_prefill(config="tiny", lengths=(4096, 16384), dtype=torch.float32, device="cpu", repeats=1,
                   quant=True, chunk_size=None) -> list[dict]:
-    from dsv41.engine.store import make_pool
-
     cfg, m = _model(config, dtype, device, quant)
     rows = []
     for n in lengths:
@@ -72,8 +70,6 @@ def bench_decode(config="tiny", contexts=(1024, 4096), batches=(1, 8), steps=8, 
                  device="cpu", quant=True) -> list[dict]:
     """Decode step time vs context (batch 1) and tokens/s at several batch sizes; contexts are filled by a
     ced-bounded prefill of random tokens."""
-    from dsv41.engine.store import make_pool
-
     cfg, m = _model(config, dtype, device, quant)
     out = []
     for n in contexts:
@@ -85,7 +81,7 @@ def bench_decode(config="tiny", contexts=(1024, 4096), batches=(1, 8), steps=8, 
                 ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(i)).to(device)
                 view = pool.bind([sid])
                 prefill(m, ids, view, "ced-bounded")
-                getattr(pool, "release", lambda *a: None)(view, [sid])
+                pool.release(view, [sid])
                 sids.append(sid)
             times = []
             tok = torch.zeros(b, 1, dtype=torch.long, device=device)
@@ -97,7 +93,7 @@ def bench_decode(config="tiny", contexts=(1024, 4096), batches=(1, 8), steps=8, 
                     m(tok, view, last_only=True)
                     _sync(device)
                     times.append(time.perf_counter() - t0)
-                    getattr(pool, "release", lambda *a: None)(view, sids)
+                    pool.release(view, sids)
             step = statistics.median(times[1:] if len(times) > 1 else times)
             out.append({"context": n, "batch": b, "step_s": step, "tokens_per_s": b / step})
     return out
@@ -105,33 +101,25 @@ def bench_decode(config="tiny", contexts=(1024, 4096), batches=(1, 8), steps=8, 
 
 def register(bsub) -> None:
     p = bsub.add_parser("prefill", help="prefill time of ced-bounded / ced-exact vs full")
-    p.add_argument("--config", default="tiny")
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--chunk-size", type=int, default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--no-quant", action="store_true", help="switch the FP8/FP4 QDQs off")
-    p.add_argument("--json", action="store_true")
     p.set_defaults(func=_prefill_main)
     d = bsub.add_parser("decode", help="decode step time vs context and tokens/s vs batch")
-    d.add_argument("--config", default="tiny")
     d.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     d.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     d.add_argument("--steps", type=int, default=8)
-    d.add_argument("--device", default="cpu")
-    d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    d.add_argument("--no-quant", action="store_true")
-    d.add_argument("--json", action="store_true")
     d.set_defaults(func=_decode_main)
-
-
-def _dtype(s: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[s]
+    for q in (p, d):
+        q.add_argument("--config", default="tiny")
+        q.add_argument("--device", default="cpu")
+        q.add_argument("--dtype", choices=list(DTYPES), default="float32")
+        q.add_argument("--no-quant", action="store_true", help="switch the FP8/FP4 QDQs off")
+        q.add_argument("--json", action="store_true")
 
 
 def _prefill_main(args) -> int:
-    rows = bench_prefill(args.config, args.tokens, _dtype(args.dtype), args.device, args.repeats,
+    rows = bench_prefill(args.config, args.tokens, parse_dtype(args.dtype), args.device, args.repeats,
                          not args.no_quant, args.chunk_size)
     if not args.json:
         print(f"prefill, config {args.config}, {args.device}, {args.dtype}")
@@ -145,7 +133,7 @@ def _prefill_main(args) -> int:
 
 
 def _decode_main(args) -> int:
-    rows = bench_decode(args.config, args.contexts, args.batches, args.steps, _dtype(args.dtype), args.device,
+    rows = bench_decode(args.config, args.contexts, args.batches, args.steps, parse_dtype(args.dtype), args.device,
                         not args.no_quant)
     if not args.json:
         print(f"decode, config {args.config}, {args.device}, {args.dtype}")

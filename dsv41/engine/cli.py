@@ -1,38 +1,30 @@
-"""`dsv41 generate` and `dsv41 bench prefill|decode|kv`."""
+"""`dsv41 generate`, `dsv41 profile-step` and `dsv41 bench prefill|decode|kv`."""
 
 from __future__ import annotations
 
 import json
+import sys
 
-import torch
-
-from dsv41.engine.prefill import MODES
+from dsv41.config import DTYPES, parse_dtype
+from dsv41.engine.options import add_engine_args, engine_from_args
 
 
 def register(sub) -> None:
     g = sub.add_parser("generate", help="generate a completion with the engine")
-    g.add_argument("--checkpoint", required=True)
+    add_engine_args(g)
+    g.set_defaults(max_batch=1, func=generate_main)            # one prompt
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--prefill-mode", choices=MODES, default="ced-bounded")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    g.add_argument("--max-seq-len", type=int, default=16384)
-    g.add_argument("--chunk-size", type=int, default=None)
-    g.add_argument("--cache-dir", default=None, help="persistent prefix-cache tier (global KV on disk)")
-    g.add_argument("--swa-pool", default=None, help="SWA snapshot pool: memory | redis://HOST:PORT[,...]")
     g.add_argument("--json", action="store_true")
-    from dsv41.server.cli import add_speculative_args
-    add_speculative_args(g)
-    g.set_defaults(func=generate_main)
 
     p = sub.add_parser("profile-step", help="measure the speculative step latency T(n) for the dspark scheduler")
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--context", type=int, default=512, help="tokens already in each sequence")
@@ -52,17 +44,9 @@ def register(sub) -> None:
 
 
 def generate_main(args) -> int:
-    from dsv41.engine.engine import Engine
     from dsv41.engine.sampling import SamplingParams
-    from dsv41.engine.tokenizer import load_tokenizer
-    from dsv41.model.loading import load_model
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model, cfg = load_model(args.checkpoint, dtype=dtype)
-    tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
-    from dsv41.server.cli import speculative_kwargs
-    eng = Engine(model, tok, prefill_mode=args.prefill_mode, max_seq_len=args.max_seq_len, chunk_size=args.chunk_size,
-                 cache_dir=args.cache_dir, swa_pool=args.swa_pool, max_batch=1, **speculative_kwargs(args, model))
+    eng = engine_from_args(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     if args.json:
@@ -76,7 +60,6 @@ def generate_main(args) -> int:
         print(out.new_text, end="", flush=True)
     print()
     if rid is not None and eng.drafter is not None:
-        import sys
         sp = eng.completion(rid).stats["speculative"]
         print(f"[speculative {sp['mode']}: {sp['accepted_tokens']} of {sp['drafted_tokens']} drafted tokens "
               f"accepted, {sp['target_forwards']} target decode forwards]", file=sys.stderr)
@@ -86,11 +69,10 @@ def generate_main(args) -> int:
 def profile_step_main(args) -> int:
     from pathlib import Path
 
-    from dsv41.engine.speculative import PROFILE_FILE, profile_step
+    from dsv41.engine.speculative.profile import PROFILE_FILE, profile_step
     from dsv41.model.loading import load_model
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model, cfg = load_model(args.checkpoint, dtype=dtype)
+    model, _ = load_model(args.checkpoint, dtype=parse_dtype(args.dtype))
     model.to(args.device)
     prof = profile_step(model, batches=args.batches, context=args.context, repeats=args.repeats, device=args.device)
     out = Path(args.out) if args.out else Path(args.checkpoint) / PROFILE_FILE

@@ -19,10 +19,16 @@ import torch
 
 from dsv41.engine.prefill import MODES, prefill
 from dsv41.engine.sampling import SamplingParams, make_generator, sample_token, top_logprobs
-from dsv41.engine.speculative import (AcceptanceCalibration, DSparkDrafter, MeasuredCost, Speculation, VerifyJournal,
-                                      accept_drafts, choose_verify_lengths)
-from dsv41.engine.store import make_pool
+from dsv41.engine.speculative.drafter import DSparkDrafter
+from dsv41.engine.speculative.policy import Speculation
+from dsv41.engine.speculative.rejection import accept_drafts
+from dsv41.engine.speculative.rollback import VerifyJournal
+from dsv41.engine.speculative.scheduler import AcceptanceCalibration, MeasuredCost, choose_verify_lengths
+from dsv41.engine.store import SequencePool, make_pool
+from dsv41.engine.tokenizer import ByteTokenizer
 from dsv41.model.step import ForwardOptions
+
+DEFAULT_MAX_SEQ_LEN = 4096                   # prompt + completion tokens per request (a limit: nothing is preallocated)
 
 
 @dataclass
@@ -74,12 +80,10 @@ class Completion:
 
 class Engine:
     def __init__(self, model, tokenizer=None, prefill_mode: str = "ced-bounded", max_batch: int = 8,
-                 max_seq_len: int | None = None, chunk_size: int | None = None, device=None,
+                 max_seq_len: int = DEFAULT_MAX_SEQ_LEN, chunk_size: int | None = None, device=None,
                  prefill_fallback: bool = True, cache_dir=None, swa_pool=None, cache_interval: int = 4096,
                  weights_id: str | None = None, tokenizer_id: str | None = None, speculative="off",
                  step_profile=None):
-        from dsv41.engine.tokenizer import ByteTokenizer
-
         if prefill_mode not in MODES:
             raise ValueError(f"unknown prefill mode {prefill_mode!r}; choose one of {', '.join(MODES)}")
         if prefill_mode != "full":
@@ -95,12 +99,12 @@ class Engine:
         self.model, self.cfg = model.eval(), model.cfg
         self.tokenizer = tokenizer or ByteTokenizer(model.cfg.vocab_size)
         self.prefill_mode, self.max_batch, self.chunk_size = prefill_mode, max_batch, chunk_size
-        self.max_seq_len = max_seq_len or 4096
+        self.max_seq_len = max_seq_len
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.pool = make_pool(model, self.device)
+        self.pool: SequencePool = make_pool(model, self.device)
         self.prefix_cache = None
         if cache_dir is not None or swa_pool is not None:
-            if not hasattr(self.pool, "export_global"):
+            if not self.pool.packed:
                 raise ValueError("prefix caching stores packed KV: it needs a quantized model (the packed store)")
             from dsv41.kv.manager import PrefixCache
             weights_id = weights_id or weights_fingerprint(model)
@@ -132,7 +136,7 @@ class Engine:
         params = params or SamplingParams()
         params.validate(self.cfg.vocab_size)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        bos = getattr(self.tokenizer, "bos_id", None)
+        bos = self.tokenizer.bos_id
         if isinstance(prompt, str) and bos is not None:
             ids = [bos] + ids
         if not ids or (isinstance(prompt, str) and not prompt):
@@ -213,7 +217,7 @@ class Engine:
         out = self.model(torch.tensor([ids[-1:]], device=self.device), view, last_only=True)
         if self.drafter is not None and out.main_hidden is not None:
             self.drafter.seed(view, out.main_hidden, last_pos)
-        getattr(self.pool, "release", lambda *a: None)(view, [seq.sid])
+        self.pool.release(view, [seq.sid])
         logits = out.logits[0, -1]
         seq.pending = self._sample(seq, logits)
         seq.prefill_s = time.perf_counter() - t0
@@ -243,7 +247,7 @@ class Engine:
         view = self.pool.bind(sids)
         ids = torch.tensor([[s.pending] for s in live], device=self.device)
         logits = self.model(ids, view, last_only=True).logits[:, -1]
-        getattr(self.pool, "release", lambda *a: None)(view, sids)
+        self.pool.release(view, sids)
         dt = time.perf_counter() - t0
         for b, s in enumerate(live):
             s.decode_s += dt
@@ -290,7 +294,7 @@ class Engine:
         journal.rollback(self.model, view, ids, keep_t)
         if out.main_hidden is not None:
             self.drafter.seed(view, out.main_hidden, pos, keep_t)
-        getattr(self.pool, "release", lambda *a: None)(view, sids)
+        self.pool.release(view, sids)
         dt = time.perf_counter() - t0
         if isinstance(self.step_cost, MeasuredCost):
             self.step_cost.record(len(live) * (1 + V), dt)
@@ -317,7 +321,7 @@ class Engine:
         and return the new text (held back while it ends in an incomplete UTF-8 sequence or could still become
         a stop string)."""
         p = seq.params
-        eos = getattr(self.tokenizer, "eos_id", None)
+        eos = self.tokenizer.eos_id
         stop_ids = set(p.stop_token_ids) | ({eos} if eos is not None and not p.ignore_eos else set())
         emitted, emitted_lps = [], []
         for k, tok in enumerate(new_ids):

@@ -1,17 +1,64 @@
-"""Sequence stores the engine binds into the model: the packed pool (dsv41.kv, the real bytes) for quantized
+"""Sequence pools the engine binds into the model: the packed pool (dsv41.kv, the real bytes) for quantized
 models, and a dense one (per-sequence `DenseCache`, stacked per step) for models whose quantize-dequantize
-steps are switched off (their values are not representable in the packed formats)."""
+steps are switched off (their values are not representable in the packed formats).
+
+`SequencePool` is what the engine asks of either; `PackedSequencePool` adds what prefix caching and the server's
+page gauge need, which only the packed bytes can give (the prefix cache stores them as they are)."""
 
 from __future__ import annotations
 
 import itertools
+from typing import Protocol
 
 import torch
 
-from dsv41.model.cache import DenseCache
+from dsv41.kv import GlobalState, PackedKVPool, SwaState
+from dsv41.model.cache import DenseCache, KVStore
+from dsv41.model.common import QuantSite
 
 
-class DensePool:
+class SequencePool(Protocol):
+    """Sequences by id; `bind` hands the model one store over a batch of them for one forward, `release` ends
+    that binding (a store that is a copy writes its rows back)."""
+
+    packed: bool                                  # True: a `PackedSequencePool`
+
+    def new_sequence(self) -> int: ...
+
+    def free(self, sid: int) -> None: ...
+
+    def bind(self, sids: list[int]) -> KVStore: ...
+
+    def release(self, view: KVStore, sids: list[int]) -> None: ...
+
+    def seq_bytes(self, sid: int) -> dict: ...
+
+
+class PackedSequencePool(SequencePool, Protocol):
+    """A pool of packed bytes: sequences export and import their persistent (global) and SWA state, which is what
+    the prefix cache stores (SYSTEM.md 4), and the pool reports its page allocation."""
+
+    def export_global(self, sid: int, upto: int, start: int = 0) -> GlobalState: ...
+
+    def import_global(self, sid: int, state: GlobalState) -> None: ...
+
+    def export_swa(self, sid: int) -> SwaState: ...
+
+    def import_swa(self, sid: int, state: SwaState) -> None: ...
+
+    def pool_bytes(self) -> dict[str, int]: ...
+
+
+class PackedPool(PackedKVPool, PackedSequencePool):
+    """The packed store as the engine's pool."""
+
+    packed = True
+
+    def release(self, view: KVStore, sids: list[int]) -> None:
+        """Nothing to write back: a view reads and writes the pool's pages and rings in place."""
+
+
+class DensePool(SequencePool):
     packed = False
 
     def __init__(self, cfg, dtype: torch.dtype, device="cpu"):
@@ -31,6 +78,7 @@ class DensePool:
         return self.seqs[sids[0]] if len(sids) == 1 else DenseCache.stack([self.seqs[s] for s in sids])
 
     def release(self, view: DenseCache, sids: list[int]) -> None:
+        """A batch of several sequences was bound as a stacked copy: its rows go back to their sequences."""
         if len(sids) > 1:
             for b, s in enumerate(sids):
                 self.seqs[s] = view.select(b)
@@ -40,11 +88,8 @@ class DensePool:
         return {"global_bytes": c.global_bytes(), "tokens": int(c.pos[0]), "packed": False}
 
 
-def make_pool(model, device="cpu"):
+def make_pool(model, device="cpu") -> SequencePool:
     """The packed pool when the model quantizes (official numerics), else the dense reference store."""
-    from dsv41.model.common import QuantSite
-    quant = all(m.quant for m in model.modules() if isinstance(m, QuantSite))
-    if quant:
-        from dsv41.kv import PackedKVPool
-        return PackedKVPool(model.cfg, device=device, dtype=model.dtype)
+    if all(m.quant for m in model.modules() if isinstance(m, QuantSite)):
+        return PackedPool(model.cfg, device=device, dtype=model.dtype)
     return DensePool(model.cfg, model.dtype, device)

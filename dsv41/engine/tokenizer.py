@@ -4,9 +4,22 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 
-class ByteTokenizer:
+class Tokenizer(Protocol):
+    """What the engine and the server ask of a tokenizer; bos_id / eos_id are None when it has none."""
+
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer(Tokenizer):
     """ids 0/1/2 = BOS/EOS/PAD, byte b -> 3 + b. Needs vocab_size >= 259."""
 
     bos_id, eos_id, pad_id = 0, 1, 2
@@ -23,7 +36,7 @@ class ByteTokenizer:
         return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
 
 
-class HFTokenizer:
+class HFTokenizer(Tokenizer):
     """A `tokenizers` JSON file. BOS/EOS are looked up by their usual spellings."""
 
     BOS = ("<｜begin▁of▁sentence｜>", "<|begin_of_text|>", "<bos>", "<s>", "<|bos|>")
@@ -50,7 +63,7 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-def load_tokenizer(checkpoint: str | Path | None, vocab_size: int):
+def load_tokenizer(checkpoint: str | Path | None, vocab_size: int) -> Tokenizer:
     p = None if checkpoint is None else Path(checkpoint) / "tokenizer.json"
     if p is not None and p.is_file():
         return HFTokenizer(p)

@@ -15,12 +15,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+DEMO_CHECKPOINT = "runs/demo-tiny"
 RANDOM_MARKER = "DEMO_RANDOM_INIT"
 # Long enough (well over the tiny model's n_win = 64 tokens) that the repeated request is worth a prefix-cache hit:
 # hits no longer than n_win are not adopted (SYSTEM.md 4).
@@ -61,12 +63,12 @@ def _env() -> dict:
 
 
 def train_available() -> bool:
+    """Whether this build has `dsv41 train` (its command module imports)."""
     try:
-        r = subprocess.run([sys.executable, "-m", "dsv41.cli", "train", "--help"], capture_output=True,
-                           timeout=120, env=_env())
-    except (OSError, subprocess.TimeoutExpired):
+        importlib.import_module("dsv41.train.cli")
+    except ImportError:
         return False
-    return r.returncode == 0
+    return True
 
 
 def train_tiny(ckpt: Path, minutes: float) -> bool:
@@ -173,11 +175,80 @@ def _usage_line(u) -> str:
             f"(path {extra.get('cache_path', '?')}; by tier: {tier_s})")
 
 
+def _ask(client, model: str, messages: list[dict], max_tokens: int, label: str, stats_list: list, **kw):
+    """One greedy chat request, printed with its timing, prompt start, answer and usage."""
+    t = time.perf_counter()
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0, **kw)
+    dt = time.perf_counter() - t
+    extra = r.model_extra or {}
+    _p(f"\n[{label}] {dt:.2f}s, finish {r.choices[0].finish_reason}")
+    if "prompt" in extra:
+        first = extra["prompt"].split("\n", 1)[0]
+        _p(f"  prompt starts: {first!r}")
+    _p(_show(r.choices[0].message.content or ""))
+    _p("  " + _usage_line(r.usage))
+    for s in extra.get("engine_stats") or []:
+        stats_list.append((label, s))
+    return r
+
+
+def _chat(client, model: str, max_tokens: int, stats_list: list) -> None:
+    """The same chat twice (the repeat is a prefix-cache hit), then once per reasoning effort."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION}]
+    _rule("chat (greedy)")
+    _p(f"system: {SYSTEM_PROMPT}\nuser:   {QUESTION}")
+    first = _ask(client, model, messages, max_tokens, "first", stats_list)
+    second = _ask(client, model, messages, max_tokens, "repeat", stats_list)
+    c1 = first.usage.prompt_tokens_details.cached_tokens
+    c2 = second.usage.prompt_tokens_details.cached_tokens
+    same = first.choices[0].message.content == second.choices[0].message.content
+    _p(f"\nprefix cache: cached tokens {c1} on the first request, {c2} on the repeat; answers "
+       f"{'identical' if same else 'differ (replay path, SYSTEM.md 4)'}")
+
+    _rule("reasoning effort (SYSTEM.md 7: low/high/max -> 50/75/100)")
+    for effort in ("low", "high", "max"):
+        _ask(client, model, messages, max_tokens, f"effort={effort}", stats_list, reasoning_effort=effort,
+             extra_body={"return_prompt": True})
+
+
+def _stream(client, model: str, max_tokens: int) -> None:
+    _rule("streamed completion")
+    prompt = "def fibonacci(n):\n"
+    _p(prompt, end="")
+    t = time.perf_counter()
+    n_chunks = 0
+    usage = None
+    for ch in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                        stream=True, stream_options={"include_usage": True}):
+        if ch.choices:
+            n_chunks += 1
+            _p("".join(c if (c.isprintable() or c in "\n\t") else "?" for c in ch.choices[0].text), end="")
+        if ch.usage is not None:
+            usage = ch.usage
+    _p(f"\n[stream] {n_chunks} chunks in {time.perf_counter() - t:.2f}s")
+    if usage is not None:
+        _p("  " + _usage_line(usage))
+
+
+def _metrics_excerpt(url: str) -> None:
+    import httpx
+
+    _rule("GET /metrics (excerpt)")
+    text = httpx.get(url + "/metrics", timeout=30).text
+    for line in text.splitlines():
+        if line.startswith(("dsv41_requests_total", "dsv41_generation_tokens_total", "dsv41_prompt_tokens_total",
+                            "dsv41_prefix_cache_queries_total", "dsv41_prefix_cache_hits_total",
+                            "dsv41_prefix_cache_requests_total", "dsv41_kv_bytes_peak",
+                            "dsv41_batch_size_count", "dsv41_aborted_sequences_total")):
+            _p("  " + line)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
+    from dsv41.engine.options import engine_from_args
     from dsv41.server.app import create_app, serve_in_thread
-    from dsv41.server.cli import build_engine, settings_from
+    from dsv41.server.state import ServerSettings
 
     t0 = time.monotonic()
     _rule("checkpoint")
@@ -192,13 +263,12 @@ def run_demo(args: argparse.Namespace) -> int:
         args.cache_dir = str(Path(ckpt) / "prefix-cache")
     if args.swa_pool is None:
         args.swa_pool = "memory"
-    engine = build_engine(args)
+    engine = engine_from_args(args)
     cfg = engine.cfg
-    settings = settings_from(args, engine)
-    app = create_app(engine, settings)
+    app = create_app(engine, ServerSettings.from_args(args))
     tpl = app.state.dsv41.template.name
     _p(f"model: {cfg.n_layers} layers, dim {cfg.dim}, vocab {cfg.vocab_size}; prefill {engine.prefill_mode}; "
-       f"chat template {tpl}; KV store {'packed' if getattr(engine.pool, 'packed', True) else 'dense'}")
+       f"chat template {tpl}; KV store {'packed' if engine.pool.packed else 'dense'}")
 
     stats_list: list[tuple[str, dict]] = []
     with serve_in_thread(app, "127.0.0.1", 0) as handle:
@@ -206,67 +276,11 @@ def run_demo(args: argparse.Namespace) -> int:
         client = OpenAI(base_url=handle.url + "/v1", api_key="dsv41-demo", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         _p(f"GET /v1/models -> {model}")
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION}]
-
-        def ask(label: str, **kw):
-            t = time.perf_counter()
-            r = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
-                                               temperature=0, **kw)
-            dt = time.perf_counter() - t
-            extra = r.model_extra or {}
-            _p(f"\n[{label}] {dt:.2f}s, finish {r.choices[0].finish_reason}")
-            if "prompt" in extra:
-                first = extra["prompt"].split("\n", 1)[0]
-                _p(f"  prompt starts: {first!r}")
-            _p(_show(r.choices[0].message.content or ""))
-            _p("  " + _usage_line(r.usage))
-            for s in extra.get("engine_stats") or []:
-                stats_list.append((label, s))
-            return r
-
-        _rule("chat (greedy)")
-        _p(f"system: {SYSTEM_PROMPT}\nuser:   {QUESTION}")
-        first = ask("first")
-        second = ask("repeat")
-        c1 = first.usage.prompt_tokens_details.cached_tokens
-        c2 = second.usage.prompt_tokens_details.cached_tokens
-        same = first.choices[0].message.content == second.choices[0].message.content
-        _p(f"\nprefix cache: cached tokens {c1} on the first request, {c2} on the repeat; answers "
-           f"{'identical' if same else 'differ (replay path, SYSTEM.md 4)'}")
-
-        _rule("reasoning effort (SYSTEM.md 7: low/high/max -> 50/75/100)")
-        for effort in ("low", "high", "max"):
-            ask(f"effort={effort}", reasoning_effort=effort, extra_body={"return_prompt": True})
-
-        _rule("streamed completion")
-        prompt = "def fibonacci(n):\n"
-        _p(prompt, end="")
-        t = time.perf_counter()
-        n_chunks = 0
-        usage = None
-        for ch in client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}):
-            if ch.choices:
-                n_chunks += 1
-                _p("".join(c if (c.isprintable() or c in "\n\t") else "?" for c in ch.choices[0].text), end="")
-            if ch.usage is not None:
-                usage = ch.usage
-        _p(f"\n[stream] {n_chunks} chunks in {time.perf_counter() - t:.2f}s")
-        if usage is not None:
-            _p("  " + _usage_line(usage))
-
+        _chat(client, model, args.max_tokens, stats_list)
+        _stream(client, model, args.max_tokens)
         _rule("KV report (bytes per token: measured vs analytic)")
         print_kv_report(cfg, stats_list)
-
-        _rule("GET /metrics (excerpt)")
-        import httpx
-        text = httpx.get(handle.url + "/metrics", timeout=30).text
-        for line in text.splitlines():
-            if line.startswith(("dsv41_requests_total", "dsv41_generation_tokens_total", "dsv41_prompt_tokens_total",
-                                "dsv41_prefix_cache_queries_total", "dsv41_prefix_cache_hits_total",
-                                "dsv41_prefix_cache_requests_total", "dsv41_kv_bytes_peak",
-                                "dsv41_batch_size_count", "dsv41_aborted_sequences_total")):
-                _p("  " + line)
+        _metrics_excerpt(handle.url)
         _p("\nstopping the server")
     _p(f"demo done in {time.monotonic() - t0:.1f}s (checkpoint: {origin})")
     return 0

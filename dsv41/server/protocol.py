@@ -1,5 +1,4 @@
-"""The OpenAI wire format the server speaks: request models (pydantic, strict), the error shape, and the
-response/chunk builders.
+"""The OpenAI wire format the server speaks: request models (pydantic, strict), the error shape, and usage.
 
 Requests are validated strictly: a string where a number belongs, a float where an integer belongs, or a bool
 where either belongs is a 400, as OpenAI does (pydantic's lax coercion would accept "5" for 5). Unknown fields are
@@ -319,38 +318,3 @@ def merge_usage(per_choice: list[dict], prompt_tokens_once: list[int]) -> dict:
 
 def public_usage(u: dict) -> dict:
     return {k: v for k, v in u.items() if not k.startswith("_")}
-
-
-# ------------------------------------------------------------------------------------------------ logprobs
-
-def chat_logprob_entry(entry: dict, token_str, token_bytes) -> dict:
-    """One engine logprobs entry {token, logprob, top: [(id, logprob)]} in the chat format."""
-    return {
-        "token": token_str(entry["token"]),
-        "logprob": _clean(entry["logprob"]),
-        "bytes": token_bytes(entry["token"]),
-        "top_logprobs": [{"token": token_str(i), "logprob": _clean(lp), "bytes": token_bytes(i)}
-                         for i, lp in entry["top"]],
-    }
-
-
-def completion_logprobs(entries: list[dict], token_str, text_offset0: int = 0) -> dict:
-    """The legacy completions logprobs block: tokens, token_logprobs, top_logprobs (dict per position), text_offset."""
-    tokens, lps, tops, offs = [], [], [], []
-    off = text_offset0
-    for e in entries:
-        s = token_str(e["token"])
-        tokens.append(s)
-        lps.append(_clean(e["logprob"]))
-        top: dict[str, float] = {}
-        for i, lp in e["top"]:
-            top.setdefault(token_str(i), _clean(lp))
-        tops.append(top)
-        offs.append(off)
-        off += len(s)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
-
-
-def _clean(x: float) -> float:
-    # JSON has no -inf: clamp like vLLM does (-9999.0)
-    return float(x) if math.isfinite(x) else -9999.0

@@ -39,8 +39,6 @@ class Delta:
     token_ids: list[int]
     text: str
     logprobs: list[dict]
-    finished: bool
-    finish_reason: str | None
 
 
 @dataclass
@@ -63,7 +61,6 @@ class EngineRunner:
         self.idle_poll_s, self.kv_refresh_s = idle_poll_s, kv_refresh_s
         self._cmds: queue.Queue = queue.Queue()
         self._sinks: dict[str, Callable[[Any], None]] = {}
-        self._want_logprobs: dict[str, int] = {}          # request id -> logprob entries already delivered
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._last_kv = 0.0
@@ -159,8 +156,6 @@ class EngineRunner:
             self._send(sink, Failed(rid, 500, f"internal error while admitting the request: {type(e).__name__}"))
             return
         self._sinks[rid] = sink
-        if params.logprobs is not None:
-            self._want_logprobs[rid] = 0
         if not self._send(sink, Accepted(rid)):
             self._abort(rid)
 
@@ -168,7 +163,6 @@ class EngineRunner:
         if rid in self._sinks:
             self.engine.abort(rid)
             self._sinks.pop(rid, None)
-            self._want_logprobs.pop(rid, None)
             self.n_aborted += 1
             if self.metrics is not None:
                 self.metrics.aborted.inc()
@@ -189,12 +183,10 @@ class EngineRunner:
                 self.engine.finished.pop(rid, None)
                 self._send(sink, Failed(rid, 500, f"internal engine error: {type(e).__name__}: {e}"))
             self._sinks.clear()
-            self._want_logprobs.clear()
             return
         self.n_steps += 1
         if self.metrics is not None:
             self.metrics.observe_step(len(self.engine.running) + sum(1 for o in outs if o.finished))
-        live = None
         for o in outs:
             rid = o.request_id
             sink = self._sinks.get(rid)
@@ -202,16 +194,7 @@ class EngineRunner:
                 if o.finished:
                     self.engine.finished.pop(rid, None)
                 continue
-            lps: list[dict] = []
-            if rid in self._want_logprobs and o.new_token_ids:
-                if live is None:
-                    live = {s.request_id: s for s in self.engine.running}
-                seq = live.get(rid) or self.engine.finished.get(rid)
-                got = self._want_logprobs[rid]
-                if seq is not None:
-                    lps = list(seq.logprobs[got:got + len(o.new_token_ids)])
-                    self._want_logprobs[rid] = got + len(lps)
-            ok = self._send(sink, Delta(rid, list(o.new_token_ids), o.new_text, lps, o.finished, o.finish_reason))
+            ok = self._send(sink, Delta(rid, list(o.new_token_ids), o.new_text, list(o.new_logprobs)))
             if o.finished:
                 comp = None
                 try:
@@ -220,7 +203,6 @@ class EngineRunner:
                     log.error("completion(%s) failed:\n%s", rid, traceback.format_exc())
                 self.engine.finished.pop(rid, None)
                 self._sinks.pop(rid, None)
-                self._want_logprobs.pop(rid, None)
                 if comp is None:
                     self._send(sink, Failed(rid, 500, "internal error while finishing the request"))
                     continue
@@ -269,34 +251,27 @@ class EngineRunner:
 
 
 def kv_in_use(engine) -> dict[str, int]:
-    """KV bytes the live sequences hold, by kind (global entries, SWA rings, compressor carry), plus the pool's
-    allocated global pages when the pool reports them."""
+    """KV bytes the live sequences hold, by kind (global entries, SWA rings, compressor carry), plus the packed
+    pool's allocated global pages."""
     out = {"global": 0, "swa": 0, "pending": 0}
     pool = engine.pool
     for s in engine.running:
         if s.sid is None:
             continue
-        try:
-            b = pool.seq_bytes(s.sid)
-        except Exception:
-            continue
+        b = pool.seq_bytes(s.sid)
         out["global"] += int(b.get("global_entries_bytes", b.get("global_bytes", 0)))
         out["swa"] += int(b.get("swa_bytes", 0))
         out["pending"] += int(b.get("pending_bytes", 0))
-    if hasattr(pool, "pool_bytes"):
-        try:
-            out["global_allocated"] = int(pool.pool_bytes().get("global_allocated_bytes", 0))
-        except Exception:
-            pass
+    if pool.packed:
+        out["global_allocated"] = int(pool.pool_bytes().get("global_allocated_bytes", 0))
     return out
 
 
 def store_counters(engine) -> dict[str, float]:
     """The prefix cache's flat counters (`PrefixCache.metrics()`), when the engine has a prefix cache."""
-    pc = getattr(engine, "prefix_cache", None)
-    if pc is None or not hasattr(pc, "metrics"):
+    if engine.prefix_cache is None:
         return {}
-    try:
-        return {str(k): float(v) for k, v in pc.metrics().items()}
+    try:                                                # a store that cannot answer leaves its gauges as they were
+        return {str(k): float(v) for k, v in engine.prefix_cache.metrics().items()}
     except Exception:
         return {}

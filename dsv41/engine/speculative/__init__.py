@@ -1,0 +1,43 @@
+"""Speculative decoding with the DSpark drafter (SYSTEM.md 5, MODEL.md 7): propose, schedule, verify, roll back.
+
+One engine step for the running rows r, each holding its pending token t_r at position P_r (the target has consumed
+P_r tokens; the drafter's rings hold the target's taps of positions < P_r):
+
+  1. propose   the drafter reads t_r and its rings and proposes G = dspark_block_size drafts d_r,1..G for
+               positions P_r+1.., each sampled from a known distribution q_r,k: the request's own sampling
+               transform (temperature, top-k, top-p; `target_probs`) of the drafter's logits, the argmax for
+               greedy requests. Its confidence head gives a_r,k = sigmoid(confidence), the predicted acceptance
+               of draft k given drafts < k accepted.
+  2. schedule  the number V of drafts to verify: fixed (`fixed:N`) or the confidence scheduler (`dspark`).
+  3. verify    ONE target forward over [t_r, d_r,1..V] per row (T = 1 + V, a chunk at P_r) gives the target's
+               logits at positions P_r..P_r+V, i.e. its distributions p_r,0..V for the tokens after each.
+  4. accept    speculative rejection sampling per row (`accept_drafts`): draft k is accepted with probability
+               min(1, p_k(d) / q_k(d)); at the first rejection the token is drawn from norm(max(0, p_k - q_k));
+               when all V are accepted a bonus token is drawn from p_V. Greedy: accept iff d equals argmax p_k,
+               else emit that argmax. Either way each emitted token has exactly the target's distribution given
+               its prefix, whatever the drafter proposes (Leviathan et al. / Chen et al. 2023), so speculation
+               changes speed, never output distribution; greedy output is token-for-token greedy decoding.
+  5. roll back  rejected tokens leave no trace (`VerifyJournal`): the ring rows they overwrote are put back,
+               global entries of groups they completed are forgotten (pages freed), each compressor's carry is
+               recomputed for the accepted prefix from the group-aligned per-token sequence the forward recorded,
+               the Engram n-gram history and the position are set to the accepted prefix.
+  6. seed      the drafter's rings get the target's taps of the kept positions only.
+
+Rows verify the same V (the forward runs [B, 1+V]); a row whose remaining `max_tokens` allows fewer drafts
+still runs V (padding whose tokens cannot be emitted).
+
+Confidence scheduler (SYSTEM.md 5). Prefix survival S_r,k = prod_{i<=k} a_r,i; verifying v_r drafts yields
+1 + sum_{k<=v_r} S_r,k tokens in expectation; choose {v_r} maximising sum_r (1 + sum_{k<=v_r} S_r,k) / T(n) with T
+the measured step latency at n tokens in the batch (`StepProfile`, written by `dsv41 profile-step`).
+`choose_verify_lengths(..., ragged=True)` is that objective with n = sum_r (1 + v_r): for a fixed budget the
+optimum takes drafts in decreasing S order across rows (S is non-increasing in k, so each row takes a prefix),
+then the budget with the best ratio wins. The engine's forward is padded (every row runs 1 + V tokens), so it
+uses `ragged=False`: the same objective with n = B (1 + V), whose optimum gives every row the same V.
+
+    policy.py     the `--speculative` flag (`Speculation`) and what `auto` resolves to for a checkpoint
+    drafter.py    the DSpark drafter: propose (1) and seed (6)
+    scheduler.py  the confidence scheduler (2) and its online corrections
+    rejection.py  speculative rejection sampling (4)
+    rollback.py   the verify journal (5)
+    profile.py    T(n): the step latency profile the scheduler reads (`dsv41 profile-step`)
+"""

@@ -1,0 +1,213 @@
+"""What the two generation endpoints (chat and completions) share: a request parsed and validated into engine
+requests (`Choice`s), run as one `Job`, answered as one JSON body or streamed as server-sent events. The
+endpoints (`serving_chat`, `serving_completion`) say how a request becomes choices and how a choice looks.
+
+Extensions beyond OpenAI's fields: request `top_k`, `ignore_eos`, `stop_token_ids`, `return_prompt` (the response
+then carries the rendered `prompt`); response `engine_stats` (per choice: prefill mode, timings, KV bytes, cache
+path); `usage.prompt_tokens_details` carries `cached_tokens_by_tier` and `cache_path` next to OpenAI's
+`cached_tokens`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Iterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from dsv41.engine.sampling import SamplingParams
+from dsv41.server.jobs import Choice, ClientGone, Job
+from dsv41.server.protocol import APIError, merge_usage, parse, public_usage, usage_from_stats
+from dsv41.server.runner import Delta, Done, Failed
+from dsv41.server.sampling import sampling_params
+from dsv41.server.sse import DONE, SSEResponse, error_sse, sse
+from dsv41.server.state import ServerState
+from dsv41.server.validation import check_model, read_json, resolve_max_tokens
+
+log = logging.getLogger("dsv41.server")
+
+
+def engine_stats(c: Choice, comp) -> dict:
+    st = comp.stats
+    d = usage_from_stats(st)["prompt_tokens_details"]
+    return {"index": c.index, "prefill_mode": st.get("prefill_mode"), "prefill_s": st.get("prefill_s"),
+            "decode_s": st.get("decode_s"), "ttft_s": st.get("ttft_s"), "kv_bytes": st.get("kv_bytes"),
+            "cache_path": d["cache_path"], "cached_tokens": d["cached_tokens"], "speculative": st.get("speculative")}
+
+
+class OpenAIServing:
+    """One request to a generation endpoint. A subclass sets the class attributes, builds `choices` and
+    `prompt_lens` in `prepare` and shapes each choice (`full_choice`, `stream_head`, `delta_choice`,
+    `finish_choice`)."""
+
+    endpoint: str                # the metrics label
+    request_model: type          # the pydantic request model
+    id_prefix: str
+    object: str                  # the response's "object"
+    chunk_object: str            # a stream chunk's "object"
+
+    def __init__(self, state: ServerState, req):
+        self.state, self.req = state, req
+        self.rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.choices: list[Choice] = []
+        self.prompt_lens: list[int] = []          # tokens of each distinct prompt (usage counts each once)
+
+    @classmethod
+    async def handle(cls, request: Request) -> Response:
+        """The endpoint: every validation failure is answered in OpenAI's error shape."""
+        state: ServerState = request.app.state.dsv41
+        t0 = time.perf_counter()
+        try:
+            req = parse(cls.request_model, await read_json(request, state.settings.max_body_bytes))
+            check_model(state.settings, req.model)
+            req.check_unsupported()
+            serving = cls(state, req)
+            serving.prepare()
+        except APIError as e:
+            state.metrics.observe_request(cls.endpoint, e.status)
+            return JSONResponse(e.body(), status_code=e.status)
+        return await serving.respond(request, t0)
+
+    # ---------------------------------------------------------------- the endpoint's part
+    def prepare(self) -> None:
+        raise NotImplementedError
+
+    def full_choice(self, c: Choice, comp) -> dict:
+        raise NotImplementedError
+
+    def prompt_field(self) -> Any:
+        """What `return_prompt` puts in the response's "prompt"."""
+        raise NotImplementedError
+
+    def stream_head(self) -> Iterator[str]:
+        """Chunks a stream opens with, before any engine event."""
+        return iter(())
+
+    def delta_choice(self, c: Choice, ev: Delta) -> dict | None:
+        """The chunk choice for new text / logprobs (None: nothing worth a chunk)."""
+        raise NotImplementedError
+
+    def finish_choice(self, c: Choice, comp) -> dict:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- shared pieces
+    def max_tokens(self, requested: int | None, n_prompt: int, param: str, prompt_param: str) -> int:
+        return resolve_max_tokens(requested, n_prompt, self.state.engine.max_seq_len,
+                                  self.state.settings.default_max_tokens, param, prompt_param)
+
+    def params(self, max_new: int, index: int, logprobs: int | None) -> SamplingParams:
+        return sampling_params(self.req, max_new, index, logprobs, self.state.engine.cfg.vocab_size)
+
+    def usage(self, c: Choice, comp) -> dict:
+        u = usage_from_stats(comp.stats, len(c.prompt_ids), len(comp.output_ids))
+        u["_prompt_index"] = c.prompt_index
+        return u
+
+    def header(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.req.model,
+                "system_fingerprint": self.state.fingerprint}
+
+    def chunk(self, choices: list[dict]) -> str:
+        c = {**self.header(self.chunk_object), "choices": choices}
+        if self.include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    def full_body(self, results: dict[str, Any]) -> dict:
+        comps = [results[c.rid] for c in self.choices]
+        body = {**self.header(self.object), "choices": [self.full_choice(c, r) for c, r in zip(self.choices, comps)],
+                "usage": public_usage(merge_usage([self.usage(c, r) for c, r in zip(self.choices, comps)],
+                                                  self.prompt_lens)),
+                "engine_stats": [engine_stats(c, r) for c, r in zip(self.choices, comps)]}
+        if self.req.return_prompt:
+            body["prompt"] = self.prompt_field()
+        return body
+
+    async def stream_body(self, job: Job, request: Request) -> AsyncIterator[str]:
+        for piece in self.stream_head():
+            yield piece
+        usages = []
+        async for ev in job.events(request):
+            c = job.choices[ev.request_id]
+            if isinstance(ev, Delta):
+                choice = self.delta_choice(c, ev)
+                if choice is not None:
+                    yield self.chunk([choice])
+            elif isinstance(ev, Done):
+                usages.append(self.usage(c, ev.completion))
+                yield self.chunk([self.finish_choice(c, ev.completion)])
+            else:
+                yield error_sse(ev.message, ev.status)
+                job.abort()
+                break
+        if self.include_usage:                                   # the final usage-only chunk
+            yield sse({**self.header(self.chunk_object), "choices": [],
+                       "usage": public_usage(merge_usage(usages, self.prompt_lens))})
+        yield DONE
+
+    # ---------------------------------------------------------------- the job
+    async def respond(self, request: Request, t0: float) -> Response:
+        """Run the choices as one job; answer with the whole body, or stream it."""
+        metrics, endpoint = self.state.metrics, self.endpoint
+        job = Job(self.state, self.choices)
+        try:
+            await job.start(request)
+        except (ClientGone, APIError) as e:
+            job.release()
+            return self._failed(e)
+        except BaseException:
+            job.release()
+            raise
+        if not self.req.stream:
+            return await self._whole(job, request, t0)
+        outcome = {"status": 499}                               # until the stream says otherwise
+
+        async def body():
+            try:
+                async for piece in self.stream_body(job, request):
+                    yield piece
+                outcome["status"] = 200
+            except ClientGone:
+                pass
+            except Exception as e:                              # report in-band, the headers are gone
+                outcome["status"] = 500
+                log.exception("stream failed")
+                yield error_sse(f"internal server error: {type(e).__name__}", 500)
+                yield DONE
+            finally:
+                job.release()
+
+        def closed():
+            # runs however the response ends, even when the body iterator never started (client gone before the
+            # headers went out): the job's sequences are aborted and counted out exactly once
+            job.release()
+            st = outcome["status"]
+            metrics.observe_request(endpoint, st, time.perf_counter() - t0 if st == 200 else None)
+        return SSEResponse(body(), closed)
+
+    async def _whole(self, job: Job, request: Request, t0: float) -> Response:
+        try:
+            results: dict[str, Any] = {}
+            async for ev in job.events(request):
+                if isinstance(ev, Done):
+                    results[ev.request_id] = ev.completion
+                elif isinstance(ev, Failed):
+                    raise APIError(ev.status, ev.message)
+            body = self.full_body(results)
+        except (ClientGone, APIError) as e:
+            return self._failed(e)
+        finally:
+            job.release()
+        self.state.metrics.observe_request(self.endpoint, 200, time.perf_counter() - t0)
+        return JSONResponse(body)
+
+    def _failed(self, e: ClientGone | APIError) -> Response:
+        """The answer to a job that failed before its body: the error, or 499 when the client went away."""
+        status = e.status if isinstance(e, APIError) else 499
+        self.state.metrics.observe_request(self.endpoint, status)
+        return JSONResponse(e.body(), status_code=status) if isinstance(e, APIError) else Response(status_code=499)
