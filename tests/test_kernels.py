@@ -1,7 +1,7 @@
 """Guards the kernels: the packed-store references against the model's dense math (CPU, exact), the backend
 switch, and (marked gpu) the Triton kernels against their references on fresh random inputs at several shapes:
 ragged lengths, -1 indices, empty selections, split and unsplit index lists, a candidate pool smaller than the
-context. The case builders are shared with benchmarks/kernels.py."""
+context, every index width the indexer's kernels take (v3, its v2 fallback, v1 above 128 channels)."""
 
 from __future__ import annotations
 
