@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv41.train.trainer import TrainConfig, train  # noqa: E402
+from dsv41.train.config import TrainConfig  # noqa: E402
+from dsv41.train.trainer import train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

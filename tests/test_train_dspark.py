@@ -12,9 +12,10 @@ from dsv41.config import load_config
 from dsv41.model.cache import DenseCache
 from dsv41.model.common import set_quantization
 from dsv41.model.init import random_model
+from dsv41.train.config import TrainConfig
 from dsv41.train.dspark_stage import (acceptance_counts, acceptance_rates, anchor_ids, anchor_positions,
                                       draft_forward)
-from dsv41.train.trainer import TrainConfig, train
+from dsv41.train.trainer import train
 from tests.conftest import small_corpus
 
 

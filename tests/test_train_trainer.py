@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv41.train.trainer import TrainConfig, Trainer, train
+from dsv41.train.config import TrainConfig
+from dsv41.train.trainer import Trainer, train
 from tests.conftest import logged_losses, small_corpus
 
 
