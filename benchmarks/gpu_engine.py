@@ -53,6 +53,110 @@ def launch_profile(model, pool, sid, tok) -> dict:
             "profiled_cpu_ms": round(sum(e.self_cpu_time_total for e in ka) / 1e3, 1)}
 
 
+def _smoke(dev: str) -> str:
+    """The debug preset through every prefill mode and one decode step: "ok" or the traceback's end."""
+    from dsv41.config import load_config
+    from dsv41.engine.prefill import prefill
+    from dsv41.engine.store import make_pool
+    from dsv41.model.init import random_model
+    try:
+        cfg = load_config("debug")
+        m = random_model(cfg, dtype=torch.bfloat16, device=dev)
+        ids = torch.randint(0, cfg.vocab_size, (1, 100), device=dev)
+        for mode in ("full", "ced-exact", "ced-bounded"):
+            pool = make_pool(m, dev)
+            v = pool.bind([pool.new_sequence()])
+            out = prefill(m, ids, v, mode)
+            m(ids[:, :1], v)
+            assert torch.isfinite(out.logits).all()
+        return "ok"
+    except Exception:
+        print(traceback.format_exc()[-1500:], flush=True)
+        return traceback.format_exc()[-1500:]
+
+
+def _prefill_row(model, cfg, dev: str, n: int, modes: list[str], chunk: int | None) -> dict:
+    from dsv41.engine.bench import analytic_ratio
+    from dsv41.engine.prefill import prefill
+    from dsv41.engine.store import make_pool
+    ids = torch.randint(0, cfg.vocab_size, (1, n), device=dev)
+    t = {}
+    for mode in modes:
+        pool = make_pool(model, dev)
+        v = pool.bind([pool.new_sequence()])
+        _sync(dev)
+        a = time.perf_counter()
+        prefill(model, ids, v, mode, chunk_size=chunk)
+        _sync(dev)
+        t[mode] = time.perf_counter() - a
+        del pool, v
+        torch.cuda.empty_cache()
+    ratio = {m: t[m] / t["full"] if m in t else None for m in ("ced-bounded", "ced-exact")}
+    return {"tokens": n, "chunk": chunk, "full_s": t["full"], "ced_exact_s": t.get("ced-exact"),
+            "ced_bounded_s": t.get("ced-bounded"), "ratio_bounded": ratio["ced-bounded"],
+            "ratio_exact": ratio["ced-exact"], "analytic_ratio": analytic_ratio(cfg, "ced-bounded", n),
+            "peak_gb": (torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0)}
+
+
+def _decode_row(model, dev: str, n: int) -> dict:
+    from dsv41.engine.store import make_pool
+    from dsv41.kv.accounting import fill_random
+    pool = make_pool(model, dev)
+    sid = pool.new_sequence()
+    fill = fill_random(pool, sid, n)
+    gbytes = pool.seq_bytes(sid)["global_entries_bytes"]
+    tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    times = []
+    with torch.no_grad():
+        for _ in range(int(os.environ.get("DECODE_STEPS", "4"))):
+            v = pool.bind([sid])
+            _sync(dev)
+            a = time.perf_counter()
+            model(tok, v, last_only=True)
+            _sync(dev)
+            times.append(time.perf_counter() - a)
+    row = {"context": n, "global_kv_bytes": gbytes, "bytes_per_token": gbytes / n,
+           "step_s": statistics.median(times[1:]), "steps_s": times, "fill_s": fill["seconds"]}
+    if dev == "cuda":
+        row.update(launch_profile(model, pool, sid, tok))
+    return row
+
+
+def _rows(items: list[int], key: str, measure, out_of_time) -> list[dict]:
+    """measure(item) for each item, printed; an error or the time budget gives a row saying so."""
+    rows = []
+    for n in items:
+        if out_of_time():
+            rows.append({key: n, "skipped": "time budget"})
+            continue
+        try:
+            rows.append(measure(n))
+        except Exception:
+            rows.append({key: n, "error": traceback.format_exc()[-800:]})
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _decode_ratio(drows: list[dict]) -> dict | None:
+    """Largest vs smallest context, pooling the steps of repeated contexts (run order noise)."""
+    by_ctx: dict = {}
+    for r in drows:
+        if "step_s" in r:
+            by_ctx.setdefault(r["context"], []).append(r)
+    if len(by_ctx) < 2:
+        return None
+    lo, hi = min(by_ctx), max(by_ctx)
+
+    def med(rs, key):
+        return statistics.median(x for r in rs for x in (r["steps_s"][1:] if key == "steps_s" else [r[key]])
+                                 if key in r)
+    out = {"contexts": [lo, hi], "wall": med(by_ctx[hi], "steps_s") / med(by_ctx[lo], "steps_s")}
+    if all("gpu_busy_s" in r for r in by_ctx[lo] + by_ctx[hi]):
+        out["gpu_busy"] = med(by_ctx[hi], "gpu_busy_s") / med(by_ctx[lo], "gpu_busy_s")
+    return out
+
+
 def main() -> None:
     dev = os.environ.get("DEVICE", "cuda")
     res: dict = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
@@ -75,28 +179,10 @@ def main() -> None:
     modes = os.environ.get("PREFILL_MODES", "ced-bounded,ced-exact,full").split(",")   # full is required (the ratio)
     contexts = [int(x) for x in os.environ.get("DECODE_CONTEXTS", "4096,65536,262144,1048576").split(",") if x]
     from dsv41.config import load_config
-    from dsv41.engine.bench import analytic_ratio, bench_prefill
-    from dsv41.engine.prefill import prefill
-    from dsv41.engine.store import make_pool
-    from dsv41.kv.accounting import fill_random
     from dsv41.model.init import random_model
 
     # 1. smoke
-    try:
-        cfg = load_config("debug")
-        m = random_model(cfg, dtype=torch.bfloat16, device=dev)
-        ids = torch.randint(0, cfg.vocab_size, (1, 100), device=dev)
-        for mode in ("full", "ced-exact", "ced-bounded"):
-            pool = make_pool(m, dev)
-            v = pool.bind([pool.new_sequence()])
-            out = prefill(m, ids, v, mode)
-            m(ids[:, :1], v)
-            assert torch.isfinite(out.logits).all()
-        res["smoke"] = "ok"
-        del m
-    except Exception:
-        res["smoke"] = traceback.format_exc()[-1500:]
-        print(res["smoke"], flush=True)
+    res["smoke"] = _smoke(dev)
     print("smoke:", res["smoke"], flush=True)
 
     # 2. prefill ratio on v41-geometry
@@ -108,85 +194,14 @@ def main() -> None:
     res["model_params"] = sum(p.numel() for p in model.parameters())
     res["gpu_mem_weights_gb"] = torch.cuda.memory_allocated() / 1e9 if dev == "cuda" else 0
     print(f"{os.environ.get('CONFIG', 'v41-geometry')} built in {res['model_build_s']:.1f}s, {res['model_params']/1e9:.1f}B params", flush=True)
-    rows = []
-    for n in lengths:
-        if out_of_time():
-            rows.append({"tokens": n, "skipped": "time budget"})
-            continue
-        try:
-            ids = torch.randint(0, cfg.vocab_size, (1, n), device=dev)
-            t = {}
-            for mode in modes:
-                pool = make_pool(model, dev)
-                v = pool.bind([pool.new_sequence()])
-                _sync(dev)
-                a = time.perf_counter()
-                prefill(model, ids, v, mode, chunk_size=chunk)
-                _sync(dev)
-                t[mode] = time.perf_counter() - a
-                del pool, v
-                torch.cuda.empty_cache()
-            ratio = {m: t[m] / t["full"] if m in t else None for m in ("ced-bounded", "ced-exact")}
-            row = {"tokens": n, "chunk": chunk, "full_s": t["full"], "ced_exact_s": t.get("ced-exact"),
-                   "ced_bounded_s": t.get("ced-bounded"), "ratio_bounded": ratio["ced-bounded"],
-                   "ratio_exact": ratio["ced-exact"],
-                   "analytic_ratio": analytic_ratio(cfg, "ced-bounded", n),
-                   "peak_gb": (torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0)}
-            print(row, flush=True)
-            rows.append(row)
-        except Exception:
-            rows.append({"tokens": n, "error": traceback.format_exc()[-800:]})
-            print(rows[-1], flush=True)
-            torch.cuda.empty_cache()
-    res["prefill"] = rows
+    res["prefill"] = _rows(lengths, "tokens", lambda n: _prefill_row(model, cfg, dev, n, modes, chunk), out_of_time)
 
     # 3. decode step vs context, synthetic store
-    drows = []
-    for n in contexts:
-        if out_of_time():
-            drows.append({"context": n, "skipped": "time budget"})
-            continue
-        try:
-            pool = make_pool(model, dev)
-            sid = pool.new_sequence()
-            fill = fill_random(pool, sid, n)
-            gbytes = pool.seq_bytes(sid)["global_entries_bytes"]
-            tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
-            times = []
-            with torch.no_grad():
-                for _ in range(int(os.environ.get("DECODE_STEPS", "4"))):
-                    v = pool.bind([sid])
-                    _sync(dev)
-                    a = time.perf_counter()
-                    model(tok, v, last_only=True)
-                    _sync(dev)
-                    times.append(time.perf_counter() - a)
-            row = {"context": n, "global_kv_bytes": gbytes, "bytes_per_token": gbytes / n,
-                   "step_s": statistics.median(times[1:]), "steps_s": times, "fill_s": fill["seconds"]}
-            if dev == "cuda":
-                row.update(launch_profile(model, pool, sid, tok))
-            print(row, flush=True)
-            drows.append(row)
-            del pool
-            torch.cuda.empty_cache()
-        except Exception:
-            drows.append({"context": n, "error": traceback.format_exc()[-800:]})
-            print(drows[-1], flush=True)
-            torch.cuda.empty_cache()
-    by_ctx: dict = {}
-    for r in drows:
-        if "step_s" in r:
-            by_ctx.setdefault(r["context"], []).append(r)
-    if len(by_ctx) >= 2:     # largest vs smallest context, pooling the steps of repeated contexts (run order noise)
-        lo, hi = min(by_ctx), max(by_ctx)
-
-        def med(rs, key):
-            return statistics.median(x for r in rs for x in (r["steps_s"][1:] if key == "steps_s" else [r[key]])
-                                     if key in r)
-        res["decode_ratio"] = {"contexts": [lo, hi], "wall": med(by_ctx[hi], "steps_s") / med(by_ctx[lo], "steps_s")}
-        if all("gpu_busy_s" in r for r in by_ctx[lo] + by_ctx[hi]):
-            res["decode_ratio"]["gpu_busy"] = med(by_ctx[hi], "gpu_busy_s") / med(by_ctx[lo], "gpu_busy_s")
-        print("decode ratio", res["decode_ratio"], flush=True)
+    drows = _rows(contexts, "context", lambda n: _decode_row(model, dev, n), out_of_time)
+    ratio = _decode_ratio(drows)
+    if ratio is not None:
+        res["decode_ratio"] = ratio
+        print("decode ratio", ratio, flush=True)
     res["decode"] = drows
     line = json.dumps(res)
     print(line)

@@ -111,11 +111,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from dsv41.engine.engine import Engine
-    from dsv41.engine.speculative.drafter import DSparkDrafter
-    from dsv41.engine.speculative.policy import has_trained_drafter
-    from dsv41.engine.speculative.profile import PROFILE_FILE, StepProfile, profile_step
-    dtype = parse_dtype(args.dtype)
     dev = args.device
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0) if dev.startswith("cuda") else "cpu",
@@ -123,6 +118,26 @@ def main() -> None:
            "commit": os.environ.get("DSV41_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                                         text=True).stdout.strip()
            or None}
+    model, cfg, tok, prompts_all = _model_and_prompts(args, res)
+    G = cfg.dspark_block_size
+    modes = args.modes or ["off", "fixed:1", f"fixed:{max(1, G // 2)}", f"fixed:{G}", "dspark"]
+    modes = ["off"] + [m for m in modes if m != "off"]                 # the baseline runs first
+    prof = _profile(args, model, res)
+    res["runs"] = []
+    for B in args.batches:
+        _run_batch(args, res, model, tok, prompts_all[:B], modes, prof, sync)
+    line = _json(res)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line)
+
+
+def _model_and_prompts(args, res: dict):
+    """The checkpoint's model and standard-library prompts, or random weights of --config and random prompts;
+    -> (model, cfg, tokenizer or None, prompts)."""
+    from dsv41.engine.speculative.policy import has_trained_drafter
+    from dsv41.model.attention import set_tie_break
+    dtype, dev = parse_dtype(args.dtype), args.device
     if args.checkpoint:
         from dsv41.engine.tokenizer import load_tokenizer
         from dsv41.model.loading import load_model
@@ -144,51 +159,53 @@ def main() -> None:
         prompts_all = [torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist()
                        for _ in range(max(args.batches))]
     model.eval()
-    from dsv41.model.attention import set_tie_break
     set_tie_break(model, args.ties)
     res["ties"] = args.ties
-    G = cfg.dspark_block_size
-    modes = args.modes or ["off", "fixed:1", f"fixed:{max(1, G // 2)}", f"fixed:{G}", "dspark"]
-    modes = ["off"] + [m for m in modes if m != "off"]                 # the baseline runs first
+    return model, cfg, tok, prompts_all
+
+
+def _profile(args, model, res: dict):
+    """The checkpoint's T(n) profile, else one measured now."""
+    from dsv41.engine.speculative.profile import PROFILE_FILE, StepProfile, profile_step
     prof_path = Path(args.checkpoint) / PROFILE_FILE if args.checkpoint else None
     if prof_path is not None and prof_path.exists():
-        prof = StepProfile.load(prof_path)
         res["profile"] = f"{prof_path}"
-    else:
-        t0 = time.perf_counter()
-        prof = profile_step(model, batches=sorted(set(args.batches)), context=min(512, args.prompt_tokens),
-                            repeats=2, device=dev, log=lambda *a: print(*a, flush=True))
-        res["profile"] = {"measured_s": time.perf_counter() - t0, **prof.to_json()}
-    res["runs"] = []
-    for B in args.batches:
-        prompts = prompts_all[:B]
-        base = None
-        for mode in modes:
-            eng = Engine(model, tok, prefill_mode="ced-bounded", max_batch=B, max_seq_len=8192, device=dev,
-                         speculative=mode, step_profile=prof)
-            if args.checkpoint is None and eng.drafter is not None:
-                futures = {f"req-{i}": o for i, o in enumerate(base["outputs"])}
-                eng.drafter = AgreeingDrafter(DSparkDrafter(model), futures, args.agree, cfg.vocab_size)
-            r = run_mode(eng, prompts, args.max_tokens, sync)
-            sc = eng.spec_counts
-            r.update(batch=B, mode=mode,
-                     acceptance=[a / n if n else None for a, n in zip(sc["accepted"], sc["reached"])],
-                     drafted=sum(sc["reached"]), accepted=sum(sc["accepted"]))
-            if base is None:
-                base = r
-            r["speedup_vs_off"] = r["tok_per_s"] / base["tok_per_s"]
-            r["same_tokens_as_off"] = r["outputs"] == base["outputs"]
-            res["runs"].append(r)
-            acc = " ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance"])
-            print(f"batch {B:3d}  {mode:9s}  {r['tok_per_s']:8.2f} tok/s  x{r['speedup_vs_off']:.2f}  "
-                  f"tokens/forward/row {r['tokens_per_forward_per_row']:.2f}  acceptance [{acc}]  "
-                  f"same tokens {r['same_tokens_as_off']}", flush=True)
-            if args.out:                                   # after every run: a time limit keeps what was measured
-                Path(args.out).write_text(_json(res) + "\n")
-    line = _json(res)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+        return StepProfile.load(prof_path)
+    t0 = time.perf_counter()
+    prof = profile_step(model, batches=sorted(set(args.batches)), context=min(512, args.prompt_tokens),
+                        repeats=2, device=args.device, log=lambda *a: print(*a, flush=True))
+    res["profile"] = {"measured_s": time.perf_counter() - t0, **prof.to_json()}
+    return prof
+
+
+def _run_batch(args, res: dict, model, tok, prompts: list, modes: list[str], prof, sync) -> None:
+    """Every mode on one batch of prompts, side by side with the first ("off")."""
+    from dsv41.engine.engine import Engine
+    from dsv41.engine.speculative.drafter import DSparkDrafter
+    B = len(prompts)
+    base = None
+    for mode in modes:
+        eng = Engine(model, tok, prefill_mode="ced-bounded", max_batch=B, max_seq_len=8192, device=args.device,
+                     speculative=mode, step_profile=prof)
+        if args.checkpoint is None and eng.drafter is not None:
+            futures = {f"req-{i}": o for i, o in enumerate(base["outputs"])}
+            eng.drafter = AgreeingDrafter(DSparkDrafter(model), futures, args.agree, model.cfg.vocab_size)
+        r = run_mode(eng, prompts, args.max_tokens, sync)
+        sc = eng.spec_counts
+        r.update(batch=B, mode=mode,
+                 acceptance=[a / n if n else None for a, n in zip(sc["accepted"], sc["reached"])],
+                 drafted=sum(sc["reached"]), accepted=sum(sc["accepted"]))
+        if base is None:
+            base = r
+        r["speedup_vs_off"] = r["tok_per_s"] / base["tok_per_s"]
+        r["same_tokens_as_off"] = r["outputs"] == base["outputs"]
+        res["runs"].append(r)
+        acc = " ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance"])
+        print(f"batch {B:3d}  {mode:9s}  {r['tok_per_s']:8.2f} tok/s  x{r['speedup_vs_off']:.2f}  "
+              f"tokens/forward/row {r['tokens_per_forward_per_row']:.2f}  acceptance [{acc}]  "
+              f"same tokens {r['same_tokens_as_off']}", flush=True)
+        if args.out:                                   # after every run: a time limit keeps what was measured
+            Path(args.out).write_text(_json(res) + "\n")
 
 
 def _json(res: dict) -> str:

@@ -36,6 +36,29 @@ def cases() -> list[tuple[str, str, str, bytes | None, dict]]:
             data = body if raw else json.dumps(body).encode()
             out.append((kind, method, p, data, headers or {"content-type": "application/json"}))
 
+    _syntax_cases(add)
+    _value_cases(add)
+    # ---- wrong method / path
+    for method, path in (("GET", CHAT), ("PUT", CHAT), ("DELETE", COMP), ("GET", COMP), ("POST", "/v1/models"),
+                         ("POST", "/health"), ("GET", "/v1/chat/completions/"), ("POST", "/v1/completions/"),
+                         ("GET", "/v1/nope"), ("POST", "/v2/chat/completions"), ("GET", "/v1/models/nope")):
+        out.append(("wrong_route", method, path, b"{}" if method != "GET" else None, {}))
+    # ---- body too large
+    big = json.dumps(_chat(messages=[{"role": "user", "content": "x" * (9 << 20)}])).encode()
+    out.append(("body_too_large", "POST", CHAT, big, {"content-type": "application/json"}))
+    out.append(("body_too_large", "POST", COMP, big, {"content-type": "application/json"}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("dbg-bad"), seed=2)
+    with running_server(ckpt, exact=True, max_seq_len=MAX_LEN) as (handle, app):
+        yield handle
+
+
+def _syntax_cases(add) -> None:
+    """Bodies that are not a well-formed request: bad JSON, not an object, fields missing or of the wrong type."""
     # ---- malformed JSON (raw bytes), both endpoints
     for raw in (b"", b"   ", b"{", b"}", b"{bad}", b"[1,2", b"nul", b"\xff\xfe\x00garbage", b'{"model": "dbg",}',
                 b"NaN", b'{"model": NaN}', b'{"temperature": Infinity, "model": "dbg"}', b'{"model": -Infinity}',
@@ -80,6 +103,10 @@ def cases() -> list[tuple[str, str, str, bytes | None, dict]]:
     for field, values in wrong_comp.items():
         for v in values:
             add("wrong_type", _comp(**{field: v}), COMP)
+
+
+def _value_cases(add) -> None:
+    """Well-formed requests with values the server must refuse."""
     # ---- unknown model
     for name in ("nope", "", "DBG", "dbg ", " dbg", "x" * 10_000, "модель", "dbg\x00", "../../etc/passwd"):
         add("unknown_model", _chat(model=name), CHAT)
@@ -130,23 +157,7 @@ def cases() -> list[tuple[str, str, str, bytes | None, dict]]:
         add("bad_unicode", _chat(messages=[{"role": "user", "content": s}]), CHAT)
         add("bad_unicode", _comp(prompt=s), COMP)
         add("bad_unicode", _chat(model=s), CHAT)
-    # ---- wrong method / path
-    for method, path in (("GET", CHAT), ("PUT", CHAT), ("DELETE", COMP), ("GET", COMP), ("POST", "/v1/models"),
-                         ("POST", "/health"), ("GET", "/v1/chat/completions/"), ("POST", "/v1/completions/"),
-                         ("GET", "/v1/nope"), ("POST", "/v2/chat/completions"), ("GET", "/v1/models/nope")):
-        out.append(("wrong_route", method, path, b"{}" if method != "GET" else None, {}))
-    # ---- body too large
-    big = json.dumps(_chat(messages=[{"role": "user", "content": "x" * (9 << 20)}])).encode()
-    out.append(("body_too_large", "POST", CHAT, big, {"content-type": "application/json"}))
-    out.append(("body_too_large", "POST", COMP, big, {"content-type": "application/json"}))
-    return out
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    ckpt = make_checkpoint(tmp_path_factory.mktemp("dbg-bad"), seed=2)
-    with running_server(ckpt, exact=True, max_seq_len=MAX_LEN) as (handle, app):
-        yield handle
 
 
 def _valid(client):

@@ -70,7 +70,6 @@ class EngineRunner:
         self.n_steps = 0
         self.n_aborted = 0
         self.n_step_failures = 0
-        self.last_error: str | None = None
 
     # ---------------------------------------------------------------- any thread
     def start(self) -> "EngineRunner":
@@ -94,20 +93,6 @@ class EngineRunner:
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
 
-    def call(self, fn: Callable[[Any], Any], timeout: float = 30.0):
-        """Run `fn(engine)` on the loop thread and return its result (for inspection in tests and tools)."""
-        box: dict = {}
-        done = threading.Event()
-        self._cmds.put(("call", fn, box, done))
-        if not done.wait(timeout):
-            raise TimeoutError("engine loop did not answer")
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
-
-    def in_flight(self) -> int:
-        return len(self._sinks)
-
     # ---------------------------------------------------------------- loop thread
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -119,31 +104,29 @@ class EngineRunner:
                     self._step()
                 self._gauges()
             except Exception:                                   # never let the loop die
-                self.last_error = traceback.format_exc()
-                log.error("engine loop error:\n%s", self.last_error)
+                log.error("engine loop error:\n%s", traceback.format_exc())
                 time.sleep(0.01)
-        self._shutdown()
+        self._fail_all(503, "the server is shutting down")
+        while True:                                             # answer whatever is still queued
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                self._send(cmd[4], Failed(cmd[3], 503, "the server is shutting down"))
 
     def _drain(self, block: bool) -> None:
-        first = True
+        """Run the queued commands; with `block`, wait up to `idle_poll_s` for the first."""
         while True:
             try:
-                cmd = self._cmds.get(timeout=self.idle_poll_s) if (block and first) else self._cmds.get_nowait()
+                cmd = self._cmds.get(timeout=self.idle_poll_s) if block else self._cmds.get_nowait()
             except queue.Empty:
                 return
-            first = False
-            kind = cmd[0]
-            if kind == "add":
+            block = False
+            if cmd[0] == "add":
                 self._add(*cmd[1:])
-            elif kind == "abort":
+            elif cmd[0] == "abort":
                 self._abort(cmd[1])
-            elif kind == "call":
-                _, fn, box, done = cmd
-                try:
-                    box["value"] = fn(self.engine)
-                except Exception as e:                          # reported to the caller
-                    box["error"] = e
-                done.set()
 
     def _add(self, prompt, params, rid: str, sink) -> None:
         try:
@@ -168,21 +151,24 @@ class EngineRunner:
                 self.metrics.aborted.inc()
         self.engine.finished.pop(rid, None)
 
+    def _fail_all(self, status: int, message: str) -> None:
+        """Every request in flight gets `Failed` (its engine request aborted)."""
+        for rid, sink in self._sinks.items():
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                pass
+            self.engine.finished.pop(rid, None)
+            self._send(sink, Failed(rid, status, message))
+        self._sinks.clear()
+
     def _step(self) -> None:
         try:
             outs = self.engine.step()
         except Exception as e:
             self.n_step_failures += 1
-            self.last_error = traceback.format_exc()
-            log.error("engine step failed; failing every request in flight:\n%s", self.last_error)
-            for rid, sink in list(self._sinks.items()):
-                try:
-                    self.engine.abort(rid)
-                except Exception:
-                    pass
-                self.engine.finished.pop(rid, None)
-                self._send(sink, Failed(rid, 500, f"internal engine error: {type(e).__name__}: {e}"))
-            self._sinks.clear()
+            log.error("engine step failed; failing every request in flight:\n%s", traceback.format_exc())
+            self._fail_all(500, f"internal engine error: {type(e).__name__}: {e}")
             return
         self.n_steps += 1
         if self.metrics is not None:
@@ -196,21 +182,24 @@ class EngineRunner:
                 continue
             ok = self._send(sink, Delta(rid, list(o.new_token_ids), o.new_text, list(o.new_logprobs)))
             if o.finished:
-                comp = None
-                try:
-                    comp = self.engine.completion(rid)
-                except Exception:
-                    log.error("completion(%s) failed:\n%s", rid, traceback.format_exc())
-                self.engine.finished.pop(rid, None)
-                self._sinks.pop(rid, None)
-                if comp is None:
-                    self._send(sink, Failed(rid, 500, "internal error while finishing the request"))
-                    continue
-                if self.metrics is not None:
-                    self.metrics.observe_completion(comp)
-                self._send(sink, Done(rid, comp))
+                self._finish(rid, sink)
             elif not ok:
                 self._abort(rid)
+
+    def _finish(self, rid: str, sink) -> None:
+        comp = None
+        try:
+            comp = self.engine.completion(rid)
+        except Exception:
+            log.error("completion(%s) failed:\n%s", rid, traceback.format_exc())
+        self.engine.finished.pop(rid, None)
+        self._sinks.pop(rid, None)
+        if comp is None:
+            self._send(sink, Failed(rid, 500, "internal error while finishing the request"))
+            return
+        if self.metrics is not None:
+            self.metrics.observe_completion(comp)
+        self._send(sink, Done(rid, comp))
 
     def _gauges(self) -> None:
         self.n_running = len(self.engine.running)
@@ -223,31 +212,13 @@ class EngineRunner:
         self._last_kv = now
         self.metrics.observe_engine(self.n_running, self.n_waiting, kv_in_use(self.engine), store_counters(self.engine))
 
-    def _send(self, sink, event) -> bool:
+    @staticmethod
+    def _send(sink, event) -> bool:
         try:
             sink(event)
             return True
         except Exception:
             return False
-
-    def _shutdown(self) -> None:
-        for rid, sink in list(self._sinks.items()):
-            try:
-                self.engine.abort(rid)
-            except Exception:
-                pass
-            self._send(sink, Failed(rid, 503, "the server is shutting down"))
-        self._sinks.clear()
-        while True:                                             # answer whatever is still queued
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                break
-            if cmd[0] == "add":
-                self._send(cmd[4], Failed(cmd[3], 503, "the server is shutting down"))
-            elif cmd[0] == "call":
-                cmd[2]["error"] = RuntimeError("the server is shutting down")
-                cmd[3].set()
 
 
 def kv_in_use(engine) -> dict[str, int]:
