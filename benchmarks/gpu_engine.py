@@ -76,20 +76,11 @@ def _smoke(dev: str) -> str:
 
 
 def _prefill_row(model, cfg, dev: str, n: int, modes: list[str], chunk: int | None) -> dict:
-    from dsv41.engine.bench import analytic_ratio
-    from dsv41.engine.prefill import prefill
-    from dsv41.engine.store import make_pool
+    from dsv41.engine.bench import analytic_ratio, time_prefill
     ids = torch.randint(0, cfg.vocab_size, (1, n), device=dev)
     t = {}
     for mode in modes:
-        pool = make_pool(model, dev)
-        v = pool.bind([pool.new_sequence()])
-        _sync(dev)
-        a = time.perf_counter()
-        prefill(model, ids, v, mode, chunk_size=chunk)
-        _sync(dev)
-        t[mode] = time.perf_counter() - a
-        del pool, v
+        t[mode] = time_prefill(model, ids, mode, chunk)
         torch.cuda.empty_cache()
     ratio = {m: t[m] / t["full"] if m in t else None for m in ("ced-bounded", "ced-exact")}
     return {"tokens": n, "chunk": chunk, "full_s": t["full"], "ced_exact_s": t.get("ced-exact"),
@@ -99,6 +90,7 @@ def _prefill_row(model, cfg, dev: str, n: int, modes: list[str], chunk: int | No
 
 
 def _decode_row(model, dev: str, n: int) -> dict:
+    from dsv41.engine.bench import timed
     from dsv41.engine.store import make_pool
     from dsv41.kv.accounting import fill_random
     pool = make_pool(model, dev)
@@ -110,11 +102,7 @@ def _decode_row(model, dev: str, n: int) -> dict:
     with torch.no_grad():
         for _ in range(int(os.environ.get("DECODE_STEPS", "4"))):
             v = pool.bind([sid])
-            _sync(dev)
-            a = time.perf_counter()
-            model(tok, v, last_only=True)
-            _sync(dev)
-            times.append(time.perf_counter() - a)
+            times.append(timed(lambda: model(tok, v, last_only=True), dev))
     row = {"context": n, "global_kv_bytes": gbytes, "bytes_per_token": gbytes / n,
            "step_s": statistics.median(times[1:]), "steps_s": times, "fill_s": fill["seconds"]}
     if dev == "cuda":

@@ -28,9 +28,21 @@ def _model(config: str, dtype: torch.dtype, device: str, quant: bool):
     return cfg, m
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def timed(fn, device) -> float:
+    """Seconds `fn()` takes, the device synchronised before and after."""
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def time_prefill(m, ids: torch.Tensor, mode: str, chunk_size: int | None = None) -> float:
+    """Seconds of one prefill of `ids` [1, N] in `mode` into a fresh sequence."""
+    pool = make_pool(m, ids.device)
+    view = pool.bind([pool.new_sequence()])
+    return timed(lambda: prefill(m, ids, view, mode, chunk_size), ids.device)
 
 
 def analytic_ratio(cfg, mode: str, n: int) -> float:
@@ -45,19 +57,8 @@ def bench_prefill(config="tiny", lengths=(4096, 16384), dtype=torch.float32, dev
     rows = []
     for n in lengths:
         ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
-        t = {}
-        for mode in ("full", "ced-exact", "ced-bounded"):
-            times = []
-            for _ in range(repeats):
-                pool = make_pool(m, device)
-                sid = pool.new_sequence()
-                view = pool.bind([sid])
-                _sync(device)
-                t0 = time.perf_counter()
-                prefill(m, ids, view, mode, chunk_size)
-                _sync(device)
-                times.append(time.perf_counter() - t0)
-            t[mode] = statistics.median(times)
+        t = {mode: statistics.median(time_prefill(m, ids, mode, chunk_size) for _ in range(repeats))
+             for mode in ("full", "ced-exact", "ced-bounded")}
         rows.append({"tokens": n, "full_s": t["full"], "ced_exact_s": t["ced-exact"],
                      "ced_bounded_s": t["ced-bounded"], "ratio_bounded": t["ced-bounded"] / t["full"],
                      "ratio_exact": t["ced-exact"] / t["full"],
@@ -88,11 +89,7 @@ def bench_decode(config="tiny", contexts=(1024, 4096), batches=(1, 8), steps=8, 
             with torch.no_grad():
                 for _ in range(steps):
                     view = pool.bind(sids)
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    m(tok, view, last_only=True)
-                    _sync(device)
-                    times.append(time.perf_counter() - t0)
+                    times.append(timed(lambda: m(tok, view, last_only=True), device))
                     pool.release(view, sids)
             step = statistics.median(times[1:] if len(times) > 1 else times)
             out.append({"context": n, "batch": b, "step_s": step, "tokens_per_s": b / step})

@@ -10,14 +10,15 @@ Bad requests are rejected at `add_request` with a ValueError and never reach the
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
 
-from dsv41.engine.prefill import MODES, prefill
+from dsv41.engine.prefill import MODES, check_ced, prefill
 from dsv41.engine.sampling import SamplingParams, make_generator, sample_token, top_logprobs
 from dsv41.engine.speculative.drafter import DSparkDrafter
 from dsv41.engine.speculative.policy import Speculation
@@ -87,7 +88,6 @@ class Engine:
         if prefill_mode not in MODES:
             raise ValueError(f"unknown prefill mode {prefill_mode!r}; choose one of {', '.join(MODES)}")
         if prefill_mode != "full":
-            from dsv41.engine.prefill import check_ced
             try:
                 check_ced(model.cfg)
             except ValueError:
@@ -219,7 +219,7 @@ class Engine:
             self.drafter.seed(view, out.main_hidden, last_pos)
         self.pool.release(view, [seq.sid])
         logits = out.logits[0, -1]
-        seq.pending = self._sample(seq, logits)
+        seq.pending = sample_token(logits, seq.params, seq.gen)
         seq.prefill_s = time.perf_counter() - t0
         seq.t_first_token = time.perf_counter()
         return logits
@@ -252,7 +252,7 @@ class Engine:
         for b, s in enumerate(live):
             s.decode_s += dt
             s.target_steps += 1
-            s.pending = self._sample(s, logits[b])
+            s.pending = sample_token(logits[b], s.params, s.gen)
             outs.append(self._emit(s, [s.pending], self._logprobs(s, logits[b:b + 1], [s.pending])))
 
     def _decode_speculative(self, live: list[Sequence], outs: list[StepOutput]) -> None:
@@ -307,9 +307,6 @@ class Engine:
             return min(self.speculation.n, G, max(caps))
         return choose_verify_lengths(prop.survival(self.calibration), self.step_cost, caps, ragged=False)[0]
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        return sample_token(logits, seq.params, seq.gen)
-
     @staticmethod
     def _logprobs(seq: Sequence, logits: torch.Tensor, toks: list[int]) -> list[dict] | None:
         """Top log-probabilities of toks[k] under logits[k] (when the request asked for them)."""
@@ -323,16 +320,13 @@ class Engine:
         p = seq.params
         eos = self.tokenizer.eos_id
         stop_ids = set(p.stop_token_ids) | ({eos} if eos is not None and not p.ignore_eos else set())
-        emitted, emitted_lps = [], []
-        for k, tok in enumerate(new_ids):
+        emitted = []
+        for tok in new_ids:
             if tok in stop_ids:
                 seq.finish_reason = "stop"
                 break
             seq.output_ids.append(tok)
             emitted.append(tok)
-            if lps:
-                seq.logprobs.append(lps[k])
-                emitted_lps.append(lps[k])
             seq.text = self.tokenizer.decode(seq.output_ids)
             for st in p.stop:
                 i = seq.text.find(st)
@@ -343,15 +337,11 @@ class Engine:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 break
+        emitted_lps = lps[:len(emitted)] if lps else []
+        seq.logprobs.extend(emitted_lps)
         hold = 0
-        if not seq.finish_reason:
-            if seq.text.endswith("\ufffd"):
-                hold = 1
-            for st in p.stop:                                  # a partial stop string may still complete
-                for k in range(min(len(st) - 1, len(seq.text)), 0, -1):
-                    if seq.text.endswith(st[:k]):
-                        hold = max(hold, k)
-                        break
+        if not seq.finish_reason:                              # a partial stop string may still complete
+            hold = max([int(seq.text.endswith("\ufffd"))] + [partial_suffix(seq.text, st) for st in p.stop])
         upto = len(seq.text) - hold
         delta = seq.text[seq.emitted:upto] if upto > seq.emitted else ""
         seq.emitted = max(seq.emitted, upto)
@@ -380,7 +370,9 @@ class Engine:
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        rids = [self.add_request(p, None if sp is None else _copy(sp)) for p, sp in zip(prompts, plist)]
+        rids = [self.add_request(p, None if sp is None else replace(sp, stop=list(sp.stop),
+                                                                     stop_token_ids=list(sp.stop_token_ids)))
+                for p, sp in zip(prompts, plist)]
         while self.has_unfinished():
             self.step()
         return [self.completion(r) for r in rids]
@@ -397,10 +389,15 @@ class Engine:
                 return
 
 
+def partial_suffix(text: str, s: str) -> int:
+    """Characters at the end of `text` that could still grow into `s`: the longest proper prefix of s it ends
+    with (streamed text holds them back)."""
+    return next((k for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), 0)
+
+
 def weights_fingerprint(model) -> str:
     """A content hash of the weights (a strided sample of every parameter), so caches of different checkpoints
     with the same config never mix."""
-    import hashlib
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         flat = p.detach().reshape(-1)
@@ -411,11 +408,6 @@ def weights_fingerprint(model) -> str:
 
 
 def tokenizer_fingerprint(tok) -> str:
-    import hashlib
     probe = "The quick brown fox 0123 { } \u00e9\u4e2d"
     return hashlib.sha256(f"{type(tok).__name__}:{tok.vocab_size}:{tok.encode(probe)}".encode()).hexdigest()[:32]
 
-
-def _copy(p: SamplingParams) -> SamplingParams:
-    from dataclasses import replace
-    return replace(p, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids))

@@ -39,9 +39,11 @@ A final assistant message is continued (no end-of-sentence, no new header), like
 
 from __future__ import annotations
 
+from dsv41.engine.engine import partial_suffix
+from dsv41.engine.tokenizer import HFTokenizer
+
 EFFORT_LEVELS = {"low": 50, "high": 75, "max": 100}
 
-BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
@@ -56,11 +58,8 @@ def effort_budget(effort) -> int | None:
     """reasoning_effort -> b in 1..100 (None when not given). Raises ValueError for anything else."""
     if effort is None:
         return None
-    if isinstance(effort, str):
-        if effort in EFFORT_LEVELS:
-            return EFFORT_LEVELS[effort]
-        raise ValueError(f"invalid reasoning_effort {effort!r}: use one of {', '.join(EFFORT_LEVELS)} "
-                         f"or an integer in [1, 100]")
+    if isinstance(effort, str) and effort in EFFORT_LEVELS:
+        return EFFORT_LEVELS[effort]
     if isinstance(effort, int) and not isinstance(effort, bool) and 1 <= effort <= 100:
         return effort
     raise ValueError(f"invalid reasoning_effort {effort!r}: use one of {', '.join(EFFORT_LEVELS)} "
@@ -87,7 +86,6 @@ class SimpleTemplate:
     """Our plain-text template (see the module docstring)."""
 
     name = "simple"
-    stop_strings: tuple[str, ...] = ()
 
     def render(self, messages: list[dict], effort: int | None = None, thinking: bool | None = None) -> str:
         _check(messages)
@@ -119,7 +117,6 @@ class OfficialTemplate:
     """The DeepSeek-V4.1 chat encoding, text-only (see the module docstring)."""
 
     name = "deepseek-v4.1"
-    stop_strings: tuple[str, ...] = ()
 
     def render(self, messages: list[dict], effort: int | None = None, thinking: bool | None = None) -> str:
         _check(messages)
@@ -180,10 +177,9 @@ def pick_template(tokenizer, which: str = "auto"):
         return SimpleTemplate()
     if which != "auto":
         raise ValueError(f"unknown chat template {which!r}: use auto, official or simple")
-    tok = getattr(tokenizer, "tok", None)
-    if tok is not None and all(tok.token_to_id(t) is not None for t in (USER, ASSISTANT)):
-        return OfficialTemplate()
-    return SimpleTemplate()
+    knows = isinstance(tokenizer, HFTokenizer) and all(tokenizer.tok.token_to_id(t) is not None
+                                                       for t in (USER, ASSISTANT))
+    return OfficialTemplate() if knows else SimpleTemplate()
 
 
 class ReasoningSplitter:
@@ -207,10 +203,6 @@ class ReasoningSplitter:
         if final:
             out, self.buf = self.buf, ""
             return out, ""
-        hold = 0
-        for k in range(min(len(THINK_END) - 1, len(self.buf)), 0, -1):
-            if self.buf.endswith(THINK_END[:k]):
-                hold = k
-                break
+        hold = partial_suffix(self.buf, THINK_END)
         out, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
         return out, ""

@@ -120,12 +120,19 @@ def ensure_checkpoint(ckpt: Path, minutes: float, allow_train: bool = True) -> t
 
 # ------------------------------------------------------------------------------------------------ KV report
 
-def kv_rows(cfg, stats_list: list[tuple[str, dict]]) -> list[dict]:
-    from dsv41.analysis.kv_bytes import global_entry_bytes, global_kv_bytes_per_token, kv_source_layers
+def print_kv_report(cfg, stats_list: list[tuple[str, dict]]) -> None:
+    """Each request's global KV bytes as the store measured them against the analytic count, and the analytic
+    SWA bytes per sequence."""
+    from dsv41.analysis.kv_bytes import (global_entry_bytes, global_kv_bytes_per_token, kv_source_layers,
+                                         swa_bytes_per_sequence)
 
-    analytic = float(global_kv_bytes_per_token(cfg))
+    g = float(global_kv_bytes_per_token(cfg))
     entry = global_entry_bytes(cfg)
-    rows = []
+    _p(f"analytic global KV: {g:g} B/token (sum over KV-source layers of entry bytes / ratio); an entry exists "
+       f"only for complete blocks, so a sequence of N tokens holds sum floor(N/m) x entry bytes")
+    _p(f"{'request':<14}{'tokens':>7}{'global B':>10}{'B/token':>9}{'analytic':>9}{'complete-block':>16}"
+       f"{'SWA B/seq':>11}")
+    ok, packed = True, None
     for label, st in stats_list:
         kv = st.get("kv_bytes") or {}
         n = int(kv.get("tokens", 0))
@@ -133,35 +140,18 @@ def kv_rows(cfg, stats_list: list[tuple[str, dict]]) -> list[dict]:
         if not n or measured is None:
             continue
         exact = sum(int(entry * (n // m)) for _, m in kv_source_layers(cfg))
-        rows.append({"request": label, "tokens": n, "global_bytes": int(measured),
-                     "measured_per_token": measured / n, "analytic_per_token": analytic,
-                     "analytic_bytes_complete_blocks": exact, "packed": "global_entries_bytes" in kv,
-                     "swa_bytes": kv.get("swa_bytes"), "pending_bytes": kv.get("pending_bytes")})
-    return rows
-
-
-def print_kv_report(cfg, stats_list) -> None:
-    from dsv41.analysis.kv_bytes import global_kv_bytes_per_token, swa_bytes_per_sequence
-
-    rows = kv_rows(cfg, stats_list)
-    g = global_kv_bytes_per_token(cfg)
-    swa = swa_bytes_per_sequence(cfg)
-    _p(f"analytic global KV: {float(g):g} B/token (sum over KV-source layers of entry bytes / ratio); an entry exists "
-       f"only for complete blocks, so a sequence of N tokens holds sum floor(N/m) x entry bytes")
-    _p(f"{'request':<14}{'tokens':>7}{'global B':>10}{'B/token':>9}{'analytic':>9}{'complete-block':>16}"
-       f"{'SWA B/seq':>11}")
-    for r in rows:
-        _p(f"{r['request']:<14}{r['tokens']:>7}{r['global_bytes']:>10}{r['measured_per_token']:>9.2f}"
-           f"{r['analytic_per_token']:>9.2f}{r['analytic_bytes_complete_blocks']:>16}"
-           f"{r['swa_bytes'] if r['swa_bytes'] is not None else '-':>11}")
-    if rows:
-        ok = all(r["global_bytes"] == r["analytic_bytes_complete_blocks"] for r in rows)
-        kind = "packed store (uint8 codes + scales)" if rows[0]["packed"] else "dense reference store (unpacked)"
+        ok &= int(measured) == exact
+        packed = ("global_entries_bytes" in kv) if packed is None else packed
+        swa_b = kv.get("swa_bytes")
+        _p(f"{label:<14}{n:>7}{int(measured):>10}{measured / n:>9.2f}{g:>9.2f}{exact:>16}"
+           f"{swa_b if swa_b is not None else '-':>11}")
+    if packed is not None:
+        kind = "packed store (uint8 codes + scales)" if packed else "dense reference store (unpacked)"
         _p(f"measured from the {kind}: global bytes {'==' if ok else '!='} the analytic count for every request")
-    swa_an = swa["backbone"] + swa["dspark"]
+    swa = swa_bytes_per_sequence(cfg)
     _p(f"analytic SWA rings per sequence: {swa['backbone']} B backbone ({swa['backbone_layers']} layers x "
-       f"{swa['rows_per_layer']} rows) + {swa['dspark']} B DSpark = {swa_an} B; of which the encoder rings the SWA "
-       f"pool snapshots: {swa['encoder']} B")
+       f"{swa['rows_per_layer']} rows) + {swa['dspark']} B DSpark = {swa['backbone'] + swa['dspark']} B; of which "
+       f"the encoder rings the SWA pool snapshots: {swa['encoder']} B")
 
 
 # ------------------------------------------------------------------------------------------------ the demo
