@@ -1,10 +1,20 @@
 """The OpenAI-compatible server (`dsv41 serve`) and the main job (`dsv41 demo`).
 
-    protocol.py  request models, OpenAI error shape, usage (prefix-cache aware) and logprobs formats
-    chat.py      chat templates: the official DeepSeek-V4.1 encoding and our simple one; reasoning effort
-    runner.py    the engine loop thread (the only code that touches the engine)
-    metrics.py   Prometheus metrics
-    app.py       the FastAPI app and an in-thread uvicorn launcher
-    cli.py       `dsv41 serve`, `dsv41 demo`
-    demo.py      the demo itself
+    app.py                 the FastAPI app (routes, error handlers, health, metrics) and an in-thread launcher
+    serving.py             what chat and completions share: request -> choices -> one job -> JSON body or stream
+    serving_chat.py        POST /v1/chat/completions
+    serving_completion.py  POST /v1/completions
+    serving_models.py      GET /v1/models
+    jobs.py                the engine requests of one HTTP request, and the client watched while they run
+    runner.py              the engine loop thread (the only code that touches the engine)
+    validation.py          body, model name, prompt and context-length checks
+    sampling.py            the engine's sampling parameters for one choice
+    sse.py                 server-sent events
+    logprobs.py            log-probabilities in OpenAI's chat and legacy formats
+    protocol.py            request models, OpenAI error shape, usage (prefix-cache aware)
+    chat.py                chat templates: the official DeepSeek-V4.1 encoding and our simple one; reasoning effort
+    state.py               settings and what the handlers of one app share
+    metrics.py             Prometheus metrics
+    cli.py                 `dsv41 serve`, `dsv41 demo`
+    demo.py                the demo itself
 """
