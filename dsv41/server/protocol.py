@@ -30,20 +30,11 @@ class APIError(Exception):
                  type: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or _default_type(status)
+        self.type = type or {404: "not_found_error", 429: "rate_limit_error"}.get(
+            status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
-
-
-def _default_type(status: int) -> str:
-    if status == 404:
-        return "not_found_error"
-    if status == 429:
-        return "rate_limit_error"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -113,11 +104,9 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
 
 
 class _Sampling(_Strict):

@@ -6,7 +6,7 @@ import json
 
 from fastapi.responses import StreamingResponse
 
-from dsv41.server.protocol import error_body
+from dsv41.server.protocol import APIError
 
 DONE = "data: [DONE]\n\n"
 
@@ -17,7 +17,7 @@ def sse(obj: dict) -> str:
 
 def error_sse(message: str, status: int) -> str:
     """A failure inside a stream (the headers are gone), as an OpenAI error event."""
-    return sse(error_body(message, "server_error" if status >= 500 else "invalid_request_error"))
+    return sse(APIError(status, message).body())
 
 
 class SSEResponse(StreamingResponse):
