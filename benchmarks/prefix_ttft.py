@@ -27,7 +27,7 @@ def main() -> None:
     from dsv41.config import load_config
     from dsv41.engine.engine import Engine
     from dsv41.engine.sampling import SamplingParams
-    from dsv41.kv.accounting import analytic_global_bytes_per_token
+    from dsv41.analysis.kv_bytes import global_kv_bytes_per_token
     from dsv41.model.init import random_model
 
     cfg = load_config(args.config)
@@ -55,7 +55,7 @@ def main() -> None:
         r["ratio_vs_cold"] = r["ttft_s"] / cold
         print(f"{r['path']:>8} {r['ttft_s']:>9.3f} {r['ratio_vs_cold']:>8.3f} {r['cached_tokens']:>7}")
     per_tok = disk / rows["swa-hit"]["cached_tokens"] if rows["swa-hit"]["cached_tokens"] else None
-    analytic = float(analytic_global_bytes_per_token(cfg))
+    analytic = float(global_kv_bytes_per_token(cfg))
     print(f"persistent tier on disk: {disk} B for {rows['swa-hit']['cached_tokens']} cached tokens = "
           f"{per_tok:.1f} B/token (analytic global KV {analytic:.1f} B/token; disk also holds headers, the "
           "compressor carry of the end-of-prompt unit and the end-of-output unit)")

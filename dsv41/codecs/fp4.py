@@ -42,30 +42,6 @@ import torch
 from .fp8 import as_u8, byte_ints, e4m3_to_float, e8m0_to_float, f32, float_to_e4m3, grouped, pow2, require_finite
 from .fp8 import pow2_ceil, round_to_e4m3, ue8m0_scale_byte
 
-__all__ = [
-    "E2M1_MAX",
-    "MAIN_KV_GROUP",
-    "INDEX_K_GROUP",
-    "MAIN_KV_AMAX_FLOOR",
-    "INDEX_K_AMAX_FLOOR",
-    "FP4_MAX_INV",
-    "round_to_e2m1",
-    "float_to_e2m1",
-    "e2m1_to_float",
-    "pack_nibbles",
-    "unpack_nibbles",
-    "main_kv_bytes",
-    "pack_main_kv",
-    "unpack_main_kv",
-    "qdq_main_kv",
-    "pack_main_kv_exact",
-    "index_k_bytes",
-    "pack_index_k",
-    "unpack_index_k",
-    "qdq_index_k",
-    "qdq_index_q",
-]
-
 E2M1_MAX = 6.0
 MAIN_KV_GROUP = 16
 INDEX_K_GROUP = 32
@@ -244,15 +220,6 @@ def pack_main_kv_exact(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _index_k_quant(x: torch.Tensor, group: int, what: str):
-    """MODEL.md 3.6 quantizer. Returns (E2M1 values fp32, scale fp32 [..,G,1], scale byte int32 [..,G,1])."""
-    g = grouped(x, group, what)
-    amax = g.abs().amax(dim=-1, keepdim=True).clamp_min(INDEX_K_AMAX_FLOOR)
-    sbyte = ue8m0_scale_byte(amax * FP4_MAX_INV)
-    scale = e8m0_to_float(sbyte)
-    return _e2m1_of(g, scale), scale, sbyte
-
-
 def index_k_bytes(d: int = 128) -> int:
     """Bytes of one packed index-key record of d channels: d/2 code bytes + d/32 UE8M0 scales (68 for 128)."""
     if d <= 0 or d % INDEX_K_GROUP:
@@ -267,7 +234,7 @@ def qdq_index_k(x: torch.Tensor, group: int = INDEX_K_GROUP) -> torch.Tensor:
     RoPE); ``qdq_index_q`` is an alias. Equal to ``unpack_index_k(pack_index_k(x))`` in x's dtype.
     No raise on non-finite (the group becomes NaN), no host sync.
     """
-    g = grouped(x, group, "qdq_index_k")                  # `_index_k_quant` without the scale bytes
+    g = grouped(x, group, "qdq_index_k")                  # `pack_index_k`'s quantizer without the scale bytes
     scale = pow2_ceil(g.abs().amax(dim=-1, keepdim=True).clamp_min(INDEX_K_AMAX_FLOOR) * FP4_MAX_INV)
     return (_e2m1_of(g, scale) * scale).flatten(-2).to(x.dtype)
 
@@ -279,8 +246,9 @@ def pack_index_k(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
     """x[..., d] (d % 32 == 0) -> uint8[..., d/2 + d/32]: nibble-packed E2M1 codes, then UE8M0 scales."""
     if check_finite:
         require_finite(x, "pack_index_k")
-    r, _, sbyte = _index_k_quant(x, INDEX_K_GROUP, "pack_index_k")
-    return _fp4_record(r, sbyte)
+    g = grouped(x, INDEX_K_GROUP, "pack_index_k")                   # MODEL.md 3.6 quantizer
+    sbyte = ue8m0_scale_byte(g.abs().amax(dim=-1, keepdim=True).clamp_min(INDEX_K_AMAX_FLOOR) * FP4_MAX_INV)
+    return _fp4_record(_e2m1_of(g, e8m0_to_float(sbyte)), sbyte)
 
 
 def unpack_index_k(packed: torch.Tensor) -> torch.Tensor:

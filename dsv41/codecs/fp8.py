@@ -46,23 +46,6 @@ import struct
 
 import torch
 
-__all__ = [
-    "E4M3_MAX",
-    "FP8_GROUP",
-    "FP8_AMAX_FLOOR",
-    "FP8_MAX_INV",
-    "e4m3_to_float",
-    "float_to_e4m3",
-    "round_to_e4m3",
-    "e8m0_to_float",
-    "float_to_e8m0",
-    "ue8m0_scale_byte",
-    "swa_kv_bytes",
-    "pack_swa_kv",
-    "unpack_swa_kv",
-    "qdq_fp8",
-]
-
 
 def f32(v: float) -> float:
     """The Python float equal to ``v`` rounded to fp32 (RNE)."""
@@ -135,24 +118,9 @@ def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 values to the nearest E4M3 value (ties to even), saturating at +-448; returns fp32.
 
     Through torch's own float8_e4m3fn cast (round to nearest even, subnormals included): 3 kernels instead of
-    the ~10 of `round_to_e4m3_reference`, which states the rounding explicitly and is checked equal to this on
+    the ~10 of the explicit rounding rule (`round_to_e4m3_reference` in tests/test_codecs.py), checked equal on
     every finite fp32 binade and the edge values (tests/test_codecs.py)."""
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
-
-
-def round_to_e4m3_reference(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values to the nearest E4M3 value (ties to even), saturating at +-448; returns fp32.
-
-    The quantum at |x| is 2^(max(floor(log2|x|), -6) - 3): 3 mantissa bits for normals, and the fixed
-    subnormal step 2^-9 below 2^-6. Dividing by a power of two is exact, so ``round(|x| / quantum)`` (which
-    is round-half-even in torch) performs exactly one RNE rounding. A carry such as 15.5 -> 16 quanta lands
-    on the next binade's value, which is correct. NaN stays NaN, +-inf saturates, the sign of zero is kept.
-    """
-    x = x.float()
-    a = x.abs().clamp(max=E4M3_MAX)
-    floor_log2 = ((a.view(torch.int32) >> 23) - 127).clamp(min=-6)
-    quantum = pow2(floor_log2 - 3)
-    return torch.copysign(torch.round(a / quantum) * quantum, x)
 
 
 def _e4m3_code_of_exact(r: torch.Tensor) -> torch.Tensor:
@@ -239,17 +207,6 @@ def float_to_e8m0(x: torch.Tensor, strict: bool = False) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _fp8_quant(x: torch.Tensor, group: int, what: str):
-    """Per-group FP8 quantization (MODEL.md 3.3). Returns (q values fp32 [..,G,group], scale fp32 [..,G,1],
-    scale bytes int32 [..,G,1])."""
-    g = grouped(x, group, what)
-    amax = g.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
-    sbyte = ue8m0_scale_byte(amax * FP8_MAX_INV)
-    scale = e8m0_to_float(sbyte)
-    q = round_to_e4m3(g / scale)                                  # saturates at +-448
-    return q, scale, sbyte
-
-
 def pow2_ceil(y: torch.Tensor) -> torch.Tensor:
     """2^ceil(log2 y) for positive finite fp32 y, from the bits: a nonzero mantissa carries into the exponent.
     Equals `e8m0_to_float(ue8m0_scale_byte(y))` there (the UE8M0 scale of y), in 5 kernels instead of ~11;
@@ -264,7 +221,7 @@ def qdq_fp8(x: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:
     The ``act_quant`` of MODEL.md 3.3 / 9: used for the sliding-window KV (group 32, equal to
     ``unpack_swa_kv(pack_swa_kv(x))``) and for the activation quantization before every fp8/fp4 Linear.
     Computes in fp32 and returns x's dtype (exact for bf16). Never raises on non-finite values (their group
-    becomes NaN), no host sync. The same arithmetic as `_fp8_quant` (which also yields the scale bytes), in
+    becomes NaN), no host sync. The same arithmetic as `pack_swa_kv` (which goes through the scale bytes), in
     fewer kernels: it runs before every quantized Linear."""
     g = grouped(x, group, "qdq_fp8")
     scale = pow2_ceil(g.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR) * FP8_MAX_INV)
@@ -282,9 +239,10 @@ def pack_swa_kv(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
     """x[..., d] (d % 32 == 0) -> uint8[..., d + d/32]: E4M3 codes, then one UE8M0 byte per 32 channels."""
     if check_finite:
         require_finite(x, "pack_swa_kv")
-    q, _, sbyte = _fp8_quant(x, FP8_GROUP, "pack_swa_kv")
-    codes = _e4m3_code_of_exact(q).flatten(-2)
-    return torch.cat([codes, sbyte.squeeze(-1).to(torch.uint8)], dim=-1)
+    g = grouped(x, FP8_GROUP, "pack_swa_kv")                        # per-group quantization, MODEL.md 3.3
+    sbyte = ue8m0_scale_byte(g.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR) * FP8_MAX_INV)
+    q = round_to_e4m3(g / e8m0_to_float(sbyte))                     # saturates at +-448
+    return torch.cat([_e4m3_code_of_exact(q).flatten(-2), sbyte.squeeze(-1).to(torch.uint8)], dim=-1)
 
 
 def unpack_swa_kv(packed: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from dsv41.codecs import pack_index_k, pack_main_kv, qdq_fp8
 from dsv41.config import ModelConfig, load_config
 from dsv41.kv.pool import PackedKVPool
 
-__all__ = ["analytic_global_bytes_per_token", "analytic_swa_bytes", "analytic_pending_bytes", "fill_random",
+__all__ = ["analytic_swa_bytes", "analytic_pending_bytes", "fill_random",
            "kv_bytes_report", "bench_kv", "as_number"]
 
 
@@ -35,11 +35,6 @@ def as_number(x: Fraction | int) -> int | float:
     """An exact int when the fraction is one, else a float (JSON friendly)."""
     x = Fraction(x)
     return int(x) if x.denominator == 1 else float(x)
-
-
-def analytic_global_bytes_per_token(cfg: ModelConfig) -> Fraction:
-    """`dsv41 analyze kv`'s global KV bytes per token (sum over KV sources of (main + index entry) / m)."""
-    return global_kv_bytes_per_token(cfg)
 
 
 def analytic_swa_bytes(cfg: ModelConfig) -> int | float:
@@ -75,7 +70,7 @@ def kv_bytes_report(pool: PackedKVPool, sid: int) -> dict[str, Any]:
         "global_pages": b["global_pages"],
         "page_size": pool.page_size,
         "measured_global_bytes_per_token": as_number(Fraction(b["global_entries_bytes"], n)) if n else None,
-        "analytic_global_bytes_per_token": as_number(analytic_global_bytes_per_token(cfg)),
+        "analytic_global_bytes_per_token": as_number(global_kv_bytes_per_token(cfg)),
         "allocated_global_bytes_per_token": float(b["global_allocated_bytes"] / n) if n else None,
         "swa_bytes": b["swa_bytes"],
         "analytic_swa_bytes": as_number(analytic_swa_bytes(cfg)),

@@ -20,7 +20,7 @@ from dsv41.codecs import (index_k_bytes, main_kv_bytes, pack_index_k, pack_main_
                           unpack_main_kv, unpack_swa_kv)
 from dsv41.devices import h2d
 from dsv41.kernels import pack_swa_kv as pack_swa_rows
-from dsv41.kv.pages import KINDS
+from dsv41.kv.pages import KINDS, page_table
 from dsv41.model.cache import window_write_mask
 from dsv41.model.engram import DEAD
 
@@ -74,10 +74,7 @@ class BatchView:
 
     @property
     def index_k_publisher(self) -> int | None:
-        for s in self.seqs:
-            if s.index_k_publisher is not None:
-                return s.index_k_publisher
-        return None
+        return next((s.index_k_publisher for s in self.seqs if s.index_k_publisher is not None), None)
 
     @index_k_publisher.setter
     def index_k_publisher(self, layer: int | None) -> None:
@@ -95,7 +92,8 @@ class BatchView:
         """[B, W, C] unpacked; slot p % W holds position p; never-written slots are 0."""
         return unpack_swa_kv(self.pool.swa[layer][self.slots]).to(self.dtype)
 
-    def write_window(self, layer: int, start: torch.Tensor, kv: torch.Tensor, count: torch.Tensor | None = None) -> None:
+    def write_window(self, layer: int, start: torch.Tensor, kv: torch.Tensor,
+                     count: torch.Tensor | None = None) -> None:
         """kv [B,T,C] for positions start_b..start_b+T-1 (only the first count_b of row b when given); only the
         last W of each row survive."""
         ring = self.pool.swa[layer]
@@ -143,10 +141,7 @@ class BatchView:
         shape = (pl.page_epoch, tuple((id(t), len(t)) for t in tables))
         hit = self._memo.get(key)
         if hit is None or hit[0] != shape:
-            table = torch.zeros(self.batch, max(1, max(len(t) for t in tables)), dtype=torch.int32)
-            for b, t in enumerate(tables):
-                if t:
-                    table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            table = page_table(tables, max(1, max(len(t) for t in tables)), torch.int32)
             hit = self._memo[key] = (shape, h2d(table, self.device))
         return pl.data[kind], hit[1]
 
@@ -221,11 +216,7 @@ class BatchView:
         if nmax <= start:
             return data.new_zeros(self.batch, 0, data.size(2)), torch.zeros(self.batch, 0, dtype=torch.bool)
         p0, n_pages = start // P, -(-nmax // P)
-        table = torch.zeros(self.batch, n_pages - p0, dtype=torch.long)
-        for b, s in enumerate(self.seqs):
-            pg = s.pages[layer][p0:n_pages]
-            if pg:
-                table[b, :len(pg)] = torch.tensor(pg, dtype=torch.long)
+        table = page_table([s.pages[layer][p0:n_pages] for s in self.seqs], n_pages - p0, torch.long)
         e = torch.arange(start, nmax)
         flat = table[:, e // P - p0] * P + e % P                                 # [B, nmax - start]
         valid = e < torch.tensor(have).view(-1, 1)

@@ -40,7 +40,7 @@ import os
 import shutil
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +68,14 @@ class _Info:
     created: float       # header: store clock at write
     fingerprint: bytes
     meta: bytes
+
+
+def _entry_key(name: str) -> str | None:
+    """The key of an entry file `<key>.kv`, or None for any other name."""
+    if name.endswith(SUFFIX):
+        with suppress(ValueError):
+            return check_key(name[:-len(SUFFIX)])
+    return None
 
 
 class DiskStore(Counted):
@@ -209,12 +217,8 @@ class DiskStore(Counted):
                         os.unlink(de.path)
                         self._count("stale_tmp_removed")
                     continue
-                if not name.endswith(SUFFIX):
-                    continue
-                key = name[:-len(SUFFIX)]
-                try:
-                    check_key(key)
-                except ValueError:
+                key = _entry_key(name)
+                if key is None:
                     continue
                 if not full:
                     with self._mu:
@@ -308,10 +312,8 @@ class DiskStore(Counted):
                 self._count("misses")
                 return None
             now = self._now_ns()
-            try:
+            with suppress(OSError):
                 os.utime(path, ns=(now, now))
-            except OSError:
-                pass
             self._set_index(key, _Info(len(data), now, head.created, head.fingerprint, meta))
             self._count("hits")
             self._count("bytes_read", len(data))
@@ -401,10 +403,8 @@ class DiskStore(Counted):
                                "errors of this kind are counted, not logged)", self.dir, e)
                 return False
             ns = int(round(created * 1e9))
-            try:
+            with suppress(OSError):
                 os.utime(self._path(key), ns=(ns, ns))
-            except OSError:
-                pass
             self._set_index(key, _Info(size, ns, created, self._fp, meta))
             self._count("writes")
             self._count("bytes_written", size)
@@ -441,18 +441,11 @@ class DiskStore(Counted):
 
     def entry_files(self) -> list[str]:
         """Keys of every `<key>.kv` file in the directory now (valid or not)."""
-        out = []
         try:
             names = os.listdir(self.dir)
         except OSError:
-            return out
-        for name in names:
-            if name.endswith(SUFFIX):
-                try:
-                    out.append(check_key(name[:-len(SUFFIX)]))
-                except ValueError:
-                    pass
-        return sorted(out)
+            return []
+        return sorted(k for k in map(_entry_key, names) if k is not None)
 
     def describe(self) -> list[dict]:
         """Indexed entries: key, size, created (store clock), last used (mtime), fingerprint (hex)."""

@@ -13,7 +13,7 @@ import fcntl
 import os
 import secrets
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 __all__ = ["TMP_PREFIX", "tmp_name", "is_stale_tmp", "read_file", "write_atomic", "fsync_dir", "flock"]
@@ -80,10 +80,8 @@ def write_atomic(tmp: Path, final: Path, parts, durable: bool, write=os.write, f
             os.close(fd)
         os.replace(tmp, final)
     except BaseException:
-        try:
+        with suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 

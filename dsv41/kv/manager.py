@@ -138,9 +138,7 @@ class PrefixCache(Counted):
         self._extras: dict[bytes, set[int]] = {}          # parent chain key -> tail offsets (the boundary index)
         self._last_refresh = float("-inf")
         if self.disk is not None:
-            for key in self.disk.keys():
-                self._note_meta(key, self.disk.meta(key))
-            self._last_refresh = self.clock()
+            self._note_metas((key, self.disk.meta(key)) for key in self.disk.keys())
 
     @classmethod
     def from_config(cls, cfg, weights_id: str, tokenizer_id: str, **kw) -> "PrefixCache":
@@ -151,21 +149,24 @@ class PrefixCache(Counted):
         return cls(make_fingerprint(cfg, weights_id, tokenizer_id), **kw)
 
     # ---------------------------------------------------------------- bookkeeping
-    def _note_meta(self, key: str, meta: bytes | None) -> None:
-        """Record a tail unit in the boundary index (metas that are not ours are ignored)."""
-        if not meta or len(meta) != UNIT_META.size:
-            return
-        magic, kind, version, _, start, boundary, parent = UNIT_META.unpack(meta)
-        if magic != _UNIT_MAGIC or version != _UNIT_VERSION or kind != KIND_TAIL:
-            return
-        off = boundary - start
-        if 0 < off < self.interval and start % self.interval == 0:
-            with self._mu:
-                self._extras.setdefault(parent, set()).add(int(off))
+    def _fault(self, what: str, e: Exception, consequence: str) -> None:
+        """An unexpected error the operation degrades on (to a miss, to not persisting): counted under "errors",
+        logged once per operation and exception type."""
+        self._count("errors")
+        self._log_once((what, type(e).__name__), "%s failed (%s: %s): %s", what, type(e).__name__, e, consequence)
 
-    def _refresh(self) -> None:
-        for key, meta in self.disk.refresh():
-            self._note_meta(key, meta)
+    def _note_metas(self, entries) -> None:
+        """Record the tail units among (key, meta) entries (the store's at start-up, then those each refresh finds
+        new) in the boundary index; metas not ours are ignored."""
+        for _key, meta in entries:
+            if not meta or len(meta) != UNIT_META.size:
+                continue
+            magic, kind, version, _, start, boundary, parent = UNIT_META.unpack(meta)
+            off = boundary - start
+            if (magic == _UNIT_MAGIC and version == _UNIT_VERSION and kind == KIND_TAIL and 0 < off < self.interval
+                    and start % self.interval == 0):
+                with self._mu:
+                    self._extras.setdefault(parent, set()).add(int(off))
         self._last_refresh = self.clock()
 
     # ---------------------------------------------------------------- loading
@@ -194,8 +195,7 @@ class PrefixCache(Counted):
         try:
             raw = self.swa.get(key.hex())
         except Exception as e:                            # a pool must not raise; if one does, it is a miss
-            self._count("errors")
-            self._log_once(("swa-get", type(e).__name__), "SWA pool get failed (%s): a miss", e)
+            self._fault("SWA pool get", e, "a miss")
             return None
         if raw is None:
             return None
@@ -216,6 +216,13 @@ class PrefixCache(Counted):
         return st
 
     # ---------------------------------------------------------------- lookup
+    def _stored_run(self, chain: list[bytes]) -> int:
+        """The largest j such that the interval units 1..j of the chain C_0..C_J are all on disk."""
+        j = 0
+        while j + 1 < len(chain) and self.disk.contains(chain[j + 1].hex()):
+            j += 1
+        return j
+
     def lookup(self, token_ids, max_len: int | None = None) -> Hit | None:
         """The longest cached unit U <= min(max_len, len(token_ids)), U > n_win, whose tokens are token_ids[:U]
         (see the module docstring), or None. Never raises on storage faults."""
@@ -224,9 +231,7 @@ class PrefixCache(Counted):
         try:
             hit = self._lookup(ids, len(ids) if max_len is None else min(len(ids), int(max_len)))
         except Exception as e:                            # storage trouble of any kind: a miss
-            self._count("errors")
-            self._log_once(("lookup", type(e).__name__), "prefix cache lookup failed (%s: %s): a miss",
-                           type(e).__name__, e)
+            self._fault("prefix cache lookup", e, "a miss")
             hit = None
         if hit is None:
             self._count("misses")
@@ -241,14 +246,10 @@ class PrefixCache(Counted):
         if self.disk is None or limit <= self.n_win:
             return None
         if self.clock() - self._last_refresh >= self.refresh_s:
-            self._refresh()
+            self._note_metas(self.disk.refresh())
         I = self.interval
         chain = chain_keys(self.fp, ids, I, limit)
-        jmax = 0
-        for j in range(1, len(chain)):
-            if not self.disk.contains(chain[j].hex()):
-                break
-            jmax = j
+        jmax = self._stored_run(chain)
         cands = [(j * I, j, chain[j]) for j in range(1, jmax + 1)]      # (U, j, unit key)
         with self._mu:
             extras = [(j, sorted(self._extras.get(chain[j], ()))) for j in range(jmax + 1)]
@@ -302,13 +303,9 @@ class PrefixCache(Counted):
             return 0
         try:
             chain = chain_keys(self.fp, encode_ids(token_ids), self.interval, int(upto))
-            j = 0
-            while j + 1 < len(chain) and self.disk.contains(chain[j + 1].hex()):
-                j += 1
-            return j * self.interval
+            return self._stored_run(chain) * self.interval
         except Exception as e:
-            self._count("errors")
-            self._log_once(("export_start", type(e).__name__), "prefix cache: export_start failed (%s)", e)
+            self._fault("prefix cache export_start", e, "exporting from 0")
             return 0
 
     def save(self, token_ids, upto: int, global_state: GlobalState, swa_state: SwaState | None = None) -> dict:
@@ -331,9 +328,7 @@ class PrefixCache(Counted):
         try:
             self._save(ids, upto, global_state, swa_state, out)
         except Exception as e:
-            self._count("errors")
-            self._log_once(("save", type(e).__name__), "prefix cache save failed (%s: %s): not persisted",
-                           type(e).__name__, e)
+            self._fault("prefix cache save", e, "not persisted")
         return out
 
     def _put_unit(self, key: bytes, seg: GlobalState, kind: int, parent: bytes, out: dict) -> bool:
@@ -381,8 +376,7 @@ class PrefixCache(Counted):
             try:
                 ok = self.swa.put(key.hex(), env, self.swa_ttl_s)
             except Exception as e:                        # a pool must not raise; if one does, not persisted
-                self._count("errors")
-                self._log_once(("swa-put", type(e).__name__), "SWA pool put failed (%s)", e)
+                self._fault("SWA pool put", e, "not persisted")
                 ok = False
             if ok:
                 out["swa"] = True

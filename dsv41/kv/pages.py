@@ -16,7 +16,7 @@ from dsv41.codecs import index_k_bytes, main_kv_bytes
 from dsv41.devices import h2d
 from dsv41.model.cache import LayerCacheSpec
 
-__all__ = ["KINDS", "PagedLayer", "grown"]
+__all__ = ["KINDS", "PagedLayer", "grown", "page_table"]
 
 KINDS = ("main", "index")                   # the two record kinds of a global-store entry
 
@@ -27,6 +27,15 @@ def grown(t: torch.Tensor, n: int, fill: float | None = None) -> torch.Tensor:
     out = t.new_empty(shape) if fill is None else t.new_full(shape, fill)
     out[:t.size(0)] = t
     return out
+
+
+def page_table(page_lists: list[list[int]], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[len(page_lists), width] page ids (on the CPU): row b is page_lists[b], padded with page 0."""
+    table = torch.zeros(len(page_lists), width, dtype=dtype)
+    for b, pages in enumerate(page_lists):
+        if pages:
+            table[b, :len(pages)] = torch.tensor(pages, dtype=dtype)
+    return table
 
 
 class PagedLayer:

@@ -93,10 +93,10 @@ class _Reader:
     def unpack(self, st: struct.Struct) -> tuple:
         return st.unpack(self.take(st.size))
 
-    def array(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    def tensor(self, dtype: np.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         raw = self.take(count * dtype.itemsize)
-        return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape).copy()
+        return torch.from_numpy(np.frombuffer(raw, dtype=dtype, count=count).reshape(shape).copy())
 
     def done(self) -> None:
         if self.off != len(self.buf):
@@ -160,15 +160,15 @@ class GlobalState:
         _check_head("global state", magic, _GLOBAL_MAGIC, version, GLOBAL_LAYOUT_VERSION)
         if start > upto or (not flags & 1 and h):
             raise ValueError("global state: inconsistent header")
-        hist = torch.from_numpy(rd.array(_I64, (h,))) if flags & 1 else None
+        hist = rd.tensor(_I64, (h,)) if flags & 1 else None
         layers = []
         for _ in range(n_layers):
             layer, m, n, bm, bi, r, C, _ = rd.unpack(_G_LAYER)
             if m == 0 or n != upto // m - start // m or r != carry_rows(m, upto):
                 raise ValueError(f"global state layer {layer}: entry/carry counts do not match positions "
                                  f"{start}..{upto} at ratio {m}")
-            layers.append(GlobalLayerState(layer, m, *(torch.from_numpy(rd.array(dt, shape)) for dt, shape in
-                                                       ((_U8, (n, bm)), (_U8, (n, bi)), (_F32, (r, C)), (_F32, (r, C))))))
+            layers.append(GlobalLayerState(layer, m, rd.tensor(_U8, (n, bm)), rd.tensor(_U8, (n, bi)),
+                                           rd.tensor(_F32, (r, C)), rd.tensor(_F32, (r, C))))
         rd.done()
         return cls(start, upto, layers, hist, publisher if flags & 2 else None, version)
 
@@ -257,7 +257,7 @@ class SwaState:
         rings = {}
         for _ in range(n_rings):
             L, W, row, _ = rd.unpack(_S_LAYER)
-            rings[L] = torch.from_numpy(rd.array(_U8, (W, row)))
+            rings[L] = rd.tensor(_U8, (W, row))
         extras = {}
         for _ in range(n_extras):
             k, code, d = rd.unpack(_S_EXTRA)
@@ -265,6 +265,6 @@ class SwaState:
                 raise ValueError(f"SWA state: unknown extra dtype code {code}")
             name = bytes(rd.take(k)).decode("utf-8")
             shape = struct.unpack(f"<{d}Q", rd.take(8 * d))
-            extras[name] = torch.from_numpy(rd.array(_EXTRA_DTYPES[code][1], tuple(shape)))
+            extras[name] = rd.tensor(_EXTRA_DTYPES[code][1], tuple(shape))
         rd.done()
         return cls(pos, rings, extras, version)
