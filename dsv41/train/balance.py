@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dsv41.model.moe import MoE
-from dsv41.train.optim.muon import full_tensor, local_rows
+from dsv41.train.parallel import full_tensor, local_rows, local_tensor
 
 DEFAULT_RATE = 1e-3
 
@@ -48,14 +48,6 @@ def max_violation(load: torch.Tensor) -> float:
     """max load / mean load - 1 (0 when there is no load)."""
     mean = float(load.mean())
     return float(load.max()) / mean - 1.0 if mean > 0 else 0.0
-
-
-def _apply_bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
-    """`bias_update` in place. Under FSDP2 the bias is a sharded DTensor: the update is computed on the gathered
-    vector (a collective; every rank steps with the same summed loads) and each rank keeps its own shard."""
-    new = bias_update(full_tensor(bias), load, rate)
-    local = bias.to_local() if hasattr(bias, "to_local") else bias
-    local.copy_(local_rows(bias, new))
 
 
 class LoadBalancer:
@@ -102,24 +94,20 @@ class LoadBalancer:
     @torch.no_grad()
     def step(self, all_reduce=None) -> dict[str, float]:
         """Apply the bias updates from the loads seen since the last step, then reset. `all_reduce(t)` sums a
-        tensor over data-parallel ranks in place. Returns the balance report of the text loads."""
+        tensor over data-parallel ranks in place. Returns the balance report of the text loads. Under FSDP2 a bias
+        is a sharded DTensor: the update is computed on the gathered vector (a collective; every rank steps with
+        the same summed loads) and each rank keeps its own shard."""
         if all_reduce is not None and self.moes:
-            flat = torch.cat([torch.cat([v["text"], v["image"]]) for v in self.loads.values()])
-            all_reduce(flat)
-            off = 0
-            for v in self.loads.values():
-                n = v["text"].numel()
-                v["text"].copy_(flat[off:off + n])
-                v["image"].copy_(flat[off + n:off + 2 * n])
-                off += 2 * n
-        vios = []
+            vectors = [v for loads in self.loads.values() for v in loads.values()]
+            summed = all_reduce(torch.cat(vectors))
+            for v, s in zip(vectors, summed.split([v.numel() for v in vectors])):
+                v.copy_(s)
+        vios = [max_violation(v["text"]) for v in self.loads.values() if v["text"].sum() > 0]
         for name, m in self.moes:
-            text, image = self.loads[name]["text"], self.loads[name]["image"]
-            if text.sum() > 0:
-                _apply_bias_update(m.gate.bias, text, self.rate)
-                vios.append(max_violation(text))
-            if image.sum() > 0 and m.gate.bias_vl is not None:
-                _apply_bias_update(m.gate.bias_vl, image, self.rate)
+            for kind, bias in (("text", m.gate.bias), ("image", m.gate.bias_vl)):
+                load = self.loads[name][kind]
+                if load.sum() > 0 and bias is not None:
+                    local_tensor(bias).copy_(local_rows(bias, bias_update(full_tensor(bias), load, self.rate)))
         self.reset()
         if not vios:
             return {}

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dsv41.model.loading import save_checkpoint
-from dsv41.train.optim.muon import full_tensor, local_rows
+from dsv41.train.parallel import full_tensor, local_rows, local_tensor
 
 TRAIN_STATE = "train_state.pt"
 MODEL_FILE = "model.safetensors"
@@ -73,7 +73,8 @@ def read_train_state(out_dir: str | Path) -> dict:
 
 
 def load_training_checkpoint(out_dir: str | Path, model: torch.nn.Module) -> dict:
-    """Load the model weights from `out_dir` into `model` (strict) and return the train state."""
+    """Load the model weights from `out_dir` into `model` (strict; under FSDP2 each rank its own rows) and return
+    the train state."""
     out = Path(out_dir)
     state = read_train_state(out)
     step = checkpoint_step(out)
@@ -87,6 +88,5 @@ def load_training_checkpoint(out_dir: str | Path, model: torch.nn.Module) -> dic
         raise ValueError(f"--resume: {out}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     with torch.no_grad():
         for k, v in own.items():
-            local = v.to_local() if hasattr(v, "to_local") else v
-            local.copy_(local_rows(v, tensors[k].to(v.dtype)).to(v.device))
+            local_tensor(v).copy_(local_rows(v, tensors[k]))
     return state

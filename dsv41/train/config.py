@@ -56,11 +56,9 @@ class TrainConfig:
                               ("replay", REPLAY_MODES), ("device", DEVICES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("seq_len", "batch_size", "grad_accum", "eval_windows"):
-            if getattr(self, name) < 1:
+        for name in ("seq_len", "batch_size", "grad_accum", "eval_windows", "steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.steps is not None and self.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.minutes is not None and self.minutes <= 0:
             raise ValueError(f"--minutes must be > 0, got {self.minutes}")
         if self.steps is not None and self.minutes is not None:

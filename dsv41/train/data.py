@@ -84,13 +84,9 @@ def _read_text(path: Path) -> str:
 def stdlib_documents(root: Path | None = None) -> list[Document]:
     """Every `*.py` under the standard library, test and third-party directories skipped, sorted by name."""
     root = stdlib_root() if root is None else Path(root)
-    docs = []
-    for p in root.rglob("*.py"):
-        rel = p.relative_to(root)
-        if STDLIB_SKIP_DIRS.intersection(rel.parts[:-1]) or not p.is_file():
-            continue
-        docs.append(Document(rel.as_posix(), _read_text(p)))
-    return sorted(docs, key=lambda d: d.name)
+    rels = [p.relative_to(root) for p in root.rglob("*.py") if p.is_file()]
+    return sorted((Document(r.as_posix(), _read_text(root / r)) for r in rels
+                   if not STDLIB_SKIP_DIRS.intersection(r.parts[:-1])), key=lambda d: d.name)
 
 
 def _jsonl_documents(path: Path, name: str) -> list[Document]:
@@ -140,13 +136,9 @@ def load_corpus(data: str | Path | None = None, val_fraction: float = DEFAULT_VA
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
     if data is None:
-        root = stdlib_root()
-        docs = stdlib_documents(root)
-        name = f"python-stdlib-{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
-        where = str(root)
+        docs, name, where = stdlib_documents(), "python-stdlib-{}.{}.{}".format(*sys.version_info), str(stdlib_root())
     else:
-        docs = path_documents(data)
-        name, where = Path(data).name, str(Path(data).resolve())
+        docs, name, where = path_documents(data), Path(data).name, str(Path(data).resolve())
     docs = [d for d in docs if d.text.strip()]
     train = [d for d in docs if split_of(d.name, val_fraction) == "train"]
     val = [d for d in docs if split_of(d.name, val_fraction) == "val"]
@@ -202,9 +194,8 @@ def token_byte_lengths(tok) -> np.ndarray:
 
 def encode_documents(tok, docs: list[Document]) -> np.ndarray:
     """One int32 stream: <|bos|> doc <|eos|> for every document, in the given order."""
-    parts = []
-    for enc in tok.encode_batch([d.text for d in docs], add_special_tokens=False):
-        parts.append(np.asarray([BOS_ID] + enc.ids + [EOS_ID], dtype=np.int32))
+    parts = [np.asarray([BOS_ID] + enc.ids + [EOS_ID], dtype=np.int32)
+             for enc in tok.encode_batch([d.text for d in docs], add_special_tokens=False)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
 
@@ -215,43 +206,29 @@ class PackedLoader:
 
     Rank r takes windows [r*B, (r+1)*B) of each global batch, so W processes with batch B see exactly the data
     of one process with batch W*B. Training order: a permutation of all windows, drawn per epoch from
-    `numpy.random.default_rng([seed, epoch])`; an incomplete last global batch is dropped. `shuffle=False`
-    serves windows in stream order."""
+    `numpy.random.default_rng([seed, epoch])`; an incomplete last global batch is dropped."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0, rank: int = 0,
-                 world: int = 1, shuffle: bool = True):
+                 world: int = 1):
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
         self.tokens = np.asarray(tokens)
-        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-        self.rank, self.world, self.shuffle = rank, world, shuffle
+        self.seq_len, self.batch_size, self.seed, self.rank, self.world = seq_len, batch_size, seed, rank, world
         self.n_windows = (len(self.tokens) - 1) // seq_len
         if self.n_windows < batch_size * world:
             raise ValueError(f"the stream has {len(self.tokens)} tokens: {self.n_windows} windows of {seq_len}+1, "
                              f"fewer than one global batch of {batch_size * world}; use a shorter --seq-len, a "
                              f"smaller --batch-size or more data")
         self.epoch, self.cursor = 0, 0
-        self._order_epoch, self._order = -1, None
-
-    def order(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
-            if self.shuffle:
-                self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            else:
-                self._order = np.arange(self.n_windows)
-            self._order_epoch = epoch
-        return self._order
-
-    def window(self, i: int) -> np.ndarray:
-        s = int(i) * self.seq_len
-        return self.tokens[s:s + self.seq_len + 1]
+        self._order = (-1, None)                       # (epoch, its permutation), drawn once per epoch
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch `next()` would return, without advancing."""
-        glob = self.batch_size * self.world
-        ids = self.order(self.epoch)[self.cursor:self.cursor + glob][self.rank * self.batch_size:
-                                                                      (self.rank + 1) * self.batch_size]
-        w = torch.from_numpy(np.stack([self.window(i) for i in ids]).astype(np.int64))
+        if self._order[0] != self.epoch:
+            self._order = (self.epoch, np.random.default_rng([self.seed, self.epoch]).permutation(self.n_windows))
+        B, T = self.batch_size, self.seq_len
+        mine = self._order[1][self.cursor + self.rank * B:self.cursor + (self.rank + 1) * B]
+        w = torch.from_numpy(np.stack([self.tokens[i * T:i * T + T + 1] for i in mine]).astype(np.int64))
         return w[:, :-1], w[:, 1:]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The training-only fast forward of a language-model training step (`LMTrainModule(fast=True)`, trainer.py).
+"""The training-only fast forward of a language-model training step (`LMTrainModule(fast=True)`, pretrain.py).
 
 It computes the same function as `Transformer.forward` on a training prefill (every row at position 0, no
 images, FP8/FP4 QDQ off), loss and gradients, up to the order of float summations, with three pieces of the
@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv41.kernels.moe_ref import expert_act_ref
 from dsv41.model.attention import Attention, window_indices
 from dsv41.model.common import QuantSite
 from dsv41.model.mhc import hc_pre
@@ -69,11 +70,10 @@ def dense_sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx
 
 def attention_forward(attn: Attention, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """`Attention.forward` of a training prefill (ctx.start all 0) with `dense_sparse_attn`."""
-    T = u.size(1)
     freqs = attn.rope.freqs(ctx.positions).to(u.device)
     qr, q = attn.queries(u, freqs)
     kv = attn.window_kv(u, freqs)
-    idx = window_indices(ctx.start, T, attn.window, True, ctx.opts.floor_for(attn.layer)).to(u.device)
+    idx = window_indices(ctx.start, u.size(1), attn.window, True, ctx.opts.floor_for(attn.layer)).to(u.device)
     kv_all, idx = attn.with_compressed(u, qr, freqs, kv, idx, ctx)
     o = dense_sparse_attn(q, kv_all, attn.attn_sink, idx, attn.softmax_scale)
     return attn.output(o, freqs)
@@ -99,26 +99,20 @@ class SinkhornFn(torch.autograd.Function):
     def forward(ctx, z: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         e = torch.exp(z - z.amax(dim=-1, keepdim=True))
         sm = e / e.sum(dim=-1, keepdim=True)
-        a = sm + eps
-        outs, dens = [], []
-        for k in range(2 * iters - 1):
-            dim = -2 if k % 2 == 0 else -1                                   # columns first, then rows, columns
-            r = a.sum(dim=dim, keepdim=True) + eps
+        a, saved = sm + eps, [sm]
+        for k in range(2 * iters - 1):                                       # columns first, then rows, columns
+            r = a.sum(dim=-2 if k % 2 == 0 else -1, keepdim=True) + eps
             a = a / r
-            outs.append(a)
-            dens.append(r)
-        ctx.save_for_backward(sm, *outs, *dens)
-        ctx.n = 2 * iters - 1
+            saved += [a, r]
+        ctx.save_for_backward(*saved)
         return a
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        saved = ctx.saved_tensors
-        n = ctx.n
-        sm, outs, dens = saved[0], saved[1:1 + n], saved[1 + n:]
-        for k in range(n - 1, -1, -1):
-            dim = -2 if k % 2 == 0 else -1
-            g = (g - (g * outs[k]).sum(dim=dim, keepdim=True)) / dens[k]
+        sm, *steps = ctx.saved_tensors                                       # sm, then (a, r) of every step
+        for k in range(len(steps) // 2 - 1, -1, -1):
+            a, r = steps[2 * k], steps[2 * k + 1]
+            g = (g - (g * a).sum(dim=-2 if k % 2 == 0 else -1, keepdim=True)) / r
         g = sm * (g - (g * sm).sum(dim=-1, keepdim=True))                    # softmax backward
         return g, None, None
 
@@ -141,13 +135,11 @@ def hc_mixes_fast(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
 # ------------------------------------------------------------------------------------------------ MoE
 
 def moe_forward(moe, x: torch.Tensor) -> torch.Tensor:
-    """`MoE.forward` (no image mask) with the routed experts batched: assignments sorted by expert into
-    [E, cap] slots (cap = the largest load; empty slots read a zero row and are written to a dummy row). Experts
-    without tokens are left out, so their weights get no gradient, as in the reference."""
-    if any(e.w1.quant and e.w1.kind in ("fp8", "fp4") for e in moe.experts):
-        return moe(x)                                                          # QDQ on: the reference path
-    shape = x.shape
-    D = moe.dim
+    """`MoE.forward` (no image mask, QDQ off) with the routed experts batched: assignments sorted by expert into
+    [E, cap] slots (cap = the largest load; empty slots read a zero row and are written to a dummy row); the
+    expert's middle is the kernels' own `expert_act_ref`. Experts without tokens are left out, so their weights get
+    no gradient, as in the reference."""
+    shape, D = x.shape, moe.dim
     x = x.reshape(-1, D)
     weights, indices, _ = moe.gate(x, None)
     N, K = indices.shape
@@ -158,65 +150,48 @@ def moe_forward(moe, x: torch.Tensor) -> torch.Tensor:
     compact = torch.full((moe.n_experts,), -1, dtype=torch.long, device=x.device)
     compact[used] = torch.arange(len(used), device=x.device)
     flat = compact[indices.flatten()]
-    counts = counts[used]
-    E = len(used)
+    counts, E = counts[used], len(used)
     order = torch.argsort(flat, stable=True)
     cap = max(1, int(counts.max()))
     e_sorted = flat[order]
     slot = torch.arange(N * K, device=x.device) - (torch.cumsum(counts, 0) - counts)[e_sorted]
     dest = e_sorted * cap + slot                                               # [N*K] into [E*cap]
     src = torch.full((E * cap,), N, dtype=torch.long, device=x.device).index_copy_(0, dest, order // K)
-    w_slot = torch.zeros(E * cap, dtype=torch.float32, device=x.device).index_copy(0, dest,
-                                                                                   weights.flatten()[order])
-    xs = torch.cat([x, x.new_zeros(1, D)])[src].view(E, cap, D)
-    ex = [moe.experts[e] for e in used]
-    w1 = torch.stack([e.w1.weight for e in ex])
-    w3 = torch.stack([e.w3.weight for e in ex])
-    w2 = torch.stack([e.w2.weight for e in ex])
-    xs = xs.to(w1.dtype)
-    gate = torch.bmm(xs, w1.transpose(1, 2)).float()
-    up = torch.bmm(xs, w3.transpose(1, 2)).float()
-    limit = ex[0].limit
-    if limit > 0:
-        up = up.clamp(-limit, limit)
-        gate = gate.clamp(max=limit)
-    h = w_slot.view(E, cap, 1) * (F.silu(gate) * up)
-    out = torch.bmm(h.to(x.dtype).to(w2.dtype), w2.transpose(1, 2))          # [E,cap,D]
+    w_slot = torch.zeros(E * cap, dtype=torch.float32, device=x.device).index_copy(0, dest, weights.flatten()[order])
+    w1, w3, w2 = (torch.stack([getattr(moe.experts[e], w).weight for e in used]) for w in ("w1", "w3", "w2"))
+    xs = torch.cat([x, x.new_zeros(1, D)])[src].view(E, cap, D).to(w1.dtype)
+    h = expert_act_ref(torch.bmm(xs, w1.mT), torch.bmm(xs, w3.mT), w_slot.view(E, cap, 1), moe.experts[used[0]].limit,
+                       False, x.dtype)
+    out = torch.bmm(h.to(w2.dtype), w2.mT)                                    # [E,cap,D]
     y = torch.zeros(N + 1, D, dtype=torch.float32, device=x.device).index_add(0, src, out.reshape(-1, D).float())
-    y = y[:N] + moe.shared_experts(x).float()
-    return y.type_as(x).view(shape)
+    return (y[:N] + moe.shared_experts(x).float()).type_as(x).view(shape)
 
 
 # ------------------------------------------------------------------------------------------------ the stack
 
 def block_forward(block, x: torch.Tensor, pre_mix: torch.Tensor, ctx: StepContext):
     """`Block.forward` (x [B,T,S,D], the previous block's FFN pre) -> (x', this block's FFN pre)."""
-    residual = x
-    _, a_post, a_comb = a_mix = block.mixes(x, "attn", hc_mixes_fast)
+    a_pre, a_post, a_comb = block.mixes(x, "attn", hc_mixes_fast)
     h = block.attn_norm(hc_pre(x, pre_mix))
     h = attention_forward(block.attn, h, ctx) if type(block.attn) is Attention else block.attn(h, ctx)
-    x = hc_post_fast(h, residual, a_post, a_comb)
+    x = hc_post_fast(h, x, a_post, a_comb)
     f_pre, f_post, f_comb = block.mixes(x, "ffn", hc_mixes_fast)
-    h = block.ffn_norm(hc_pre(x, a_mix[0]))
-    h = moe_forward(block.ffn, h)
+    h = moe_forward(block.ffn, block.ffn_norm(hc_pre(x, a_pre)))
     return hc_post_fast(h, x, f_post, f_comb), f_pre
 
 
-def fast_forward(model, ids: torch.Tensor, cache, window_floor: torch.Tensor | None = None,
-                 window_floor_layers: frozenset | None = None) -> torch.Tensor:
-    """Logits [B,T,V] fp32 of `model(ids, cache, 0, ForwardOptions(window_floor=..., window_floor_layers=...))` (a
-    training prefill at position 0) through the fast pieces of the module docstring; advances cache.pos like it."""
-    T = ids.size(1)
+def fast_forward(model, ids: torch.Tensor, cache, opts: ForwardOptions) -> torch.Tensor:
+    """Logits [B,T,V] fp32 of `model(ids, cache, 0, opts)` (a training prefill at position 0; `opts` carries the
+    replay floors) through the fast pieces of the module docstring; advances cache.pos like it."""
     start = cache.pos.clone()
     if int(start.abs().max()) != 0:
         raise ValueError("the fast training forward runs a prefill at position 0 only")
     hashes = model.engram_hashes(ids, cache, None)
-    opts = ForwardOptions(window_floor=window_floor, window_floor_layers=window_floor_layers)
-    ctx = StepContext(start, T, cache, opts)
+    ctx = StepContext(start, ids.size(1), cache, opts)
     h, pre_mix = model.run_layers(*model.streams_in(model.embed_tokens(ids)), ctx, model.layers, hashes,
                                   step=block_forward)
     logits, _ = model.logits_from(h, pre_mix)
-    cache.pos = start + T
+    cache.pos = start + ids.size(1)
     return logits
 
 

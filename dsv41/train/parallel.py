@@ -5,7 +5,8 @@ Under `torchrun` with more than one process: data parallelism with `DistributedD
 on GPU; each rank takes its slice of every global batch, so W processes with batch B follow the data of one
 process with batch W*B), or with `fsdp` FSDP2 (`fully_shard` per Engram module and block, then the root; Muon, the
 Sinkhorn optimizer and the balancer work on full tensors, see muon.py; NCCL on GPU, gloo on CPU; run on CPU with
-2 processes and on one GPU, never on several GPUs yet).
+2 processes and on one GPU, never on several GPUs yet). The DTensor helpers (`full_tensor`, `local_tensor`,
+`local_rows`) are what the optimizers, the balancer and the checkpoint use to read and write sharded tensors.
 """
 
 from __future__ import annotations
@@ -31,12 +32,10 @@ class Dist:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (moved through the device for NCCL)."""
-        if self.world > 1 and self.device.type == "cuda" and t.device.type != "cuda":
-            tmp = t.to(self.device)
-            tdist.all_reduce(tmp)
-            t.copy_(tmp.cpu())
-        elif self.world > 1:
-            tdist.all_reduce(t)
+        if self.world > 1:
+            on_device = t.to(self.device) if self.device.type == "cuda" else t
+            tdist.all_reduce(on_device)
+            t.copy_(on_device)                     # a no-op when it is t itself
         return t
 
     def barrier(self) -> None:
@@ -89,3 +88,25 @@ def parallelize(module: nn.Module, model: nn.Module, dist: Dist, fsdp: bool) -> 
         return DDP(module, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
                    find_unused_parameters=True)
     return module
+
+
+# ------------------------------------------------------------------------------------------------ DTensor helpers
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a no-op for ordinary tensors)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor as a plain tensor sharing its storage (the tensor itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_rows(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's row shard of `full` for parameter `p` (FSDP2 Shard(0) splits rows like torch.chunk)."""
+    if not hasattr(p, "to_local"):
+        return full
+    mesh = p.device_mesh
+    parts = torch.chunk(full, mesh.size(), dim=0)
+    r = mesh.get_local_rank()
+    return parts[r] if r < len(parts) else full[:0]

@@ -43,11 +43,11 @@ class LMTrainModule(nn.Module):
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, floor: torch.Tensor | None = None):
         m = self.model
         cache = TrainCache(m.cfg, ids.size(0), m.dtype, ids.device, kv_qat=self.kv_qat)
-        layers = self.replay_layers if floor is not None else None
+        opts = ForwardOptions(window_floor=floor, window_floor_layers=self.replay_layers)
         if self.fast and fast_applies(m):               # the same function, faster (fast.py)
-            logits = fast_forward(m, ids, cache, floor, layers)
+            logits = fast_forward(m, ids, cache, opts)
         else:
-            logits = m(ids, cache, 0, ForwardOptions(window_floor=floor, window_floor_layers=layers)).logits
+            logits = m(ids, cache, 0, opts).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return loss, {}
 

@@ -37,22 +37,17 @@ def plot_history(history: list[dict], path: Path, title: str) -> Path:
     return path
 
 
-def _rates(values: list[float]) -> str:
-    return ", ".join(f"{a:.3f}" for a in values)
-
-
 def format_summary(s: dict) -> str:
     lines = [f"done: {s['steps']} steps, {s['tokens']:,} tokens in {s['wall_s'] / 60:.1f} min"
              + (f", {s['tok_per_s']:.0f} tokens/s while training" if s.get("tok_per_s") else "")]
     if "val_loss" in s:
         lines.append(f"validation: loss {s['val_loss']:.4f} nats/token, {s['val_bpb']:.4f} bits/byte"
                      + (f"; with FP8/FP4 QDQ on: loss {s['val_loss_qdq']:.4f}" if "val_loss_qdq" in s else ""))
-    if "val_acceptance" in s:
-        lines.append(f"drafter (teacher-forced validation): acceptance per position {_rates(s['val_acceptance'])}; "
-                     f"{s['val_tokens_per_step']:.2f} tokens per verification step")
-    if "greedy_acceptance" in s:
-        lines.append(f"drafter (greedy self-generated): acceptance per position {_rates(s['greedy_acceptance'])}; "
-                     f"{s['greedy_tokens_per_step']:.2f} tokens per verification step")
+    for key, what in (("val", "teacher-forced validation"), ("greedy", "greedy self-generated")):
+        if f"{key}_acceptance" in s:
+            rates = ", ".join(f"{a:.3f}" for a in s[f"{key}_acceptance"])
+            lines.append(f"drafter ({what}): acceptance per position {rates}; "
+                         f"{s[f'{key}_tokens_per_step']:.2f} tokens per verification step")
     lines.append(f"loss curve: {s['loss_curve']}; checkpoint: {s['out']}")
     if "sample" in s:
         lines.append("sample (greedy):\n" + s["sample_prompt"] + s["sample"])

@@ -20,20 +20,19 @@ def default_warmup(total_steps: int) -> int:
     return max(1, round(WARMUP_FRACTION * total_steps))
 
 
-def lr_factor(step: int, total_steps: int, warmup: int, final: float = FINAL, decay_start: float = DECAY_START,
-              decay_end: float = DECAY_END) -> float:
+def lr_factor(step: int, total_steps: int, warmup: int) -> float:
     """Multiplier of the peak learning rate for optimizer step `step` (0-based) of `total_steps`.
 
-    warmup: (step + 1) / warmup for step < warmup; 1 until decay_start * total; cosine from 1 to `final`
-    between decay_start * total and decay_end * total; `final` afterwards."""
+    warmup: (step + 1) / warmup for step < warmup; 1 until DECAY_START * total; cosine from 1 to FINAL between
+    DECAY_START * total and DECAY_END * total; FINAL afterwards."""
     if total_steps < 1 or warmup < 0:
         raise ValueError(f"schedule needs total_steps >= 1 and warmup >= 0, got {total_steps}, {warmup}")
     if step < warmup:
         return (step + 1) / warmup
     t = step / total_steps
-    if t < decay_start:
+    if t < DECAY_START:
         return 1.0
-    if t >= decay_end:
-        return final
-    x = (t - decay_start) / (decay_end - decay_start)
-    return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * x))
+    if t >= DECAY_END:
+        return FINAL
+    x = (t - DECAY_START) / (DECAY_END - DECAY_START)
+    return FINAL + (1 - FINAL) * 0.5 * (1 + math.cos(math.pi * x))

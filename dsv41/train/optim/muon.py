@@ -35,25 +35,26 @@ import math
 
 import torch
 
+from dsv41.train.parallel import full_tensor, local_rows, local_tensor
+
 NS_STEPS = ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
 GAMMA = 0.18
 
 
-def newton_schulz(g: torch.Tensor, steps=NS_STEPS, eps: float = 1e-7, dtype: torch.dtype | None = None
-                  ) -> torch.Tensor:
-    """Approximate orthogonal polar factor of every matrix in g [..., r, c]. The iteration runs in `dtype`
-    (default: fp32 on CPU, bf16 on GPUs, where its matmuls are the whole cost; singular values then land within
-    ~1e-2 of 1 instead of ~1e-3); the result is fp32."""
+def newton_schulz(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Approximate orthogonal polar factor of every matrix in g [..., r, c] (`NS_STEPS`). The iteration runs in
+    `dtype` (default: fp32 on CPU, bf16 on GPUs, where its matmuls are the whole cost; singular values then land
+    within ~1e-2 of 1 instead of ~1e-3); the result is fp32."""
     if dtype is None:
         dtype = torch.bfloat16 if g.is_cuda else torch.float32
     x = g.float()
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)).to(dtype)
+    x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)).to(dtype)
     shape = x.shape
     x = x.reshape(-1, *shape[-2:])                                   # one batch axis: the fused GEMMs below
-    for a, b, c in steps:
+    for a, b, c in NS_STEPS:
         A = torch.bmm(x, x.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)                  # b A + c A^2
         x = torch.baddbmm(x, B, x, beta=a)                           # a x + B x
@@ -61,15 +62,15 @@ def newton_schulz(g: torch.Tensor, steps=NS_STEPS, eps: float = 1e-7, dtype: tor
     return x.mT if tall else x
 
 
-def muon_scale(rows: int, cols: int, gamma: float = GAMMA) -> float:
-    """Multiplier that gives an r x c orthogonal factor the update RMS gamma."""
-    return gamma * math.sqrt(max(rows, cols))
+def orthogonal_blocks(blocks: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Blocks [N, r, c] -> their orthogonal factors scaled to the update RMS gamma: gamma * sqrt(max(r, c)), since
+    an orthogonal r x c factor has RMS 1 / sqrt(max(r, c)). fp32."""
+    return newton_schulz(blocks, dtype) * (GAMMA * math.sqrt(max(blocks.shape[-2:])))
 
 
-def orthogonalize_heads(n: torch.Tensor, heads: int, gamma: float = GAMMA) -> torch.Tensor:
+def orthogonalize_heads(n: torch.Tensor, heads: int) -> torch.Tensor:
     """N [R, C] -> scaled orthogonal factor of each of its `heads` row blocks, [R, C] fp32."""
-    r, c = _block_shape(n, heads)
-    return (newton_schulz(n.reshape(heads, r, c)) * muon_scale(r, c, gamma)).reshape(n.shape)
+    return orthogonal_blocks(n.reshape(heads, *_block_shape(n, heads))).reshape(n.shape)
 
 
 def _block_shape(n: torch.Tensor, heads: int) -> tuple[int, int]:
@@ -86,33 +87,15 @@ def muon_momentum(grad: torch.Tensor, momentum: torch.Tensor, beta: float) -> tu
     return m, beta * m + (1 - beta) * grad.float()
 
 
-def muon_update(grad: torch.Tensor, momentum: torch.Tensor, beta: float, heads: int = 1,
-                gamma: float = GAMMA) -> tuple[torch.Tensor, torch.Tensor]:
+def muon_update(grad: torch.Tensor, momentum: torch.Tensor, beta: float, heads: int = 1):
     """Pure head-wise Muon step for one matrix: (update to subtract after multiplying by lr, new momentum)."""
     m, n = muon_momentum(grad, momentum, beta)
-    return orthogonalize_heads(n, heads, gamma), m
-
-
-# ------------------------------------------------------------------------------------------------ DTensor helpers
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an FSDP2 shard (a no-op for ordinary tensors)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def local_rows(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's row shard of `full` for parameter `p` (FSDP2 Shard(0) splits rows like torch.chunk)."""
-    if not hasattr(p, "to_local"):
-        return full
-    mesh = p.device_mesh
-    parts = torch.chunk(full, mesh.size(), dim=0)
-    r = mesh.get_local_rank()
-    return parts[r] if r < len(parts) else full[:0]
+    return orthogonalize_heads(n, heads), m
 
 
 def apply_update(p: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float = 0.0) -> None:
-    """p <- p (1 - lr wd) - lr update, in place, on the local shard of a DTensor."""
-    data = p.to_local() if hasattr(p, "to_local") else p.data
+    """p <- p (1 - lr wd) - lr update, in place (under `no_grad`), on the local shard of a DTensor."""
+    data = local_tensor(p)
     u = local_rows(p, update).to(data.dtype)
     if weight_decay:
         data.mul_(1 - lr * weight_decay)
@@ -121,8 +104,8 @@ def apply_update(p: torch.Tensor, update: torch.Tensor, lr: float, weight_decay:
 
 class MomentumOptimizer(torch.optim.Optimizer):
     """What Muon and SinkhornMomentum share: 2-D parameters only, one fp32 momentum buffer each (created at zero),
-    updates computed from the full gradient (FSDP2) one param group at a time (`update_group`). A parameter
-    without a gradient in a step is skipped (its momentum is left as it was)."""
+    updates computed from the full gradient (FSDP2) one param group at a time (the subclass's
+    `update_group(group)`). A parameter without a gradient in a step is skipped (its momentum is left as it was)."""
 
     def __init__(self, params, defaults: dict):
         super().__init__(params, defaults)
@@ -142,9 +125,6 @@ class MomentumOptimizer(torch.optim.Optimizer):
                     state["momentum"] = torch.zeros(g.shape, dtype=torch.float32, device=g.device)
                 yield p, g, state
 
-    def update_group(self, group: dict) -> None:
-        raise NotImplementedError
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
@@ -155,14 +135,15 @@ class MomentumOptimizer(torch.optim.Optimizer):
 
 class Muon(MomentumOptimizer):
     """Head-wise Muon. Each param group has `heads` (row blocks per matrix); matrices of a group whose blocks
-    share a shape are orthogonalised in one batched Newton-Schulz call."""
+    share a shape are orthogonalised in one batched Newton-Schulz call, in `ns_dtype` (None: `newton_schulz`'s
+    default; a run setting, not a group's)."""
 
     def __init__(self, params, lr: float = 1e-3, beta: float = 0.95, weight_decay: float = 0.0, heads: int = 1,
-                 gamma: float = GAMMA, ns_dtype: torch.dtype | None = None):
+                 ns_dtype: torch.dtype | None = None):
         if lr < 0 or not 0 <= beta < 1 or weight_decay < 0:
             raise ValueError(f"Muon: lr {lr}, beta {beta}, weight_decay {weight_decay} out of range")
-        super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay, heads=heads, gamma=gamma))
-        self.ns_dtype = ns_dtype        # Newton-Schulz compute dtype; None: `newton_schulz`'s default (a run setting)
+        super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay, heads=heads))
+        self.ns_dtype = ns_dtype
 
     def update_group(self, group: dict) -> None:
         buckets: dict[tuple[int, int], list] = {}
@@ -170,7 +151,6 @@ class Muon(MomentumOptimizer):
             state["momentum"], n = muon_momentum(g, state["momentum"], group["beta"])
             buckets.setdefault(_block_shape(n, group["heads"]), []).append((p, n))
         for (r, c), items in buckets.items():
-            blocks = newton_schulz(torch.cat([n.reshape(-1, r, c) for _, n in items]),
-                                   dtype=self.ns_dtype) * muon_scale(r, c, group["gamma"])
+            blocks = orthogonal_blocks(torch.cat([n.reshape(-1, r, c) for _, n in items]), self.ns_dtype)
             for (p, n), upd in zip(items, blocks.split([n.numel() // (r * c) for _, n in items])):
                 apply_update(p, upd.reshape(n.shape), group["lr"], group["weight_decay"])

@@ -62,11 +62,14 @@ class Route:
     why: str = ""
 
 
-def route_parameter(name: str, p: torch.Tensor, cfg, optimizer: str = "muon") -> Route:
-    """The route of one trainable parameter (the excluded rule included)."""
+def route_parameter(name: str, p: torch.Tensor, cfg, optimizer: str = "muon", frozen: str | None = None) -> Route:
+    """The route of one parameter by the rules of the module docstring; `frozen`: why it may not train (None: it
+    may)."""
     shape = tuple(p.shape)
     if EXCLUDED.search(name):
         return Route(name, "excluded", shape, why="selection-only bias (aux-loss-free balancing)")
+    if frozen:
+        return Route(name, "frozen", shape, why=frozen)
     if optimizer == "adamw":
         return Route(name, "adamw", shape, decay=p.ndim >= 2, why="--optimizer adamw")
     for pat, heads in HEADWISE:
@@ -83,28 +86,20 @@ def route_parameter(name: str, p: torch.Tensor, cfg, optimizer: str = "muon") ->
     return Route(name, "adamw", shape, decay=False, why="vector / norm / scalar")
 
 
-def route_parameters(model: torch.nn.Module, cfg, optimizer: str = "muon",
-                     trainable: set[str] | None = None, no_grad_path: set[str] | frozenset = frozenset()
-                     ) -> list[Route]:
+def route_parameters(model: torch.nn.Module, cfg, optimizer: str = "muon", trainable: set[str] | None = None,
+                     no_grad_path: set[str] | frozenset = frozenset()) -> list[Route]:
     """Routes of every named parameter. `trainable` (None: all) limits what may train; `no_grad_path` names
     parameters that a probe backward found without gradient."""
-    if optimizer not in ("muon", "adamw"):
-        raise ValueError(f"--optimizer must be 'muon' or 'adamw', got {optimizer!r}")
-    routes = []
-    for name, p in model.named_parameters():
-        if EXCLUDED.search(name):
-            routes.append(route_parameter(name, p, cfg, optimizer))
-        elif trainable is not None and name not in trainable:
-            routes.append(Route(name, "frozen", tuple(p.shape), why="not trained in this stage"))
-        elif name in no_grad_path:
-            routes.append(Route(name, "frozen", tuple(p.shape), why="no gradient path"))
-        else:
-            routes.append(route_parameter(name, p, cfg, optimizer))
-    return routes
+    def frozen(name: str) -> str | None:
+        if trainable is not None and name not in trainable:
+            return "not trained in this stage"
+        return "no gradient path" if name in no_grad_path else None
+
+    return [route_parameter(name, p, cfg, optimizer, frozen(name)) for name, p in model.named_parameters()]
 
 
-def format_routing(routes: list[Route], detail: bool = False) -> str:
-    """A table: per kind, how many tensors and parameters; with `detail`, one line per parameter."""
+def format_routing(routes: list[Route]) -> str:
+    """A table: per kind, how many tensors and parameters, and the name patterns."""
     lines = [f"{'route':<14} {'tensors':>8} {'params':>12}  examples"]
     for kind in KINDS:
         rs = [r for r in routes if r.kind == kind]
@@ -114,42 +109,34 @@ def format_routing(routes: list[Route], detail: bool = False) -> str:
         patterns = sorted({re.sub(r"\.\d+\.", ".*.", r.name) for r in rs})
         shown = ", ".join(patterns[:4]) + (f", ... ({len(patterns)} patterns)" if len(patterns) > 4 else "")
         lines.append(f"{kind:<14} {len(rs):>8} {n:>12,}  {shown}")
-    if detail:
-        lines.append("")
-        for r in routes:
-            extra = f" heads={r.heads}" if r.kind == "muon_headwise" else ""
-            extra += f" lr x{r.lr_mult:g}" if r.lr_mult != 1 else ""
-            lines.append(f"  {r.name:<50} {str(list(r.shape)):<16} {r.kind}{extra}  ({r.why})")
     return "\n".join(lines)
 
 
 def build_optimizers(model: torch.nn.Module, routes: list[Route], lr: float, weight_decay: float = 0.1,
-                     betas: tuple[float, float] = (0.9, 0.95), momentum: float = 0.95, eps: float = 1e-8,
                      muon_ns_dtype: torch.dtype | None = None) -> OptimizerSet:
-    """One optimizer per kind present, param groups by (heads, lr multiplier, decay). Every group records its
-    `base_lr`; `OptimizerSet.set_lr_factor` scales them all by the schedule. `muon_ns_dtype`: the Newton-Schulz
-    compute dtype of the Muon routes (None: fp32 on CPU, bf16 on GPUs)."""
+    """One optimizer per kind present, param groups by (heads, lr multiplier, decay); AdamW with betas (0.9, 0.95),
+    Muon and Sinkhorn with momentum 0.95. Every group records its `base_lr`; `OptimizerSet.set_lr_factor` scales
+    them all by the schedule. `muon_ns_dtype`: the Newton-Schulz compute dtype of the Muon routes (None: fp32 on
+    CPU, bf16 on GPUs)."""
     params = dict(model.named_parameters())
     groups: dict[str, dict[tuple, list]] = {}
     for r in routes:
-        if r.kind in ("excluded", "frozen"):
-            continue
-        key = (r.heads, r.lr_mult, r.decay)
-        groups.setdefault(r.kind, {}).setdefault(key, []).append(params[r.name])
+        if r.kind not in ("excluded", "frozen"):
+            groups.setdefault(r.kind, {}).setdefault((r.heads, r.lr_mult, r.decay), []).append(params[r.name])
     opts: dict[str, torch.optim.Optimizer] = {}
     for kind, by_key in groups.items():
         pgs = []
         for (heads, mult, decay), ps in by_key.items():
             pg = {"params": ps, "lr": lr * mult, "base_lr": lr * mult}
             if kind in ("muon", "muon_headwise"):
-                pg.update(heads=heads, weight_decay=weight_decay if decay else 0.0)
-            elif kind == "adamw":
-                pg.update(weight_decay=weight_decay if decay else 0.0)
+                pg["heads"] = heads
+            if kind != "sinkhorn":
+                pg["weight_decay"] = weight_decay if decay else 0.0
             pgs.append(pg)
-        if kind in ("muon", "muon_headwise"):
-            opts[kind] = Muon(pgs, lr=lr, beta=momentum, ns_dtype=muon_ns_dtype)
-        elif kind == "sinkhorn":
-            opts[kind] = SinkhornMomentum(pgs, lr=lr, beta=momentum)
+        if kind == "sinkhorn":
+            opts[kind] = SinkhornMomentum(pgs, lr=lr, beta=0.95)
+        elif kind == "adamw":
+            opts[kind] = torch.optim.AdamW(pgs, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
         else:
-            opts[kind] = torch.optim.AdamW(pgs, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            opts[kind] = Muon(pgs, lr=lr, beta=0.95, ns_dtype=muon_ns_dtype)
     return OptimizerSet(opts)

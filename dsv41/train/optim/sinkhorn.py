@@ -36,17 +36,13 @@ SINKHORN_ITERS = 11
 TAU = 1e-3
 
 
-def _safe_div(x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-    return x / torch.where(norm > 0, norm, torch.ones_like(norm))
-
-
 def sinkhorn_balance(n: torch.Tensor, iters: int = SINKHORN_ITERS) -> torch.Tensor:
     """Alternate l2 normalisation of rows (odd k) and columns (even k), k = 1..iters. Zero rows and columns
     stay zero. [n, d] -> [n, d] fp32."""
     u = n.float()
     for k in range(1, iters + 1):
-        dim = 1 if k % 2 else 0          # odd: norm over a row's entries; even: over a column's
-        u = _safe_div(u, torch.linalg.vector_norm(u, dim=dim, keepdim=True))
+        norm = torch.linalg.vector_norm(u, dim=1 if k % 2 else 0, keepdim=True)   # odd: a row's entries
+        u = u / torch.where(norm > 0, norm, torch.ones_like(norm))
     return u
 
 
@@ -58,35 +54,26 @@ def sinkhorn_direction(n: torch.Tensor, iters: int = SINKHORN_ITERS, tau: float 
     return u * math.sqrt(n.size(1))
 
 
-def sinkhorn_momentum(grad: torch.Tensor, momentum: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(new momentum, Nesterov direction) with lazy rows: rows whose gradient is all zero keep their momentum
-    and get a zero direction."""
+def sinkhorn_update(grad: torch.Tensor, momentum: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure step for one table: (update to subtract after multiplying by lr, new momentum), with lazy rows: rows
+    whose gradient is all zero keep their momentum and get a zero direction."""
     g = grad.float()
     seen = (g != 0).any(dim=1, keepdim=True)
     m = torch.where(seen, beta * momentum + (1 - beta) * g, momentum)
     n = torch.where(seen, beta * m + (1 - beta) * g, torch.zeros_like(g))
-    return m, n
-
-
-def sinkhorn_update(grad: torch.Tensor, momentum: torch.Tensor, beta: float, iters: int = SINKHORN_ITERS,
-                    tau: float = TAU, gamma: float = GAMMA) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure step for one table: (update to subtract after multiplying by lr, new momentum)."""
-    m, n = sinkhorn_momentum(grad, momentum, beta)
-    return gamma * sinkhorn_direction(n, iters, tau), m
+    return GAMMA * sinkhorn_direction(n), m
 
 
 class SinkhornMomentum(MomentumOptimizer):
     """The optimizer of the module docstring, for [rows, width] tables. Param groups may carry an `lr` of their own
     (Engram: 5x)."""
 
-    def __init__(self, params, lr: float = 1e-3, beta: float = 0.95, iters: int = SINKHORN_ITERS, tau: float = TAU,
-                 gamma: float = GAMMA):
-        if lr < 0 or not 0 <= beta < 1 or iters < 1 or tau < 0:
-            raise ValueError(f"SinkhornMomentum: lr {lr}, beta {beta}, iters {iters}, tau {tau} out of range")
-        super().__init__(params, dict(lr=lr, beta=beta, iters=iters, tau=tau, gamma=gamma))
+    def __init__(self, params, lr: float = 1e-3, beta: float = 0.95):
+        if lr < 0 or not 0 <= beta < 1:
+            raise ValueError(f"SinkhornMomentum: lr {lr}, beta {beta} out of range")
+        super().__init__(params, dict(lr=lr, beta=beta))
 
     def update_group(self, group: dict) -> None:
         for p, g, state in self.gradients(group):
-            upd, state["momentum"] = sinkhorn_update(g, state["momentum"], group["beta"], group["iters"],
-                                                     group["tau"], group["gamma"])
+            upd, state["momentum"] = sinkhorn_update(g, state["momentum"], group["beta"])
             apply_update(p, upd, group["lr"])
