@@ -6,6 +6,10 @@ import argparse
 import json
 from typing import Any
 
+from dsv41.analysis.flops import DEFAULT_CONTEXTS, flops_report, plot_decode_curve
+from dsv41.analysis.io import io_overlap, raw_bytes_per_image_token, training_flops_per_token, vit_tokens
+from dsv41.analysis.kv_bytes import kv_report
+from dsv41.analysis.params import params_report
 from dsv41.config import ModelConfig, load_config, role_summary
 
 DEFAULT_CONFIG = "v41-flash"
@@ -14,13 +18,9 @@ DEFAULT_CONFIG = "v41-flash"
 def parse_tokens(s: str) -> int:
     """A token count: an integer, or with a binary suffix K (1024) / M (1048576)."""
     t = s.strip()
-    mult = 1
-    if t[-1:].upper() == "K":
-        mult, t = 1 << 10, t[:-1]
-    elif t[-1:].upper() == "M":
-        mult, t = 1 << 20, t[:-1]
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:].upper())
     try:
-        n = int(t) * mult
+        n = int(t[:-1] if mult else t) * (mult or 1)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a token count: {s!r} (use e.g. 4096, 4K, 1M)") from None
     if n <= 0:
@@ -28,30 +28,19 @@ def parse_tokens(s: str) -> int:
     return n
 
 
-def _config(args: argparse.Namespace) -> ModelConfig:
-    return load_config(args.config)
-
-
-def _emit_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2))
-
-
 def _g(x: float, unit: float = 1e9, nd: int = 2) -> str:
     return f"{x / unit:,.{nd}f}"
 
 
+# Each subcommand is a pair: report(cfg, args) -> the JSON-ready dict, and table(cfg, args, report) printing it.
+
 # ------------------------------------------------------------------------------------------ kv
 
-def _cmd_kv(args: argparse.Namespace) -> int:
-    from dsv41.analysis.kv_bytes import kv_report
+def _kv_report(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
+    return {**kv_report(cfg), "config": args.config, "modes": role_summary(cfg)["modes"]}
 
-    cfg = _config(args)
-    r = kv_report(cfg)
-    r["config"] = args.config
-    r["modes"] = role_summary(cfg)["modes"]
-    if args.json:
-        _emit_json(r)
-        return 0
+
+def _kv_table(cfg: ModelConfig, args: argparse.Namespace, r: dict[str, Any]) -> None:
     print(f"KV cache bytes, config {args.config}")
     print(f"  main KV entry      {r['main_entry_bytes']:>8} B   (E2M1 codes + one E4M3 scale per 16)")
     print(f"  indexer K entry    {r['indexer_entry_bytes']:>8} B   (MXFP4: E2M1 + one E8M0 per 32)")
@@ -68,64 +57,54 @@ def _cmd_kv(args: argparse.Namespace) -> int:
     print("\n  model                                  B/token")
     for c in r["comparison"]:
         print(f"  {c['model']:<36} {c['bytes_per_token']:>10,}   {c['how']}")
-    n = r["tokens"]
-    print(f"\n  global KV at {n:,} tokens: {r['global_kv_bytes_at_tokens'] / 1e6:,.0f} MB"
+    d, g = r["persistent_ratio_detail"], r["global_ratio_vs_v4_flash"]
+    print(f"\n  global KV at {r['tokens']:,} tokens: {r['global_kv_bytes_at_tokens'] / 1e6:,.0f} MB"
           f"   (V3.2: {r['v32_bytes_at_tokens'] / 1e9:,.1f} GB)")
-    d = r["persistent_ratio_detail"]
-    print(f"  global KV vs V4-Flash: {r['global_ratio_vs_v4_flash']:.4f} (~1/{1 / r['global_ratio_vs_v4_flash']:.1f})")
+    print(f"  global KV vs V4-Flash: {g:.4f} (~1/{1 / g:.1f})")
     print(f"  persistent KV vs V4-Flash: {d['swa_leaves_persistent_factor']} (SWA leaves SSD) x "
           f"{d['global_kv_ratio']:.4f} (global) = {d['ratio']:.4f} (~1/{d['as_one_over']:.1f})")
-    return 0
 
 
 # ------------------------------------------------------------------------------------------ params
 
-def _cmd_params(args: argparse.Namespace) -> int:
-    from dsv41.analysis.params import params_report
+def _params_report(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
+    return {**params_report(cfg), "config": args.config}
 
-    cfg = _config(args)
-    r = params_report(cfg)
-    r["config"] = args.config
-    if args.json:
-        _emit_json(r)
-        return 0
-    b = r["backbone_detail"]
-    e = r["engram_detail"]
-    print(f"Parameters, config {args.config} (billions)")
-    print(f"  backbone           {_g(r['backbone']):>10}   (embed + {cfg.n_layers} layers + norm + head)")
-    print(f"    experts          {_g(r['experts']):>10}   (routed {_g(b['routed_experts'])} + shared "
-          f"{_g(b['shared_experts'])})")
-    print(f"    other in layers  {_g(b['non_expert_layers']):>10}")
-    print(f"    embed + head     {_g(b['embed'] + b['head']):>10}")
-    print(f"  Engram             {_g(r['engram']):>10}   (tables {_g(e['tables'])} + wkv {_g(e['wkv'])} + q/k "
-          f"weights {_g(e['qk_weights'], nd=6)})")
-    print(f"  DSpark             {_g(r['dspark']):>10}   (3 blocks, main_proj, Markov + confidence heads;"
-          f" embed/head tied)")
-    print(f"  vision             {_g(r['vision']):>10}   (ViT + aligner + image_start/end/newline)")
-    print(f"  total              {_g(r['total']):>10}")
+
+def _params_table(cfg: ModelConfig, args: argparse.Namespace, r: dict[str, Any]) -> None:
+    b, e = r["backbone_detail"], r["engram_detail"]
     ap, ad = r["activated_prefill_detail"], r["activated_decode_detail"]
-    print(f"  activated, prefill {_g(r['activated_prefill']):>10}   (encoder layers < {r['ced_split']} "
-          f"{_g(ap['encoder_layers'])} + Engram {_g(ap['engram'])} + KV production {_g(ap['kv_production'], nd=4)})")
-    print(f"  activated, decode  {_g(r['activated_decode']):>10}   (layers {_g(ad['layers'])} + Engram "
-          f"{_g(ad['engram'])} + head {_g(ad['head'])})")
-    return 0
+    print(f"Parameters, config {args.config} (billions)")
+    for label, value, note in (
+            ("backbone", r["backbone"], f"(embed + {cfg.n_layers} layers + norm + head)"),
+            ("  experts", r["experts"], f"(routed {_g(b['routed_experts'])} + shared {_g(b['shared_experts'])})"),
+            ("  other in layers", b["non_expert_layers"], ""),
+            ("  embed + head", b["embed"] + b["head"], ""),
+            ("Engram", r["engram"],
+             f"(tables {_g(e['tables'])} + wkv {_g(e['wkv'])} + q/k weights {_g(e['qk_weights'], nd=6)})"),
+            ("DSpark", r["dspark"], "(3 blocks, main_proj, Markov + confidence heads; embed/head tied)"),
+            ("vision", r["vision"], "(ViT + aligner + image_start/end/newline)"),
+            ("total", r["total"], ""),
+            ("activated, prefill", r["activated_prefill"],
+             f"(encoder layers < {r['ced_split']} {_g(ap['encoder_layers'])} + Engram {_g(ap['engram'])} + KV "
+             f"production {_g(ap['kv_production'], nd=4)})"),
+            ("activated, decode", r["activated_decode"],
+             f"(layers {_g(ad['layers'])} + Engram {_g(ad['engram'])} + head {_g(ad['head'])})")):
+        print(f"  {label:<18} {_g(value):>10}" + (f"   {note}" if note else ""))
 
 
 # ------------------------------------------------------------------------------------------ flops
 
-def _cmd_flops(args: argparse.Namespace) -> int:
-    from dsv41.analysis.flops import DEFAULT_CONTEXTS, flops_report, plot_decode_curve
-
-    cfg = _config(args)
+def _flops_report(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
     ctx = args.context or list(DEFAULT_CONTEXTS)
-    r = flops_report(cfg, ctx)
-    r["config"] = args.config
+    r = {**flops_report(cfg, ctx), "config": args.config}
     if args.plot:
         plot_decode_curve(cfg, ctx, args.plot)
         r["plot"] = args.plot
-    if args.json:
-        _emit_json(r)
-        return 0
+    return r
+
+
+def _flops_table(cfg: ModelConfig, args: argparse.Namespace, r: dict[str, Any]) -> None:
     f = r["indexer_formula"]
     print(f"Decode compute per token, config {args.config}")
     print(f"  indexer MACs = {f['per_token']:,.0f} N + {f['constant']:,.0f}"
@@ -138,10 +117,9 @@ def _cmd_flops(args: argparse.Namespace) -> int:
         print(f"  {n:>10,} {r['indexer_macs'][i] / unit:>10.3f} {r['indexer_macs_flat'][i] / unit:>10.3f} "
               f"{r['decode_flops_raw'][i] / unit:>11.2f} {r['decode_flops_weighted'][i] / unit:>9.2f} "
               f"{r['decode_flops_weighted_fp4_experts'][i] / unit:>10.2f}")
-    g = r["decode_growth"]
+    g, m = r["decode_growth"], r["indexer_at_1m"]
     print(f"  growth {g['from']:,} -> {g['to']:,}: x{g['ratio']:.3f}  (experts counted at FP4: "
           f"x{g['ratio_fp4_experts']:.3f})")
-    m = r["indexer_at_1m"]
     print(f"  indexer at N = {m['tokens']:,}: {m['macs'] / 1e9:.2f} G MACs = {m['flops_raw'] / 1e9:.1f} GFLOPs raw,"
           f" {m['flops_weighted_fp4'] / 1e9:.2f} weighted at FP4")
     print("  precision weights: BF16/FP32 1, FP8 0.5, FP4 0.25; routed experts at "
@@ -152,65 +130,62 @@ def _cmd_flops(args: argparse.Namespace) -> int:
               f" {100 * p['fraction_raw']:.1f}% of prefill FLOPs raw, {100 * p['fraction_weighted']:.1f}% weighted")
     if args.plot:
         print(f"wrote {args.plot}")
-    return 0
 
 
 # ------------------------------------------------------------------------------------------ io
 
-def _cmd_io(args: argparse.Namespace) -> int:
-    from dsv41.analysis.io import io_overlap, raw_bytes_per_image_token, training_flops_per_token, vit_tokens
-
-    cfg = _config(args)
-    h, w = args.image
-    vt = vit_tokens(cfg, h, w)
+def _io_report(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
+    vt = vit_tokens(cfg, *args.image)
     rho = args.rho if args.rho is not None else raw_bytes_per_image_token(cfg)
     c = args.flops_per_token if args.flops_per_token is not None else training_flops_per_token(cfg)
     v = io_overlap(rho, c, args.io_bandwidth, args.gpu_flops)
-    r = {"config": args.config, "vit": vt, "rho": rho, "flops_per_token": c, "io_bandwidth": args.io_bandwidth,
-         "gpu_flops": args.gpu_flops, "verdict": v.to_dict()}
-    if args.json:
-        _emit_json(r)
-        return 0
-    print(f"ViT: {h}x{w} -> {vt['patches']} patches of {vt['patch']} px -> {vt['image_tokens']} tokens after "
-          f"{vt['unshuffle']}x{vt['unshuffle']} unshuffle (span with layout tokens {vt['span_tokens']}, "
+    return {"config": args.config, "vit": vt, "rho": rho, "flops_per_token": c, "io_bandwidth": args.io_bandwidth,
+            "gpu_flops": args.gpu_flops, "verdict": v.to_dict()}
+
+
+def _io_table(cfg: ModelConfig, args: argparse.Namespace, r: dict[str, Any]) -> None:
+    vt, v, rho = r["vit"], r["verdict"], r["rho"]
+    print(f"ViT: {vt['height']}x{vt['width']} -> {vt['patches']} patches of {vt['patch']} px -> {vt['image_tokens']}"
+          f" tokens after {vt['unshuffle']}x{vt['unshuffle']} unshuffle (span with layout tokens {vt['span_tokens']}, "
           f"{'fits' if vt['fits_max_n_token'] else 'exceeds'} vision_max_n_token={cfg.vision_max_n_token})")
-    print(f"rho = {rho:,.0f} B/token, C = {c / 1e9:,.1f} GFLOPs/token, threshold (B_IO/B_GPU) C = "
-          f"{v.threshold:,.1f} B/token -> I/O {'hidden' if v.hidden else 'NOT hidden'} "
-          f"(margin {v.margin:,.1f} B/token, headroom x{v.headroom:.3g}; independent of N)")
-    return 0
+    print(f"rho = {rho:,.0f} B/token, C = {r['flops_per_token'] / 1e9:,.1f} GFLOPs/token, threshold (B_IO/B_GPU) C = "
+          f"{v['threshold']:,.1f} B/token -> I/O {'hidden' if v['hidden'] else 'NOT hidden'} "
+          f"(margin {v['margin']:,.1f} B/token, headroom x{v['headroom']:.3g}; independent of N)")
 
 
 # ------------------------------------------------------------------------------------------ register
 
+def _run(args: argparse.Namespace) -> int:
+    """Every subcommand: load the config, build its report, print that as JSON or as the subcommand's table."""
+    cfg = load_config(args.config)
+    r = args.report(cfg, args)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        args.table(cfg, args, r)
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("analyze", help="KV bytes, parameters, FLOPs, I/O criterion from a config")
     sub = p.add_subparsers(dest="analysis", required=True)
-
-    def common(sp: argparse.ArgumentParser) -> None:
+    parsers = {}
+    for name, helptext, report, table in (
+            ("kv", "KV-cache bytes per token and the comparison table", _kv_report, _kv_table),
+            ("params", "parameter counts and activated parameters", _params_report, _params_table),
+            ("flops", "decode indexer MACs and weighted decode FLOPs vs context", _flops_report, _flops_table),
+            ("io", "image I/O hidden by compute? rho < (B_IO / B_GPU) * C", _io_report, _io_table)):
+        sp = parsers[name] = sub.add_parser(name, help=helptext)
         sp.add_argument("--config", default=DEFAULT_CONFIG,
                         help=f"preset name or config.json path / checkpoint dir (default {DEFAULT_CONFIG})")
         sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-    kv = sub.add_parser("kv", help="KV-cache bytes per token and the comparison table")
-    common(kv)
-    kv.set_defaults(func=_cmd_kv)
-
-    pa = sub.add_parser("params", help="parameter counts and activated parameters")
-    common(pa)
-    pa.set_defaults(func=_cmd_params)
-
-    fl = sub.add_parser("flops", help="decode indexer MACs and weighted decode FLOPs vs context")
-    common(fl)
+        sp.set_defaults(func=_run, report=report, table=table)
+    fl, io = parsers["flops"], parsers["io"]
     fl.add_argument("--context", type=parse_tokens, nargs="+", metavar="N",
                     help="context lengths (e.g. 4K 64K 1M; default 4K..1M in powers of two)")
     fl.add_argument("--plot", metavar="PNG", help="write the decode FLOPs-vs-context curve (log-x)")
-    fl.set_defaults(func=_cmd_flops)
-
-    io = sub.add_parser("io", help="image I/O hidden by compute? rho < (B_IO / B_GPU) * C")
-    common(io)
     io.add_argument("--io-bandwidth", type=float, required=True, help="storage bytes/s available (e.g. per GPU)")
     io.add_argument("--gpu-flops", type=float, required=True, help="achieved FLOP/s (same scope as --io-bandwidth)")
     io.add_argument("--rho", type=float, help="raw bytes per token (default: 8-bit RGB pixels per image token)")
     io.add_argument("--flops-per-token", type=float, help="C (default: training, 6 x activated parameters)")
     io.add_argument("--image", type=int, nargs=2, default=(1344, 1344), metavar=("H", "W"))
-    io.set_defaults(func=_cmd_io)

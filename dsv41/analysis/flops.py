@@ -1,11 +1,11 @@
-"""Decode and prefill compute versus context length, from the config (SYSTEM.md section 1; notes section 4.4).
+"""Decode and prefill compute versus context length, from the config (SYSTEM.md section 1; docs/report.md §4.4).
 
 Units: a MAC is one multiply-accumulate; FLOPs = 2 * MACs. "Weighted" FLOPs follow the report's Figure 2
 convention: each FLOP is weighted by the relative cost of its precision, BF16 1, FP8 0.5, FP4 0.25 (FP32 counted
 as BF16). Elementwise work (norms, RoPE, softmax, SwiGLU, hc_post, compressor pooling) is not counted: only
 matrix products.
 
-Decode indexer (report section 4.4): each (query, entry) score is index_n_heads * index_head_dim = 32 * 128 = 4096
+Decode indexer (docs/report.md §4.4): each (query, entry) score is index_n_heads * index_head_dim = 32 * 128 = 4096
 MACs. Full layers (own keys) scan every visible entry, N // m of them; Reindex layers scan only the candidate pool,
 candidate_topk_blocks * candidate_block_size = 2048 * 8 = 16,384 entries (or all visible ones if fewer):
 
@@ -21,7 +21,7 @@ Per-token decode model (`decode_terms`), one generated token at context N, every
 - Routed experts, top-k of them: weights FP4 but activations FP8, and a mixed-operand MMA runs at the rate of its
   wider operand, so they count at FP8 (0.5). `expert_mma="fp4"` counts them at 0.25 instead (a GPU with a native
   W4A8 path at FP4 rate); see `decode_report` for both curves. The FP8 choice is the one that reproduces Figure 2's
-  ~20 GFLOPs at short context (16B activated, notes: "约20 vs. 约17 GFLOPs").
+  ~20 GFLOPs at short context (16B activated; docs/report.md §4.4: "about 20 vs 17 GFLOPs").
 - BF16 / FP32 matmuls (weight 1): the MoE gate, the hc_mixes projections, the compressor (fp32 for m = 2, bf16 for
   m = 1), the indexer's wk (once per new entry, i.e. 1/m per token) and weights_proj, the LM head.
 - Attention core in BF16: QK and PV over the window (min(W, N) rows) plus the top-k compressed entries
@@ -39,21 +39,17 @@ The encoder Full layers' indexer is still O(N^2): query i sees (i+1)//m entries,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
+from dsv41.analysis.params import engram_wkv_params
 from dsv41.config import LayerRole, Mode, ModelConfig, ced_split, layer_roles
 
 PRECISION_WEIGHT = {"bf16": 1.0, "fp32": 1.0, "fp8": 0.5, "fp4": 0.25}
-_WIDTH = {"fp4": 4, "fp8": 8, "bf16": 16, "fp32": 32}
 
 # Default contexts: 4K to 1M (256x, binary), the range of the report's Figure 2.
 DEFAULT_CONTEXTS = tuple(4096 << k for k in range(9))
-# The notes quote the indexer at "N = 1M" as 10.2 G MACs / 20.5 GFLOPs, i.e. N = 10^6.
+# docs/report.md §4.4 quotes the indexer at "N = 1M" as 10.2 G MACs / 20.5 GFLOPs, i.e. N = 10^6.
 ONE_MILLION = 1_000_000
-
-
-def _wider(a: str, b: str) -> str:
-    return a if _WIDTH[a] >= _WIDTH[b] else b
 
 
 def linear_precision(cfg: ModelConfig) -> str:
@@ -68,9 +64,8 @@ def expert_precision(cfg: ModelConfig, expert_mma: str = "auto") -> str:
         if expert_mma not in PRECISION_WEIGHT:
             raise ValueError(f"expert_mma must be auto, fp4, fp8 or bf16, not {expert_mma!r}")
         return expert_mma
-    w = cfg.expert_dtype or cfg.dtype
-    act = "fp8" if w in ("fp8", "fp4") else "bf16"
-    return _wider(w, act)
+    # The config allows fp4 / fp8 / bf16 weights: quantized ones run at FP8 (their activations' width).
+    return "bf16" if (cfg.expert_dtype or cfg.dtype) == "bf16" else "fp8"
 
 
 # ------------------------------------------------------------------------------------------ indexer
@@ -86,13 +81,9 @@ def candidate_pool_entries(cfg: ModelConfig) -> int:
 
 
 def _scanned_entries(cfg: ModelConfig, role: LayerRole, visible: int, hierarchical: bool) -> int:
-    if role.mode == Mode.FULL:
-        return visible
-    if role.mode == Mode.REINDEX:
-        if hierarchical and role.uses_candidates:
-            return min(candidate_pool_entries(cfg), visible)
-        return visible
-    return 0
+    if role.mode == Mode.REINDEX and hierarchical and role.uses_candidates:
+        return min(candidate_pool_entries(cfg), visible)
+    return visible if role.mode in (Mode.FULL, Mode.REINDEX) else 0
 
 
 def indexer_macs(cfg: ModelConfig, n: int, hierarchical: bool = True) -> int:
@@ -112,9 +103,8 @@ def indexer_coefficients(cfg: ModelConfig) -> dict[str, float]:
     reidx = [r for r in layer_roles(cfg) if r.mode == Mode.REINDEX]
     pooled = [r for r in reidx if r.uses_candidates]
     a = s * sum(1 / r.ratio for r in full + [r for r in reidx if not r.uses_candidates])
-    b = s * candidate_pool_entries(cfg) * len(pooled)
-    flat = s * sum(1 / r.ratio for r in full + reidx)
-    return {"per_token": a, "constant": b, "flat_per_token": flat,
+    return {"per_token": a, "constant": s * candidate_pool_entries(cfg) * len(pooled),
+            "flat_per_token": s * sum(1 / r.ratio for r in full + reidx),
             "effective_full_layers": sum(1 / r.ratio for r in full)}
 
 
@@ -135,6 +125,14 @@ class Term:
         return self.flops * PRECISION_WEIGHT[self.precision]
 
 
+def _summed(terms: Iterable[Term]) -> list[Term]:
+    """Terms of the same name and precision added up, in order of first appearance."""
+    acc: dict[tuple[str, str], float] = {}
+    for t in terms:
+        acc[(t.name, t.precision)] = acc.get((t.name, t.precision), 0.0) + t.macs
+    return [Term(name, macs, prec) for (name, prec), macs in acc.items()]
+
+
 def _layer_linear_terms(cfg: ModelConfig, role: LayerRole, expert_mma: str) -> list[Term]:
     """Matmul terms of one backbone layer that do not depend on context (per token)."""
     D, H, d = cfg.dim, cfg.n_heads, cfg.head_dim
@@ -152,12 +150,11 @@ def _layer_linear_terms(cfg: ModelConfig, role: LayerRole, expert_mma: str) -> l
         Term("routed_experts", k * 3 * cfg.moe_inter_dim * D, expert_precision(cfg, expert_mma)),
     ]
     if role.is_kv_source:
-        n_proj = 2 if role.ratio > 1 else 1
-        t.append(Term("compressor", n_proj * d * D, "fp32" if role.ratio > 1 else "bf16"))
-        t.append(Term("indexer_k", cfg.index_head_dim * d / role.ratio, "bf16"))
+        t += [Term("compressor", (2 if role.ratio > 1 else 1) * d * D, "fp32" if role.ratio > 1 else "bf16"),
+              Term("indexer_k", cfg.index_head_dim * d / role.ratio, "bf16")]
     if role.is_index_source:
-        t.append(Term("indexer_q", cfg.index_n_heads * cfg.index_head_dim * cfg.q_lora_rank, lin))
-        t.append(Term("indexer_weights", cfg.index_n_heads * D, "bf16"))
+        t += [Term("indexer_q", cfg.index_n_heads * cfg.index_head_dim * cfg.q_lora_rank, lin),
+              Term("indexer_weights", cfg.index_n_heads * D, "bf16")]
     return t
 
 
@@ -166,29 +163,24 @@ def _attn_core_macs(cfg: ModelConfig, ratio: int, window_rows: float, topk_rows:
     return 2 * cfg.n_heads * cfg.head_dim * rows
 
 
+def _token_terms(cfg: ModelConfig, role: LayerRole, n: int, expert_mma: str, hierarchical: bool,
+                 skip: tuple[str, ...] = ()) -> Iterator[Term]:
+    """One layer's terms for one token at context n (the token itself included), less the names in `skip`."""
+    yield from (t for t in _layer_linear_terms(cfg, role, expert_mma) if t.name not in skip)
+    visible = n // role.ratio if role.ratio else 0
+    yield Term("attention_core", _attn_core_macs(cfg, role.ratio, min(cfg.window_size, n),
+                                                 min(cfg.index_topk, visible)), "bf16")
+    scanned = _scanned_entries(cfg, role, visible, hierarchical)
+    if scanned:
+        yield Term("indexer_scores", index_score_macs(cfg) * scanned, "fp4")
+
+
 def decode_terms(cfg: ModelConfig, n: int, expert_mma: str = "auto", hierarchical: bool = True) -> list[Term]:
     """All matmul terms of one decode token at context n (the token itself included), summed over layers."""
-    acc: dict[tuple[str, str], float] = {}
-
-    def add(term: Term) -> None:
-        acc[(term.name, term.precision)] = acc.get((term.name, term.precision), 0.0) + term.macs
-
-    roles = layer_roles(cfg)
-    for r in roles:
-        for term in _layer_linear_terms(cfg, r, expert_mma):
-            add(term)
-        visible = n // r.ratio if r.ratio else 0
-        add(Term("attention_core", _attn_core_macs(cfg, r.ratio, min(cfg.window_size, n),
-                                                   min(cfg.index_topk, visible)), "bf16"))
-        scanned = _scanned_entries(cfg, r, visible, hierarchical)
-        if scanned:
-            add(Term("indexer_scores", index_score_macs(cfg) * scanned, "fp4"))
     lin = linear_precision(cfg)
-    for _ in cfg.engram_layer_ids:
-        orders = cfg.engram_max_ngram_size - 1
-        add(Term("engram_wkv", (cfg.hc_mult + 1) * cfg.dim * orders * cfg.engram_n_heads * cfg.engram_head_dim, lin))
-    add(Term("lm_head", cfg.vocab_size * cfg.dim, "bf16"))
-    return [Term(name, macs, prec) for (name, prec), macs in acc.items()]
+    return _summed([*(t for r in layer_roles(cfg) for t in _token_terms(cfg, r, n, expert_mma, hierarchical)),
+                    *(Term("engram_wkv", engram_wkv_params(cfg), lin) for _ in cfg.engram_layer_ids),
+                    Term("lm_head", cfg.vocab_size * cfg.dim, "bf16")])
 
 
 def decode_flops(cfg: ModelConfig, n: int, expert_mma: str = "auto", hierarchical: bool = True) -> dict[str, float]:
@@ -213,15 +205,18 @@ def _sum_min_floor(n: int, m: int, cap: int) -> int:
     return _sum_floor(cap * m - 1, m) + cap * (n - cap * m + 1)
 
 
+def _encoder_layers(cfg: ModelConfig) -> int:
+    """Layers below the CED split: all of them when there is no split."""
+    split = ced_split(cfg)
+    return split if split is not None else cfg.n_layers
+
+
 def encoder_indexer_macs(cfg: ModelConfig, n: int) -> dict[str, float]:
     """Prefill indexer MACs of the encoder (layers below the CED split), exact over the causal prefix:
     query i (0-based) of a ratio-m layer sees (i+1)//m entries. Coefficient of N^2: 4096 * sum 1/(2m) = 3072."""
-    split = ced_split(cfg)
-    top = split if split is not None else cfg.n_layers
     s = index_score_macs(cfg)
-    total = 0
-    coef = 0.0
-    for r in layer_roles(cfg)[:top]:
+    total, coef = 0, 0.0
+    for r in layer_roles(cfg)[:_encoder_layers(cfg)]:
         if r.mode == Mode.FULL or (r.mode == Mode.REINDEX and not r.uses_candidates):
             total += s * _sum_floor(n, r.ratio)
             coef += s / (2 * r.ratio)
@@ -230,72 +225,44 @@ def encoder_indexer_macs(cfg: ModelConfig, n: int) -> dict[str, float]:
     return {"macs": total, "n2_coefficient": coef, "approx_macs": coef * n * n}
 
 
+def _prefill_term_list(cfg: ModelConfig, n: int, expert_mma: str) -> Iterator[Term]:
+    split = _encoder_layers(cfg)
+    roles = layer_roles(cfg)
+    for r in roles[:split]:                                   # encoder: every prompt token
+        yield from (Term(t.name, t.macs * n, t.precision) for t in _layer_linear_terms(cfg, r, expert_mma))
+        topk_rows = _sum_min_floor(n, r.ratio, cfg.index_topk) if r.ratio else 0
+        yield Term("attention_core", _attn_core_macs(cfg, r.ratio, _sum_min_floor(n, 1, cfg.window_size), topk_rows),
+                   "bf16")
+    yield Term("indexer_scores", encoder_indexer_macs(cfg, n)["macs"], "fp4")
+    if split < cfg.n_layers:                                  # decoder KV source: global KV for every token
+        m = roles[split].ratio
+        yield Term("compressor", (2 if m > 1 else 1) * cfg.head_dim * cfg.dim * n, "fp32" if m > 1 else "bf16")
+        yield Term("indexer_k", cfg.index_head_dim * cfg.head_dim * (n // m), "bf16")
+    tail = min(cfg.window_size, n)                            # decoder: the last window, in full
+    for i in range(n - tail, n):                              # (compressor, indexer_k: counted above for all n)
+        for r in roles[split:]:
+            yield from _token_terms(cfg, r, i + 1, expert_mma, True, skip=("compressor", "indexer_k"))
+    for L in cfg.engram_layer_ids:
+        yield Term("engram_wkv", engram_wkv_params(cfg) * (n if L <= split else tail), linear_precision(cfg))
+    yield Term("lm_head", cfg.vocab_size * cfg.dim, "bf16")
+
+
 def prefill_terms(cfg: ModelConfig, n: int, expert_mma: str = "auto") -> list[Term]:
     """All matmul terms of a CED prefill of n prompt tokens (module docstring)."""
-    split = ced_split(cfg)
-    if split is None:
-        split = cfg.n_layers
-    roles = layer_roles(cfg)
-    acc: dict[tuple[str, str], float] = {}
-
-    def add(name: str, macs: float, prec: str) -> None:
-        acc[(name, prec)] = acc.get((name, prec), 0.0) + macs
-
-    lin = linear_precision(cfg)
-    s = index_score_macs(cfg)
-    w = cfg.window_size
-    for r in roles[:split]:                                   # encoder: every prompt token
-        for t in _layer_linear_terms(cfg, r, expert_mma):
-            add(t.name, t.macs * n, t.precision)
-        win_rows = _sum_min_floor(n, 1, w)
-        topk_rows = _sum_min_floor(n, r.ratio, cfg.index_topk) if r.ratio else 0
-        add("attention_core", _attn_core_macs(cfg, r.ratio, win_rows, topk_rows), "bf16")
-    add("indexer_scores", encoder_indexer_macs(cfg, n)["macs"], "fp4")
-    if split < cfg.n_layers:                                  # decoder KV source: global KV for every token
-        src = roles[split]
-        n_proj = 2 if src.ratio > 1 else 1
-        add("compressor", n_proj * cfg.head_dim * cfg.dim * n, "fp32" if src.ratio > 1 else "bf16")
-        add("indexer_k", cfg.index_head_dim * cfg.head_dim * (n // src.ratio), "bf16")
-    tail = min(w, n)                                           # decoder: the last window, in full
-    for i in range(n - tail, n):
-        for r in roles[split:]:
-            for t in _layer_linear_terms(cfg, r, expert_mma):
-                if t.name in ("compressor", "indexer_k"):
-                    continue                                   # counted above for all n tokens
-                add(t.name, t.macs, t.precision)
-            visible = (i + 1) // r.ratio if r.ratio else 0
-            add("attention_core", _attn_core_macs(cfg, r.ratio, min(w, i + 1), min(cfg.index_topk, visible)), "bf16")
-            scanned = _scanned_entries(cfg, r, visible, True)
-            if scanned:
-                add("indexer_scores", s * scanned, "fp4")
-    orders = cfg.engram_max_ngram_size - 1
-    for L in cfg.engram_layer_ids:
-        rows = n if L <= split else tail
-        add("engram_wkv", (cfg.hc_mult + 1) * cfg.dim * orders * cfg.engram_n_heads * cfg.engram_head_dim * rows, lin)
-    add("lm_head", cfg.vocab_size * cfg.dim, "bf16")
-    return [Term(name, macs, prec) for (name, prec), macs in acc.items()]
+    return _summed(_prefill_term_list(cfg, n, expert_mma))
 
 
 def prefill_indexer_share(cfg: ModelConfig, n: int, expert_mma: str = "auto") -> dict[str, float]:
     """The encoder indexer's share of a CED prefill of n tokens, raw and weighted (indexer at FP4).
 
-    The notes' rough estimate (backbone all at FP8): ~15-20% at 1M, ~5% at 256K."""
+    docs/report.md §4.4's rough estimate (backbone all at FP8): ~15-20% at 1M, ~5% at 256K."""
     enc = encoder_indexer_macs(cfg, n)
     terms = prefill_terms(cfg, n, expert_mma)
-    raw = sum(t.flops for t in terms)
-    weighted = sum(t.weighted for t in terms)
+    raw, weighted = sum(t.flops for t in terms), sum(t.weighted for t in terms)
     idx_raw = 2.0 * enc["macs"]
-    idx_w = idx_raw * PRECISION_WEIGHT["fp4"]
-    return {
-        "tokens": n,
-        "encoder_indexer_macs": enc["macs"],
-        "n2_coefficient": enc["n2_coefficient"],
-        "approx_macs": enc["approx_macs"],
-        "prefill_flops_raw": raw,
-        "prefill_flops_weighted": weighted,
-        "fraction_raw": idx_raw / raw,
-        "fraction_weighted": idx_w / weighted,
-    }
+    return {"tokens": n, "encoder_indexer_macs": enc["macs"], "n2_coefficient": enc["n2_coefficient"],
+            "approx_macs": enc["approx_macs"], "prefill_flops_raw": raw, "prefill_flops_weighted": weighted,
+            "fraction_raw": idx_raw / raw, "fraction_weighted": idx_raw * PRECISION_WEIGHT["fp4"] / weighted}
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -311,18 +278,13 @@ def flops_report(cfg: ModelConfig, contexts: Iterable[int] = DEFAULT_CONTEXTS,
     dec_fp4 = [decode_flops(cfg, n, expert_mma="fp4") for n in ctx]
     idx_1m = indexer_macs(cfg, ONE_MILLION)
     lo, hi = min(ctx), max(ctx)
-    terms_lo = {f"{t.name}[{t.precision}]": t.weighted for t in decode_terms(cfg, lo)}
-    terms_hi = {f"{t.name}[{t.precision}]": t.weighted for t in decode_terms(cfg, hi)}
-    w_lo = decode_flops(cfg, lo)["weighted"]
-    w_hi = decode_flops(cfg, hi)["weighted"]
+    ilo, ihi = ctx.index(lo), ctx.index(hi)
+    terms = [{f"{t.name}[{t.precision}]": t.weighted for t in decode_terms(cfg, c)} for c in (lo, hi)]
     return {
         "contexts": ctx,
         "indexer_macs": [indexer_macs(cfg, n) for n in ctx],
         "indexer_macs_flat": [indexer_macs(cfg, n, hierarchical=False) for n in ctx],
-        "indexer_formula": {"per_token": coefs["per_token"], "constant": coefs["constant"],
-                            "flat_per_token": coefs["flat_per_token"],
-                            "effective_full_layers": coefs["effective_full_layers"],
-                            "score_macs": index_score_macs(cfg), "pool_entries": candidate_pool_entries(cfg)},
+        "indexer_formula": {**coefs, "score_macs": index_score_macs(cfg), "pool_entries": candidate_pool_entries(cfg)},
         "indexer_at_1m": {"tokens": ONE_MILLION, "macs": idx_1m,
                           "linear_term_macs": coefs["per_token"] * ONE_MILLION,
                           "flops_raw": 2.0 * idx_1m, "flops_weighted_fp4": 2.0 * idx_1m * PRECISION_WEIGHT["fp4"],
@@ -330,9 +292,9 @@ def flops_report(cfg: ModelConfig, contexts: Iterable[int] = DEFAULT_CONTEXTS,
         "decode_flops_raw": [d["raw"] for d in dec],
         "decode_flops_weighted": [d["weighted"] for d in dec],
         "decode_flops_weighted_fp4_experts": [d["weighted"] for d in dec_fp4],
-        "decode_growth": {"from": lo, "to": hi, "ratio": w_hi / w_lo,
-                          "ratio_fp4_experts": dec_fp4[ctx.index(hi)]["weighted"] / dec_fp4[ctx.index(lo)]["weighted"]},
-        "decode_terms_weighted": {"context": lo, "terms": terms_lo, "context_hi": hi, "terms_hi": terms_hi},
+        "decode_growth": {"from": lo, "to": hi, "ratio": dec[ihi]["weighted"] / dec[ilo]["weighted"],
+                          "ratio_fp4_experts": dec_fp4[ihi]["weighted"] / dec_fp4[ilo]["weighted"]},
+        "decode_terms_weighted": {"context": lo, "terms": terms[0], "context_hi": hi, "terms_hi": terms[1]},
         "precision_weights": PRECISION_WEIGHT,
         "expert_precision": expert_precision(cfg),
         "prefill_indexer_share": [prefill_indexer_share(cfg, n) for n in prefill_contexts],
@@ -351,13 +313,11 @@ def plot_decode_curve(cfg: ModelConfig, contexts: Iterable[int], path: str) -> N
     lo, hi = ctx[0], ctx[-1]
     steps = 64
     dense = sorted(set(ctx) | {round(lo * (hi / lo) ** (k / steps)) for k in range(steps + 1)})
-    w = [decode_flops(cfg, n)["weighted"] / 1e9 for n in dense]
-    w4 = [decode_flops(cfg, n, expert_mma="fp4")["weighted"] / 1e9 for n in dense]
-    flat = [decode_flops(cfg, n, hierarchical=False)["weighted"] / 1e9 for n in dense]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(dense, w, label="hierarchical indexer (experts at FP8 MMA rate)")
-    ax.plot(dense, w4, "--", label="experts counted at FP4")
-    ax.plot(dense, flat, ":", label="no hierarchical indexer")
+    for kw, style, label in (({}, "-", "hierarchical indexer (experts at FP8 MMA rate)"),
+                             ({"expert_mma": "fp4"}, "--", "experts counted at FP4"),
+                             ({"hierarchical": False}, ":", "no hierarchical indexer")):
+        ax.plot(dense, [decode_flops(cfg, n, **kw)["weighted"] / 1e9 for n in dense], style, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context N (tokens)")
     ax.set_ylabel("decode GFLOPs per token (BF16 1, FP8 0.5, FP4 0.25)")

@@ -1,4 +1,4 @@
-"""KV-cache bytes per token, from the config (SYSTEM.md section 1; report section 2, "890 bytes/token").
+"""KV-cache bytes per token, from the config (SYSTEM.md section 1; docs/report.md §2, "890 bytes/token").
 
 The report factors KV cost into three multiplied dimensions: the size of one entry, the sequence dimension (m
 tokens pooled into one entry) and the layer dimension (only some layers store KV of their own):
@@ -6,13 +6,13 @@ tokens pooled into one entry) and the layer dimension (only some layers store KV
     B_global = sum over l in F of b_entry / m_l,      F = the layers that produce KV (the KV sources).
 
 Every figure here is derived from the config fields; the only literal constants are the reported V4-Flash figure
-(3,514 B/token, which the notes take from the report and cannot be recomputed from a V4.1 config) and the share of
+(3,514 B/token, taken from the report's Figure 1(b); it cannot be recomputed from a V4.1 config) and the share of
 SWA snapshots in V4's persistent cache (the report: "nearly half"), both cited where they are defined.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -27,14 +27,13 @@ INDEX_K_GROUP = 32     # indexer K: MXFP4, one E8M0 scale per 32 elements
 SWA_GROUP = 32         # SWA row: FP8 E4M3 codes, one UE8M0 scale per 32 channels
 FP8_BYTES = 1
 
-# V4-Flash global KV per token. Source: the DeepSeek-V4.1-Flash technical report, Figure 1(b), as quoted by the
-# notes (seed/v41-flash-report-notes.zh.txt section 2, the table row "DeepSeek-V4-Flash | 报告给的数 | 3,514").
-# V4's CSA/HCA layout is not described by a V4.1 config, so this one figure stays a cited constant.
+# V4-Flash global KV per token: the DeepSeek-V4.1-Flash technical report, Figure 1(b), the row "DeepSeek-V4-Flash"
+# of the table in docs/report.md §2. V4's CSA/HCA layout is not described by a V4.1 config, so this one figure
+# stays a cited constant.
 V4_FLASH_GLOBAL_BYTES_PER_TOKEN = 3514
 
-# Share of V4's persistent (SSD) cache taken by SWA snapshots. Source: the report via the notes, section 6:
-# "未压缩的SWA KV还是占了persistent cache接近一半的容量" (uncompressed SWA KV still takes nearly half of the
-# persistent cache). V4.1 moves SWA out of the persistent tier, which leaves (1 - share) of it.
+# Share of V4's persistent (SSD) cache taken by SWA snapshots: the report says uncompressed SWA KV took "nearly
+# half" of it (docs/report.md §6). V4.1 moves SWA out of the persistent tier, which leaves (1 - share) of it.
 V4_PERSISTENT_SWA_SHARE = Fraction(1, 2)
 
 # "1M tokens" in the report's KV figures is 10^6 (890 B/token -> 890 MB; V3.2 -> ~48 GB).
@@ -46,18 +45,21 @@ def _num(x: Fraction) -> int | float:
     return int(x) if x.denominator == 1 else float(x)
 
 
+def _fp4_entry_bytes(channels: int, group: int) -> Fraction:
+    """channels E2M1 codes (4 bit) + one 1-byte scale per `group` channels."""
+    return Fraction(channels * E2M1_BITS, 8) + Fraction(channels, group) * SCALE_BYTES
+
+
 def main_entry_bytes(cfg: ModelConfig) -> Fraction:
     """Compressed main-KV entry: head_dim E2M1 codes (4 bit) + one E4M3 scale per 16 channels.
 
     512 -> 256 + 32 = 288 B, i.e. 4.5 bit/channel (SYSTEM.md 1, report eq. for b_main)."""
-    d = cfg.head_dim
-    return Fraction(d * E2M1_BITS, 8) + Fraction(d, MAIN_KV_GROUP) * SCALE_BYTES
+    return _fp4_entry_bytes(cfg.head_dim, MAIN_KV_GROUP)
 
 
 def indexer_entry_bytes(cfg: ModelConfig) -> Fraction:
     """Indexer key entry: index_head_dim MXFP4 = E2M1 codes + one E8M0 scale per 32. 128 -> 64 + 4 = 68 B."""
-    d = cfg.index_head_dim
-    return Fraction(d * E2M1_BITS, 8) + Fraction(d, INDEX_K_GROUP) * SCALE_BYTES
+    return _fp4_entry_bytes(cfg.index_head_dim, INDEX_K_GROUP)
 
 
 def global_entry_bytes(cfg: ModelConfig) -> Fraction:
@@ -70,8 +72,7 @@ def swa_row_bytes(cfg: ModelConfig) -> Fraction:
 
     This is the format the official code simulates (act_quant, MODEL.md 3.3); the SWA branch stays FP8 because
     the report found it quantization-sensitive."""
-    d = cfg.head_dim
-    return Fraction(d * FP8_BYTES) + Fraction(d, SWA_GROUP) * SCALE_BYTES
+    return Fraction(cfg.head_dim * FP8_BYTES) + Fraction(cfg.head_dim, SWA_GROUP) * SCALE_BYTES
 
 
 def kv_source_layers(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -119,7 +120,7 @@ def comparison_table(cfg: ModelConfig) -> list[Comparison]:
 
 
 def persistent_ratio_vs_v4_flash(cfg: ModelConfig) -> dict[str, Any]:
-    """Persistent (SSD / host) KV of V4.1 relative to V4-Flash, as the report derives it (notes section 6):
+    """Persistent (SSD / host) KV of V4.1 relative to V4-Flash, as the report derives it (docs/report.md §6):
 
     - V4's persistent cache holds global KV and SWA snapshots, SWA being about half of it; V4.1 moves SWA to a
       short-TTL DRAM pool, which leaves (1 - 1/2) = 1/2;
@@ -129,12 +130,8 @@ def persistent_ratio_vs_v4_flash(cfg: ModelConfig) -> dict[str, Any]:
     global_ratio = global_kv_bytes_per_token(cfg) / V4_FLASH_GLOBAL_BYTES_PER_TOKEN
     swa_factor = 1 - V4_PERSISTENT_SWA_SHARE
     ratio = swa_factor * global_ratio
-    return {
-        "swa_leaves_persistent_factor": float(swa_factor),
-        "global_kv_ratio": float(global_ratio),
-        "ratio": float(ratio),
-        "as_one_over": float(1 / ratio) if ratio else float("inf"),
-    }
+    return {"swa_leaves_persistent_factor": float(swa_factor), "global_kv_ratio": float(global_ratio),
+            "ratio": float(ratio), "as_one_over": float(1 / ratio) if ratio else float("inf")}
 
 
 # ------------------------------------------------------------------------------------------ SWA rings
@@ -146,43 +143,31 @@ def swa_bytes_per_sequence(cfg: ModelConfig) -> dict[str, int | float]:
     it). The DSpark stages are window-only layers with their own rings and are reported separately. Under CED the
     encoder rings (layers below the split) are what the SWA pool snapshots; decoder rings are rebuilt by replay
     on every prefill and never persisted (SYSTEM.md 2, 4)."""
-    row = swa_row_bytes(cfg)
-    w = cfg.window_size
+    ring = cfg.window_size * swa_row_bytes(cfg)
     split = ced_split(cfg)
     n_enc = split if split is not None else cfg.n_layers
     n_dspark = cfg.n_mtp_layers if cfg.dspark_enabled else 0
-    return {
-        "rows_per_layer": w,
-        "backbone_layers": cfg.n_layers,
-        "backbone": _num(cfg.n_layers * w * row),
-        "encoder": _num(n_enc * w * row),
-        "decoder": _num((cfg.n_layers - n_enc) * w * row),
-        "dspark_layers": n_dspark,
-        "dspark": _num(n_dspark * w * row),
-    }
+    return {"rows_per_layer": cfg.window_size, "backbone_layers": cfg.n_layers, "backbone": _num(cfg.n_layers * ring),
+            "encoder": _num(n_enc * ring), "decoder": _num((cfg.n_layers - n_enc) * ring),
+            "dspark_layers": n_dspark, "dspark": _num(n_dspark * ring)}
 
 
 # ------------------------------------------------------------------------------------------ report
 
 def kv_report(cfg: ModelConfig, n_tokens: int = ONE_MILLION) -> dict[str, Any]:
     """Everything `dsv41 analyze kv` prints, as a JSON-ready dict."""
-    g = global_kv_bytes_per_token(cfg)
-    rows = comparison_table(cfg)
-    v32 = v32_bytes_per_token()
+    g, e = global_kv_bytes_per_token(cfg), global_entry_bytes(cfg)
+    persistent = persistent_ratio_vs_v4_flash(cfg)
     return {
-        "main_entry_bytes": _num(main_entry_bytes(cfg)),
-        "indexer_entry_bytes": _num(indexer_entry_bytes(cfg)),
-        "global_entry_bytes": _num(global_entry_bytes(cfg)),
-        "kv_source_layers": [{"layer": L, "ratio": m, "bytes_per_token": _num(global_entry_bytes(cfg) / m)}
+        "main_entry_bytes": _num(main_entry_bytes(cfg)), "indexer_entry_bytes": _num(indexer_entry_bytes(cfg)),
+        "global_entry_bytes": _num(e),
+        "kv_source_layers": [{"layer": L, "ratio": m, "bytes_per_token": _num(e / m)}
                              for L, m in kv_source_layers(cfg)],
-        "global_kv_bytes_per_token": _num(g),
-        "swa_bytes_per_token_per_layer": _num(swa_row_bytes(cfg)),
+        "global_kv_bytes_per_token": _num(g), "swa_bytes_per_token_per_layer": _num(swa_row_bytes(cfg)),
         "swa_bytes_per_sequence": swa_bytes_per_sequence(cfg),
-        "comparison": [{"model": c.model, "bytes_per_token": c.bytes_per_token, "how": c.how} for c in rows],
-        "tokens": n_tokens,
-        "global_kv_bytes_at_tokens": _num(g * n_tokens),
-        "v32_bytes_at_tokens": v32 * n_tokens,
+        "comparison": [asdict(c) for c in comparison_table(cfg)],
+        "tokens": n_tokens, "global_kv_bytes_at_tokens": _num(g * n_tokens),
+        "v32_bytes_at_tokens": v32_bytes_per_token() * n_tokens,
         "global_ratio_vs_v4_flash": float(g / V4_FLASH_GLOBAL_BYTES_PER_TOKEN),
-        "persistent_ratio_vs_v4_flash": persistent_ratio_vs_v4_flash(cfg)["ratio"],
-        "persistent_ratio_detail": persistent_ratio_vs_v4_flash(cfg),
+        "persistent_ratio_vs_v4_flash": persistent["ratio"], "persistent_ratio_detail": persistent,
     }

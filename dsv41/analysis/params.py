@@ -6,7 +6,7 @@ per-row scales included). Conditional tensors follow the layer roles: compressor
 released config has it exactly on the ratio-2 sources), indexer `wk`/`k_norm` and the compressor only on KV
 sources, indexer `wq_b`/`weights_proj` only on index sources, `gate.bias_vl` only with vision enabled.
 
-Report figures this reproduces (notes section 1): backbone ~552B, of which ~545B experts (40 * 385 * 3 * 5120 *
+Report figures this reproduces (docs/report.md §1): backbone ~552B, of which ~545B experts (40 * 385 * 3 * 5120 *
 2304: the 384 routed plus the shared expert of each layer), Engram ~196.6B (2 modules * 3 n-gram orders * 8 heads
 * ~16M rows * 256), activated ~8B in prefill and ~16B in decode.
 
@@ -50,11 +50,7 @@ def block_params(cfg: ModelConfig, layer: int) -> dict[str, int]:
     hc_one = mixw * cfg.hc_mult * D + mixw + 3            # fn [24, 4D] + base [24] + scale [3]
     n_experts, _ = cfg.moe_shape(layer)
     p: dict[str, int] = {
-        "hc_attn": hc_one,
-        "hc_ffn": hc_one,
-        "attn_norm": D,
-        "ffn_norm": D,
-        "attn_sink": H,
+        "hc_attn": hc_one, "hc_ffn": hc_one, "attn_norm": D, "ffn_norm": D, "attn_sink": H,
         "attn_q": cfg.q_lora_rank * D + cfg.q_lora_rank + H * d * cfg.q_lora_rank,   # wq_a, q_norm, wq_b
         "attn_wkv": d * D + d,                                                        # wkv, kv_norm
         "attn_out": cfg.o_groups * cfg.o_lora_rank * (H * d // cfg.o_groups)          # wo_a
@@ -63,15 +59,13 @@ def block_params(cfg: ModelConfig, layer: int) -> dict[str, int]:
         "shared_expert": expert_params(cfg) * cfg.n_shared_experts,
         "routed_experts": expert_params(cfg) * n_experts,
     }
-    if layer < cfg.n_layers:
-        role = layer_roles(cfg)[layer]
-        if role.is_kv_source:
-            gate = d * D if role.ratio > 1 else 0
-            p["compressor"] = d * D + gate + d                                        # wkv, wgate, norm
-            p["indexer_k"] = cfg.index_head_dim * d + cfg.index_head_dim              # wk, k_norm
-        if role.is_index_source:
-            p["indexer_q"] = (cfg.index_n_heads * cfg.index_head_dim * cfg.q_lora_rank  # wq_b
-                              + cfg.index_n_heads * D)                                  # weights_proj
+    role = layer_roles(cfg)[layer] if layer < cfg.n_layers else None
+    if role is not None and role.is_kv_source:
+        p["compressor"] = d * D + (d * D if role.ratio > 1 else 0) + d                # wkv, wgate, norm
+        p["indexer_k"] = cfg.index_head_dim * d + cfg.index_head_dim                  # wk, k_norm
+    if role is not None and role.is_index_source:
+        p["indexer_q"] = (cfg.index_n_heads * cfg.index_head_dim * cfg.q_lora_rank  # wq_b
+                          + cfg.index_n_heads * D)                                  # weights_proj
     return p
 
 
@@ -80,25 +74,24 @@ def engram_params(cfg: ModelConfig) -> dict[str, int]:
     per-stream keys + one value), q_weight and k_weight [hc, dim]. The report's ~196.6B is the tables alone."""
     if not cfg.engram_enabled:
         return {"tables": 0, "wkv": 0, "qk_weights": 0, "modules": 0}
-    orders = cfg.engram_max_ngram_size - 1
     n_mod = len(cfg.engram_layer_ids)
-    wkv_in = orders * cfg.engram_n_heads * cfg.engram_head_dim
-    return {
-        "tables": sum(cfg.engram_num_embeddings) * cfg.engram_head_dim,
-        "wkv": n_mod * (cfg.hc_mult + 1) * cfg.dim * wkv_in,
-        "qk_weights": n_mod * 2 * cfg.hc_mult * cfg.dim,
-        "modules": n_mod,
-    }
+    return {"tables": sum(cfg.engram_num_embeddings) * cfg.engram_head_dim, "wkv": n_mod * engram_wkv_params(cfg),
+            "qk_weights": n_mod * 2 * cfg.hc_mult * cfg.dim, "modules": n_mod}
+
+
+def engram_wkv_params(cfg: ModelConfig) -> int:
+    """One Engram module's wkv: [(hc+1)*dim, (max_ngram - 1) orders * heads * head_dim]."""
+    orders = cfg.engram_max_ngram_size - 1
+    return (cfg.hc_mult + 1) * cfg.dim * orders * cfg.engram_n_heads * cfg.engram_head_dim
 
 
 def dspark_params(cfg: ModelConfig) -> dict[str, int]:
     """DSpark drafter: its blocks (128 experts each), main_proj/main_norm, final norm, Markov embedding and head,
     confidence head. Token embedding and LM head are tied to the backbone and not counted again."""
     if not cfg.dspark_enabled:
-        return {"blocks": 0, "main_proj": 0, "norm": 0, "markov": 0, "confidence": 0, "experts": 0}
+        return dict.fromkeys(("blocks", "main_proj", "norm", "markov", "confidence", "experts"), 0)
     D = cfg.dim
-    stages = range(cfg.n_layers, cfg.total_layers)
-    blocks = [block_params(cfg, L) for L in stages]
+    blocks = [block_params(cfg, L) for L in range(cfg.n_layers, cfg.total_layers)]
     return {
         "blocks": sum(sum(b.values()) for b in blocks),
         "experts": sum(b["routed_experts"] + b["shared_expert"] for b in blocks),
@@ -120,15 +113,13 @@ def vision_params(cfg: ModelConfig) -> dict[str, int]:
              + vd * vd + vd               # wo + bias
              + 2 * vi * vd + vd * vi)     # mlp w1 [2*inter, vd], w2 [vd, inter]
     vit = patch + cfg.vision_n_layers * block + vd
-    r2 = cfg.vision_downsample_ratio ** 2
-    aligner = cfg.dim * vd * r2 + cfg.dim + cfg.dim * cfg.dim + cfg.dim
+    aligner = cfg.dim * vd * cfg.vision_downsample_ratio ** 2 + cfg.dim + cfg.dim * cfg.dim + cfg.dim
     return {"vit": vit, "aligner": aligner, "special": 3 * cfg.dim}
 
 
 def _activated_block(cfg: ModelConfig, layer: int) -> int:
     p = block_params(cfg, layer)
-    _, k = cfg.moe_shape(layer)
-    return sum(v for name, v in p.items() if name != "routed_experts") + k * expert_params(cfg)
+    return sum(p.values()) - p["routed_experts"] + cfg.moe_shape(layer)[1] * expert_params(cfg)
 
 
 def _engram_per_module(cfg: ModelConfig) -> int:
@@ -156,11 +147,11 @@ def activated_prefill(cfg: ModelConfig) -> dict[str, int]:
     split = ced_split(cfg)
     if split is None:
         d = activated_decode(cfg)
-        return {"encoder_layers": d["layers"], "engram": d["engram"], "kv_production": 0,
-                "total": d["layers"] + d["engram"]}
-    enc = sum(_activated_block(cfg, L) for L in range(split))
-    engram = _engram_per_module(cfg) * sum(1 for L in cfg.engram_layer_ids if L <= split)
-    kvp = kv_production_params(cfg, split)
+        enc, engram, kvp = d["layers"], d["engram"], 0
+    else:
+        enc = sum(_activated_block(cfg, L) for L in range(split))
+        engram = _engram_per_module(cfg) * sum(1 for L in cfg.engram_layer_ids if L <= split)
+        kvp = kv_production_params(cfg, split)
     return {"encoder_layers": enc, "engram": engram, "kv_production": kvp, "total": enc + engram + kvp}
 
 
@@ -169,37 +160,24 @@ def params_report(cfg: ModelConfig) -> dict[str, Any]:
     experts) + final norm + LM head; Engram, DSpark and vision are separate and not in it."""
     blocks = [block_params(cfg, L) for L in range(cfg.n_layers)]
     layers = sum(sum(b.values()) for b in blocks)
-    experts = sum(b["routed_experts"] + b["shared_expert"] for b in blocks)
-    embed = cfg.vocab_size * cfg.dim
-    head = cfg.vocab_size * cfg.dim
+    routed, shared = sum(b["routed_experts"] for b in blocks), sum(b["shared_expert"] for b in blocks)
+    embed = head = cfg.vocab_size * cfg.dim
     backbone = embed + layers + cfg.dim + head
-    eng = engram_params(cfg)
-    dsp = dspark_params(cfg)
-    vis = vision_params(cfg)
+    eng, dsp, vis = engram_params(cfg), dspark_params(cfg), vision_params(cfg)
     engram = eng["tables"] + eng["wkv"] + eng["qk_weights"]
     dspark = sum(v for k, v in dsp.items() if k != "experts")
-    vision = sum(vis.values())
-    roles = layer_roles(cfg)
-    per_mode = {m.value: sum(sum(blocks[r.layer].values()) for r in roles if r.mode == m) for m in Mode}
-    act_p = activated_prefill(cfg)
-    act_d = activated_decode(cfg)
+    per_mode = {m.value: sum(sum(blocks[r.layer].values()) for r in layer_roles(cfg) if r.mode == m) for m in Mode}
+    act_p, act_d = activated_prefill(cfg), activated_decode(cfg)
     return {
-        "backbone": backbone,
-        "experts": experts,
+        "backbone": backbone, "experts": routed + shared,
         "backbone_detail": {"embed": embed, "head": head, "layers": layers, "layers_by_mode": per_mode,
-                            "non_expert_layers": layers - experts,
-                            "routed_experts": sum(b["routed_experts"] for b in blocks),
-                            "shared_experts": sum(b["shared_expert"] for b in blocks)},
-        "engram": engram,
-        "engram_detail": eng,
-        "dspark": dspark,
-        "dspark_detail": dsp,
-        "vision": vision,
-        "vision_detail": vis,
-        "total": backbone + engram + dspark + vision,
-        "activated_prefill": act_p["total"],
-        "activated_prefill_detail": act_p,
-        "activated_decode": act_d["total"],
-        "activated_decode_detail": act_d,
+                            "non_expert_layers": layers - routed - shared, "routed_experts": routed,
+                            "shared_experts": shared},
+        "engram": engram, "engram_detail": eng,
+        "dspark": dspark, "dspark_detail": dsp,
+        "vision": sum(vis.values()), "vision_detail": vis,
+        "total": backbone + engram + dspark + sum(vis.values()),
+        "activated_prefill": act_p["total"], "activated_prefill_detail": act_p,
+        "activated_decode": act_d["total"], "activated_decode_detail": act_d,
         "ced_split": ced_split(cfg),
     }
