@@ -144,6 +144,11 @@ class ModelConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"config field {name!r} = {getattr(self, name)!r}: {why}")
 
+        def backbone(name: str) -> None:
+            for L in getattr(self, name):
+                if not 0 <= L < self.n_layers:
+                    raise bad(name, f"layer {L} is not a backbone layer")
+
         positive = ["vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "q_lora_rank", "head_dim",
                     "o_groups", "o_lora_rank", "window_size", "index_n_heads", "index_head_dim", "index_topk",
                     "hc_mult", "hc_sinkhorn_iters", "n_routed_experts", "n_activated_experts"]
@@ -180,28 +185,20 @@ class ModelConfig:
             raise bad("compress_ratios", f"needs one entry per layer incl. DSpark stages ({n_total})")
         if any(m < 0 for m in self.compress_ratios):
             raise bad("compress_ratios", "entries must be >= 0")
-        for L in self.kv_source_layers:
-            if not 0 <= L < self.n_layers:
-                raise bad("kv_source_layers", f"layer {L} is not a backbone layer")
-            if self.compress_ratios[L] <= 0:
-                raise bad("kv_source_layers", f"layer {L} has compress ratio 0")
-        for L in self.index_source_layers:
-            if not 0 <= L < self.n_layers:
-                raise bad("index_source_layers", f"layer {L} is not a backbone layer")
-            if self.compress_ratios[L] <= 0:
-                raise bad("index_source_layers", f"layer {L} has compress ratio 0")
-        if list(self.kv_source_layers) != sorted(set(self.kv_source_layers)):
-            raise bad("kv_source_layers", "must be strictly increasing")
-        if list(self.index_source_layers) != sorted(set(self.index_source_layers)):
-            raise bad("index_source_layers", "must be strictly increasing")
+        for name in ("kv_source_layers", "index_source_layers"):
+            backbone(name)
+            layers = getattr(self, name)
+            for L in layers:
+                if self.compress_ratios[L] <= 0:
+                    raise bad(name, f"layer {L} has compress ratio 0")
+            if list(layers) != sorted(set(layers)):
+                raise bad(name, "must be strictly increasing")
         if self.candidate_source_layer >= 0:
             if self.candidate_source_layer not in self.index_source_layers:
                 raise bad("candidate_source_layer", "must be an index source layer (or -1 for none)")
             if self.candidate_topk_blocks <= 0 or self.candidate_block_size <= 0:
                 raise bad("candidate_topk_blocks", "candidate pool needs positive blocks and block size")
-        for L in self.engram_layer_ids:
-            if not 0 <= L < self.n_layers:
-                raise bad("engram_layer_ids", f"layer {L} is not a backbone layer")
+        backbone("engram_layer_ids")
         if self.engram_enabled:
             if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
                 raise bad("engram_num_embeddings", "needs one entry per engram layer")
@@ -210,9 +207,7 @@ class ModelConfig:
         if self.dspark_enabled:
             if not self.dspark_target_layer_ids:
                 raise bad("dspark_target_layer_ids", "DSpark needs target layers")
-            for L in self.dspark_target_layer_ids:
-                if not 0 <= L < self.n_layers:
-                    raise bad("dspark_target_layer_ids", f"layer {L} is not a backbone layer")
+            backbone("dspark_target_layer_ids")
             for L in range(self.n_layers, n_total):
                 if self.compress_ratios[L] != 0:
                     raise bad("compress_ratios", f"DSpark stage {L} must be window-only (ratio 0)")
@@ -252,19 +247,11 @@ class ModelConfig:
 
 # Hugging Face root config.json spelling -> official inference spelling.
 HF_KEYS = {
-    "hidden_size": "dim",
-    "num_hidden_layers": "n_layers",
-    "num_attention_heads": "n_heads",
-    "moe_intermediate_size": "moe_inter_dim",
-    "num_experts_per_tok": "n_activated_experts",
-    "routed_scaling_factor": "route_scale",
-    "scoring_func": "score_func",
-    "rms_norm_eps": "norm_eps",
-    "qk_rope_head_dim": "rope_head_dim",
-    "sliding_window": "window_size",
-    "num_nextn_predict_layers": "n_mtp_layers",
-    "index_topk_blocks": "candidate_topk_blocks",
-    "hc_sinkhorn_iterations": "hc_sinkhorn_iters",
+    "hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+    "moe_intermediate_size": "moe_inter_dim", "num_experts_per_tok": "n_activated_experts",
+    "routed_scaling_factor": "route_scale", "scoring_func": "score_func", "rms_norm_eps": "norm_eps",
+    "qk_rope_head_dim": "rope_head_dim", "sliding_window": "window_size", "num_nextn_predict_layers": "n_mtp_layers",
+    "index_topk_blocks": "candidate_topk_blocks", "hc_sinkhorn_iterations": "hc_sinkhorn_iters",
 }
 # Keys that appear in HF / official configs but carry no model shape.
 _IGNORED_KEYS = {
@@ -371,15 +358,17 @@ def layer_roles(cfg: ModelConfig) -> list[LayerRole]:
     roles: list[LayerRole] = []
     kv_src: int | None = None
     topk_src: int | None = None
+    cand = cfg.candidate_source_layer
     for L in range(cfg.n_layers):
         m = cfg.compress_ratios[L]
         if L in cfg.kv_source_layers:
             kv_src = L
         if L in cfg.index_source_layers:
             topk_src = L
+        tags = {"has_engram": L in cfg.engram_layer_ids,
+                "is_dspark_tap": L in cfg.dspark_target_layer_ids and cfg.dspark_enabled}
         if m == 0:
-            roles.append(LayerRole(L, Mode.SWA_ONLY, 0, None, None, has_engram=L in cfg.engram_layer_ids,
-                                   is_dspark_tap=L in cfg.dspark_target_layer_ids and cfg.dspark_enabled))
+            roles.append(LayerRole(L, Mode.SWA_ONLY, 0, None, None, **tags))
             continue
         if kv_src is None:
             raise ValueError(f"config field 'kv_source_layers' = {list(cfg.kv_source_layers)!r}: layer {L} has "
@@ -392,7 +381,6 @@ def layer_roles(cfg: ModelConfig) -> list[LayerRole]:
                              f"has no index source reading KV source {kv_src}")
         is_kv = L == kv_src
         is_idx = L == topk_src
-        cand = cfg.candidate_source_layer
         uses_cand = is_idx and 0 <= cand < L
         if uses_cand and cfg.compress_ratios[cand] != m:
             raise ValueError(f"config field 'candidate_source_layer' = {cand}: its ratio differs from layer {L}'s")
@@ -400,9 +388,7 @@ def layer_roles(cfg: ModelConfig) -> list[LayerRole]:
             raise ValueError(f"config field 'index_source_layers': KV source {L} must also be an index source")
         mode = Mode.FULL if is_kv else Mode.REINDEX if is_idx else Mode.REUSE
         roles.append(LayerRole(L, mode, m, kv_src, topk_src, is_candidate_source=L == cand,
-                               uses_candidates=uses_cand, candidates_from=cand if uses_cand else None,
-                               has_engram=L in cfg.engram_layer_ids,
-                               is_dspark_tap=L in cfg.dspark_target_layer_ids and cfg.dspark_enabled))
+                               uses_candidates=uses_cand, candidates_from=cand if uses_cand else None, **tags))
     return roles
 
 
@@ -411,10 +397,7 @@ def ced_split(cfg: ModelConfig) -> int | None:
 
     Every layer from there up must read global KV produced from that layer's own input, which holds when the
     split layer is the last KV source. Returns None when the config has no valid CED split (no KV sources)."""
-    if not cfg.kv_source_layers:
-        return None
-    split = max(cfg.kv_source_layers)
-    return split
+    return max(cfg.kv_source_layers) if cfg.kv_source_layers else None
 
 
 def role_summary(cfg: ModelConfig) -> dict[str, Any]:
