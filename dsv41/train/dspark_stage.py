@@ -286,11 +286,6 @@ class DSparkStage(Stage):
         return {"val_draft_ce": res["draft_ce"], "val_acceptance": res["acceptance"],
                 "val_tokens_per_step": res["tokens_per_step"]}
 
-    def format_eval(self, step, ev):
-        acc = ", ".join(f"{a:.2f}" for a in ev["val_acceptance"])
-        return (f"step {step}: drafter val CE {ev['val_draft_ce']:.4f}, acceptance [{acc}], "
-                f"{ev['val_tokens_per_step']:.2f} tokens/step")
-
     def finish(self, model, val, corpus, tokenizer):
         """Acceptance on the backbone's own greedy continuations of validation prompts."""
         res = greedy_acceptance(model, val.windows[:8, :32].to(val.dist.device), min(96, self.cfg.seq_len))

@@ -161,9 +161,6 @@ class PretrainStage(Stage):
     def evaluate(self, model, val):
         return evaluate_lm(model, val)
 
-    def format_eval(self, step, ev):
-        return f"step {step}: val loss {ev['val_loss']:.4f}, {ev['val_bpb']:.4f} bits/byte"
-
     def finish(self, model, val, corpus, tokenizer):
         """The validation loss with the inference numerics (FP8/FP4 QDQ on) and a greedy sample."""
         set_quantization(model, True)

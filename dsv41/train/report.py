@@ -1,4 +1,5 @@
-"""What a training run shows at its end: the loss curve (`loss_curve.png`) and the summary text."""
+"""What a training run shows: a line per evaluation, and at its end the loss curve (`loss_curve.png`) and the
+summary text."""
 
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ def plot_history(history: list[dict], path: Path, title: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def format_eval(step: int, ev: dict) -> str:
+    """One line for the progress bar: a pretraining evaluation (val_loss) or a drafter one."""
+    if "val_loss" in ev:
+        return f"step {step}: val loss {ev['val_loss']:.4f}, {ev['val_bpb']:.4f} bits/byte"
+    acc = ", ".join(f"{a:.2f}" for a in ev["val_acceptance"])
+    return (f"step {step}: drafter val CE {ev['val_draft_ce']:.4f}, acceptance [{acc}], "
+            f"{ev['val_tokens_per_step']:.2f} tokens/step")
 
 
 def format_summary(s: dict) -> str:

@@ -73,10 +73,6 @@ class Stage(ABC):
         """The validation metrics ({"val_...": value}); called on every rank."""
 
     @abstractmethod
-    def format_eval(self, step: int, ev: dict) -> str:
-        """One line for the progress bar."""
-
-    @abstractmethod
     def finish(self, model: nn.Module, val: Validation, corpus, tokenizer) -> dict:
         """What the end of a run adds to the summary (the model in eval mode); called on every rank."""
 

@@ -41,7 +41,7 @@ from dsv41.train.dspark_stage import DSparkStage
 from dsv41.train.optim.routing import build_optimizers, format_routing, route_parameters
 from dsv41.train.parallel import parallelize, setup_distributed
 from dsv41.train.pretrain import PretrainStage
-from dsv41.train.report import format_summary, plot_history
+from dsv41.train.report import format_eval, format_summary, plot_history
 from dsv41.train.schedule import default_warmup, lr_factor
 from dsv41.train.stage import Validation
 
@@ -65,24 +65,24 @@ class Trainer:
             torch.set_num_threads(cfg.threads or 1)
         self.out.mkdir(parents=True, exist_ok=True)
         self.log_path = self.out / "log.jsonl"
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world
         torch.manual_seed(cfg.seed)
         self._build_data_and_model()
         self._build_training()
         self.step, self.history, self.total_steps = 0, [], None
         if saved is not None:
-            self._resume()
-        elif self.dist.main and self.log_path.exists():
-            self.log_path.unlink()
-        self._fix_budget()
+            self._resume()                                 # a resumed run keeps its own total_steps
+        elif self.dist.main:
+            self.log_path.unlink(missing_ok=True)
+        self.total_steps = self.total_steps or cfg.steps or self._steps_in_budget(cfg.minutes or DEFAULT_MINUTES)
+        self.warmup = cfg.warmup if cfg.warmup is not None else default_warmup(self.total_steps)
+        self.eval_every = cfg.eval_every or max(1, self.total_steps // 8)
+        self.save_every = cfg.save_every or self.eval_every
 
     # ---------------------------------------------------------------- set-up
     def say(self, *args) -> None:
         if self.dist.main and not self.cfg.quiet:
             print(*args, flush=True)
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum * self.dist.world
 
     def _build_data_and_model(self) -> None:
         from tokenizers import Tokenizer
@@ -101,21 +101,20 @@ class Trainer:
         set_quantization(model, False)
         self.model = model.to(dist.device).train()
         t = time.time()
-        self.train_tokens = D.encode_documents(self.tokenizer, self.corpus.train)
-        self.val_tokens = D.encode_documents(self.tokenizer, self.corpus.val)
-        token_bytes = torch.from_numpy(D.token_byte_lengths(self.tokenizer))
+        train, val = (D.encode_documents(self.tokenizer, docs) for docs in (self.corpus.train, self.corpus.val))
         self.say(f"data: {self.corpus.name}: {len(self.corpus.train)} train / {len(self.corpus.val)} val documents, "
-                 f"{len(self.train_tokens):,} / {len(self.val_tokens):,} tokens "
-                 f"({self.corpus.provenance['train_bytes'] / max(len(self.train_tokens), 1):.2f} bytes/token), "
+                 f"{len(train):,} / {len(val):,} tokens "
+                 f"({self.corpus.provenance['train_bytes'] / max(len(train), 1):.2f} bytes/token), "
                  f"encoded in {time.time() - t:.1f}s")
-        self.loader = D.PackedLoader(self.train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed, dist.rank, dist.world)
-        self.val_windows = D.eval_windows(self.val_tokens, cfg.seq_len, cfg.eval_windows)
+        self.loader = D.PackedLoader(train, cfg.seq_len, cfg.batch_size, cfg.seed, dist.rank, dist.world)
+        self.val_windows = D.eval_windows(val, cfg.seq_len, cfg.eval_windows)
+        token_bytes = torch.from_numpy(D.token_byte_lengths(self.tokenizer))
         self.val = Validation(self.val_windows, token_bytes, cfg.batch_size, dist, self._autocast)
 
     def _autocast(self):
-        if self.dist.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        """bf16 autocast on a GPU; on the CPU a context that changes nothing (fp32)."""
+        cuda = self.dist.device.type == "cuda"
+        return torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=cuda)
 
     def _build_training(self) -> None:
         """The stage's module; the routes (what trains, by which optimizer); the module parallelized; the
@@ -171,25 +170,16 @@ class Trainer:
         start the optimizers afresh (so the run is exactly as if nothing had happened). Clears the gradients."""
         t = 0.0
         if self.cfg.steps is None:
-            saved = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+            saved = [p.detach().clone() for p in self.trainable]
             t0 = time.time()
             self.opt.step()
             t = time.time() - t0
             with torch.no_grad():
-                for n, p in self.model.named_parameters():
-                    if n in saved:
-                        p.copy_(saved[n])
+                for p, before in zip(self.trainable, saved):
+                    p.copy_(before)
             self.opt = self._optimizers()
         self.model.zero_grad(set_to_none=True)
         return t
-
-    def _fix_budget(self) -> None:
-        cfg = self.cfg
-        if self.total_steps is None:                       # a resumed run keeps its own
-            self.total_steps = cfg.steps or self._steps_in_budget(cfg.minutes or DEFAULT_MINUTES)
-        self.warmup = cfg.warmup if cfg.warmup is not None else default_warmup(self.total_steps)
-        self.eval_every = cfg.eval_every or max(1, self.total_steps // 8)
-        self.save_every = cfg.save_every or self.eval_every
 
     def _steps_in_budget(self, minutes: float) -> int:
         cfg = self.cfg
@@ -205,16 +195,13 @@ class Trainer:
         return steps
 
     # ---------------------------------------------------------------- state
-    def train_state(self) -> dict:
-        return {"config": dataclasses.asdict(self.cfg), "optimizer": self.opt.state_dict(),
-                "loader": self.loader.state_dict(), "history": self.history, "total_steps": self.total_steps,
-                "rng": torch.get_rng_state(), "model_config": self.model_cfg.to_dict()}
-
     def save(self) -> None:
         """Rank 0 writes the checkpoint. Under FSDP2 every rank takes part in gathering the full weights and
         writes its own optimizer state (AdamW's moments are sharded) to optimizer.rank{r}.pt."""
         weights = unwrap_state_dict(self.model)            # a collective under FSDP2
-        state = self.train_state()
+        state = {"config": dataclasses.asdict(self.cfg), "optimizer": self.opt.state_dict(),
+                 "loader": self.loader.state_dict(), "history": self.history, "total_steps": self.total_steps,
+                 "rng": torch.get_rng_state(), "model_config": self.model_cfg.to_dict()}
         if self.cfg.fsdp:
             torch.save(self.opt.state_dict(), self.out / f"optimizer.rank{self.dist.rank}.pt")
             state["optimizer"] = None
@@ -244,17 +231,13 @@ class Trainer:
                 f.write(json.dumps(rec) + "\n")
 
     # ---------------------------------------------------------------- loop
-    @contextlib.contextmanager
-    def _eval_mode(self):
+    def _in_eval_mode(self, fn, *args):
+        """fn(model, *args) with the model in eval mode (all ranks), back to training mode after."""
         self.model.eval()
         try:
-            yield self.model
+            return fn(self.model, *args)
         finally:
             self.model.train()
-
-    def evaluate(self) -> dict:
-        with self._eval_mode() as model:
-            return self.stage.evaluate(model, self.val)
 
     def train_step(self) -> dict:
         cfg, dist = self.cfg, self.dist
@@ -295,20 +278,17 @@ class Trainer:
             rec = self.train_step()
             train_time += time.time() - t
             steps_run += 1
-            rec["elapsed"] = time.time() - self.t0
-            rec["tok_per_s"] = steps_run * self.tokens_per_step / train_time
+            rec["elapsed"], rec["tok_per_s"] = time.time() - self.t0, steps_run * self.tokens_per_step / train_time
             self.log(rec)
             smooth = rec["loss"] if smooth is None else 0.9 * smooth + 0.1 * rec["loss"]
             post = f"loss {rec['loss']:.3f} (ema {smooth:.3f}) | {rec['tok_per_s']:.0f} tok/s | lr {rec['lr']:.2e}"
-            if "maxvio" in rec:
-                post += f" | maxvio {rec['maxvio']:.2f}"
-            bar.set_postfix_str(post, refresh=False)
+            bar.set_postfix_str(post + (f" | maxvio {rec['maxvio']:.2f}" if "maxvio" in rec else ""), refresh=False)
             bar.update(1)
             if self.step % self.eval_every == 0 or self.step == self.total_steps:
-                ev = self.evaluate()
+                ev = self._in_eval_mode(self.stage.evaluate, self.val)
                 self.log({"step": self.step, "tokens": rec["tokens"], **ev})
                 if self.dist.main and not cfg.quiet:
-                    bar.write(self.stage.format_eval(self.step, ev))
+                    bar.write(format_eval(self.step, ev))
             if self.step % self.save_every == 0 and self.step < self.total_steps:
                 self.save()
         bar.close()
@@ -325,10 +305,8 @@ class Trainer:
                    "tok_per_s": getattr(self, "tok_per_s", None), "wall_s": time.time() - self.t0,
                    "optimizer": cfg.optimizer, "qat": cfg.qat, "replay": cfg.replay, "world": self.dist.world}
         evals = [h for h in self.history if any(k.startswith("val_") for k in h)]
-        if evals:
-            summary.update({k: v for k, v in evals[-1].items() if k.startswith("val_")})
-        with self._eval_mode() as model:                  # all ranks
-            summary.update(self.stage.finish(model, self.val, self.corpus, self.tokenizer))
+        summary.update({k: v for k, v in (evals[-1] if evals else {}).items() if k.startswith("val_")})
+        summary.update(self._in_eval_mode(self.stage.finish, self.val, self.corpus, self.tokenizer))
         if self.dist.main:
             summary["loss_curve"] = str(plot_history(self.history, self.out / "loss_curve.png",
                                                      f"{cfg.preset} {cfg.stage} ({cfg.optimizer})"))
