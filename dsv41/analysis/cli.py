@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from typing import Any
 
 from dsv41.analysis.flops import DEFAULT_CONTEXTS, flops_report, plot_decode_curve
@@ -111,12 +112,12 @@ def _flops_table(cfg: ModelConfig, args: argparse.Namespace, r: dict[str, Any]) 
           f"   (flat, no hierarchical indexer: {f['flat_per_token']:,.0f} N)")
     top = max(r["decode_flops_raw"] + r["indexer_macs_flat"])
     unit, pre = next((u, p) for u, p in ((1e9, "G"), (1e6, "M"), (1e3, "K"), (1.0, "")) if top >= u or u == 1.0)
-    print(f"  {'context':>10} {'idx ' + pre + 'MAC':>10} {'flat ' + pre + 'MAC':>10} {pre + 'FLOPs raw':>11}"
-          f" {'weighted':>9} {'w/ FP4 exp':>10}")
+    cols = (("idx " + pre + "MAC", "indexer_macs", 10, 3), ("flat " + pre + "MAC", "indexer_macs_flat", 10, 3),
+            (pre + "FLOPs raw", "decode_flops_raw", 11, 2), ("weighted", "decode_flops_weighted", 9, 2),
+            ("w/ FP4 exp", "decode_flops_weighted_fp4_experts", 10, 2))      # (header, report key, width, digits)
+    print(f"  {'context':>10}" + "".join(f" {head:>{w}}" for head, _, w, _ in cols))
     for i, n in enumerate(r["contexts"]):
-        print(f"  {n:>10,} {r['indexer_macs'][i] / unit:>10.3f} {r['indexer_macs_flat'][i] / unit:>10.3f} "
-              f"{r['decode_flops_raw'][i] / unit:>11.2f} {r['decode_flops_weighted'][i] / unit:>9.2f} "
-              f"{r['decode_flops_weighted_fp4_experts'][i] / unit:>10.2f}")
+        print(f"  {n:>10,}" + "".join(f" {r[key][i] / unit:>{w}.{nd}f}" for _, key, w, nd in cols))
     g, m = r["decode_growth"], r["indexer_at_1m"]
     print(f"  growth {g['from']:,} -> {g['to']:,}: x{g['ratio']:.3f}  (experts counted at FP4: "
           f"x{g['ratio_fp4_experts']:.3f})")
@@ -140,7 +141,7 @@ def _io_report(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
     c = args.flops_per_token if args.flops_per_token is not None else training_flops_per_token(cfg)
     v = io_overlap(rho, c, args.io_bandwidth, args.gpu_flops)
     return {"config": args.config, "vit": vt, "rho": rho, "flops_per_token": c, "io_bandwidth": args.io_bandwidth,
-            "gpu_flops": args.gpu_flops, "verdict": v.to_dict()}
+            "gpu_flops": args.gpu_flops, "verdict": asdict(v)}
 
 
 def _io_table(cfg: ModelConfig, args: argparse.Namespace, r: dict[str, Any]) -> None:

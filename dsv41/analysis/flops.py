@@ -88,9 +88,8 @@ def _scanned_entries(cfg: ModelConfig, role: LayerRole, visible: int, hierarchic
 
 def indexer_macs(cfg: ModelConfig, n: int, hierarchical: bool = True) -> int:
     """Decode indexer MACs for one token at context n (n // m entries visible per index source)."""
-    s = index_score_macs(cfg)
-    return sum(s * _scanned_entries(cfg, r, n // r.ratio, hierarchical)
-               for r in layer_roles(cfg) if r.mode in (Mode.FULL, Mode.REINDEX))
+    return sum(index_score_macs(cfg) * _scanned_entries(cfg, r, n // r.ratio if r.ratio else 0, hierarchical)
+               for r in layer_roles(cfg))
 
 
 def indexer_coefficients(cfg: ModelConfig) -> dict[str, float]:
@@ -158,9 +157,9 @@ def _layer_linear_terms(cfg: ModelConfig, role: LayerRole, expert_mma: str) -> l
     return t
 
 
-def _attn_core_macs(cfg: ModelConfig, ratio: int, window_rows: float, topk_rows: float) -> float:
-    rows = window_rows + (topk_rows if ratio > 0 else 0)
-    return 2 * cfg.n_heads * cfg.head_dim * rows
+def _attn_core(cfg: ModelConfig, rows: int) -> Term:
+    """QK and PV over `rows` keys (window rows + selected compressed entries), BF16."""
+    return Term("attention_core", 2 * cfg.n_heads * cfg.head_dim * rows, "bf16")
 
 
 def _token_terms(cfg: ModelConfig, role: LayerRole, n: int, expert_mma: str, hierarchical: bool,
@@ -168,8 +167,7 @@ def _token_terms(cfg: ModelConfig, role: LayerRole, n: int, expert_mma: str, hie
     """One layer's terms for one token at context n (the token itself included), less the names in `skip`."""
     yield from (t for t in _layer_linear_terms(cfg, role, expert_mma) if t.name not in skip)
     visible = n // role.ratio if role.ratio else 0
-    yield Term("attention_core", _attn_core_macs(cfg, role.ratio, min(cfg.window_size, n),
-                                                 min(cfg.index_topk, visible)), "bf16")
+    yield _attn_core(cfg, min(cfg.window_size, n) + min(cfg.index_topk, visible))
     scanned = _scanned_entries(cfg, role, visible, hierarchical)
     if scanned:
         yield Term("indexer_scores", index_score_macs(cfg) * scanned, "fp4")
@@ -200,9 +198,7 @@ def _sum_floor(n: int, m: int) -> int:
 
 def _sum_min_floor(n: int, m: int, cap: int) -> int:
     """sum_{i=1..n} min(cap, floor(i/m)), exact."""
-    if n < cap * m:
-        return _sum_floor(n, m)
-    return _sum_floor(cap * m - 1, m) + cap * (n - cap * m + 1)
+    return _sum_floor(n, m) if n < cap * m else _sum_floor(cap * m - 1, m) + cap * (n - cap * m + 1)
 
 
 def _encoder_layers(cfg: ModelConfig) -> int:
@@ -231,8 +227,7 @@ def _prefill_term_list(cfg: ModelConfig, n: int, expert_mma: str) -> Iterator[Te
     for r in roles[:split]:                                   # encoder: every prompt token
         yield from (Term(t.name, t.macs * n, t.precision) for t in _layer_linear_terms(cfg, r, expert_mma))
         topk_rows = _sum_min_floor(n, r.ratio, cfg.index_topk) if r.ratio else 0
-        yield Term("attention_core", _attn_core_macs(cfg, r.ratio, _sum_min_floor(n, 1, cfg.window_size), topk_rows),
-                   "bf16")
+        yield _attn_core(cfg, _sum_min_floor(n, 1, cfg.window_size) + topk_rows)
     yield Term("indexer_scores", encoder_indexer_macs(cfg, n)["macs"], "fp4")
     if split < cfg.n_layers:                                  # decoder KV source: global KV for every token
         m = roles[split].ratio
@@ -273,10 +268,8 @@ def flops_report(cfg: ModelConfig, contexts: Iterable[int] = DEFAULT_CONTEXTS,
     ctx = [int(c) for c in contexts]
     if not ctx or any(c <= 0 for c in ctx):
         raise ValueError(f"contexts must be positive token counts, got {ctx}")
-    coefs = indexer_coefficients(cfg)
-    dec = [decode_flops(cfg, n) for n in ctx]
-    dec_fp4 = [decode_flops(cfg, n, expert_mma="fp4") for n in ctx]
-    idx_1m = indexer_macs(cfg, ONE_MILLION)
+    coefs, idx_1m = indexer_coefficients(cfg), indexer_macs(cfg, ONE_MILLION)
+    dec, dec_fp4 = [decode_flops(cfg, n) for n in ctx], [decode_flops(cfg, n, expert_mma="fp4") for n in ctx]
     lo, hi = min(ctx), max(ctx)
     ilo, ihi = ctx.index(lo), ctx.index(hi)
     terms = [{f"{t.name}[{t.precision}]": t.weighted for t in decode_terms(cfg, c)} for c in (lo, hi)]
@@ -285,8 +278,7 @@ def flops_report(cfg: ModelConfig, contexts: Iterable[int] = DEFAULT_CONTEXTS,
         "indexer_macs": [indexer_macs(cfg, n) for n in ctx],
         "indexer_macs_flat": [indexer_macs(cfg, n, hierarchical=False) for n in ctx],
         "indexer_formula": {**coefs, "score_macs": index_score_macs(cfg), "pool_entries": candidate_pool_entries(cfg)},
-        "indexer_at_1m": {"tokens": ONE_MILLION, "macs": idx_1m,
-                          "linear_term_macs": coefs["per_token"] * ONE_MILLION,
+        "indexer_at_1m": {"tokens": ONE_MILLION, "macs": idx_1m, "linear_term_macs": coefs["per_token"] * ONE_MILLION,
                           "flops_raw": 2.0 * idx_1m, "flops_weighted_fp4": 2.0 * idx_1m * PRECISION_WEIGHT["fp4"],
                           "flat_macs": indexer_macs(cfg, ONE_MILLION, hierarchical=False)},
         "decode_flops_raw": [d["raw"] for d in dec],
@@ -295,8 +287,7 @@ def flops_report(cfg: ModelConfig, contexts: Iterable[int] = DEFAULT_CONTEXTS,
         "decode_growth": {"from": lo, "to": hi, "ratio": dec[ihi]["weighted"] / dec[ilo]["weighted"],
                           "ratio_fp4_experts": dec_fp4[ihi]["weighted"] / dec_fp4[ilo]["weighted"]},
         "decode_terms_weighted": {"context": lo, "terms": terms[0], "context_hi": hi, "terms_hi": terms[1]},
-        "precision_weights": PRECISION_WEIGHT,
-        "expert_precision": expert_precision(cfg),
+        "precision_weights": PRECISION_WEIGHT, "expert_precision": expert_precision(cfg),
         "prefill_indexer_share": [prefill_indexer_share(cfg, n) for n in prefill_contexts],
     }
 
@@ -310,8 +301,7 @@ def plot_decode_curve(cfg: ModelConfig, contexts: Iterable[int], path: str) -> N
     ctx = sorted(int(c) for c in contexts)
     if not ctx:
         raise ValueError("no contexts to plot")
-    lo, hi = ctx[0], ctx[-1]
-    steps = 64
+    lo, hi, steps = ctx[0], ctx[-1], 64
     dense = sorted(set(ctx) | {round(lo * (hi / lo) ** (k / steps)) for k in range(steps + 1)})
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for kw, style, label in (({}, "-", "hierarchical indexer (experts at FP8 MMA rate)"),
@@ -319,9 +309,8 @@ def plot_decode_curve(cfg: ModelConfig, contexts: Iterable[int], path: str) -> N
                              ({"hierarchical": False}, ":", "no hierarchical indexer")):
         ax.plot(dense, [decode_flops(cfg, n, **kw)["weighted"] / 1e9 for n in dense], style, label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context N (tokens)")
-    ax.set_ylabel("decode GFLOPs per token (BF16 1, FP8 0.5, FP4 0.25)")
-    ax.set_title("Decode compute vs context")
+    ax.set(xlabel="context N (tokens)", ylabel="decode GFLOPs per token (BF16 1, FP8 0.5, FP4 0.25)",
+           title="Decode compute vs context")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

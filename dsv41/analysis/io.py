@@ -1,4 +1,4 @@
-"""Image I/O versus compute, and the ViT token arithmetic (SYSTEM.md section 1; notes section 9).
+"""Image I/O versus compute, and the ViT token arithmetic (SYSTEM.md section 1; docs/report.md §9).
 
 Long, image-dense training sequences are split across context-parallel ranks, each image read once. Loading a
 sequence of N tokens is hidden behind its compute when
@@ -14,8 +14,7 @@ storage throughput only binds for small-model ablations (small C).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from dsv41.config import ModelConfig
 
@@ -27,9 +26,6 @@ class IOVerdict:
     threshold: float             # (B_IO / B_GPU) * C, bytes per token
     margin: float                # threshold - rho (bytes/token; > 0 means hidden)
     headroom: float              # threshold / rho (> 1 means hidden)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def io_time(n_tokens: float, rho: float, io_bandwidth: float) -> float:
@@ -61,9 +57,9 @@ def vit_tokens(cfg: ModelConfig, height: int = 1344, width: int = 1344) -> dict[
     so `fits_max_n_token` says whether this size passes unchanged (1344^2 gives 1058 > 1024: it is shrunk)."""
     if not cfg.vision_enabled:
         raise ValueError("this config has no vision tower (vision_n_layers = 0)")
-    p, r = cfg.vision_patch_size, cfg.vision_downsample_ratio
     if height <= 0 or width <= 0:
         raise ValueError(f"image size must be positive, got {height}x{width}")
+    p, r = cfg.vision_patch_size, cfg.vision_downsample_ratio
     ph, pw = math.ceil(height / p), math.ceil(width / p)
     lh, lw = math.ceil(ph / r), math.ceil(pw / r)
     span = lh * (lw + 1) + 2
