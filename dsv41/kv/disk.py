@@ -123,9 +123,6 @@ class DiskStore(Counted):
     def _path(self, key: str) -> Path:
         return self.dir / (key + SUFFIX)
 
-    def _now_ns(self) -> int:
-        return int(round(self.clock() * 1e9))
-
     @contextmanager
     def _pin(self, key: str):
         with self._mu:
@@ -176,19 +173,25 @@ class DiskStore(Counted):
         try:
             with open(self._path(key), "rb") as f:
                 st = os.fstat(f.fileno())
-                try:
-                    head = parse_header(f.read(HEADER_BYTES), key, st.st_size)
-                except BadEntry as bad:
-                    bad.ino = st.st_ino
-                    raise
+                head = parse_header(f.read(HEADER_BYTES), key, st.st_size)
                 meta = f.read(head.meta_len)
+                if len(meta) != head.meta_len:
+                    raise BadEntry("truncated meta")
         except FileNotFoundError:
             return None
         except OSError as e:
             raise BadEntry(f"unreadable ({e})") from None
-        if len(meta) != head.meta_len:
-            raise BadEntry("truncated meta", ino=st.st_ino)
+        except BadEntry as bad:
+            bad.ino = st.st_ino                           # the file that was read (only it may be removed)
+            raise
         return _Info(st.st_size, st.st_mtime_ns, head.created, head.fingerprint, meta)
+
+    def _record(self, key: str, size: int, used: float, created: float, fingerprint: bytes, meta: bytes) -> None:
+        """Index an entry just read or written; its recency (the file's mtime) is set to store time `used`."""
+        ns = int(round(used * 1e9))
+        with suppress(OSError):
+            os.utime(self._path(key), ns=(ns, ns))
+        self._set_index(key, _Info(size, ns, created, fingerprint, meta))
 
     def _drop_bad(self, key: str, bad: BadEntry) -> None:
         """Remove a corrupt entry met by a scan or a lookup (only the very file that was read)."""
@@ -202,7 +205,7 @@ class DiskStore(Counted):
         dropped, stale temp files removed, and (full=True) every entry's size and recency refreshed from a stat.
         Returns [(key, meta)] of new entries."""
         new: list[tuple[str, bytes]] = []
-        seen: dict[str, int] = {}
+        seen: set[str] = set()
         try:
             entries = list(os.scandir(self.dir))
         except OSError as e:
@@ -223,29 +226,27 @@ class DiskStore(Counted):
                 if not full:
                     with self._mu:
                         if key in self._index:
-                            seen[key] = 0
+                            seen.add(key)
                             continue
                 st = de.stat()
             except OSError:                               # vanished (FileNotFoundError) or unreadable
                 continue
-            seen[key] = st.st_mtime_ns
             with self._mu:
                 info = self._index.get(key)
                 if info is not None and info.size == st.st_size:
                     info.used_ns = max(info.used_ns, st.st_mtime_ns)
+                    seen.add(key)
                     continue
             try:
                 info = self._read_info(key)
             except BadEntry as bad:
                 if self.repair and bad.ino is not None:
                     self._drop_bad(key, bad)
-                seen.pop(key, None)
                 continue
-            if info is None:
-                seen.pop(key, None)
-                continue
-            self._set_index(key, info)
-            new.append((key, info.meta))
+            if info is not None:
+                seen.add(key)
+                self._set_index(key, info)
+                new.append((key, info.meta))
         with self._mu:
             for key in [k for k in self._index if k not in seen and not self._pinned.get(k)]:
                 self._set_index(key, None)
@@ -261,23 +262,17 @@ class DiskStore(Counted):
     def contains(self, key: str) -> bool:
         """Whether an entry file for `key` exists now (a header-valid one; its payload is checked on get)."""
         check_key(key)
-        path = self._path(key)
         with self._mu:
             known = key in self._index
-        if known:
-            if path.exists():
-                return True
-            self._set_index(key, None)
-            return False
+        if known and self._path(key).exists():
+            return True
         try:
             info = self._read_info(key)
         except BadEntry as bad:
             self._drop_bad(key, bad)
             return False
-        if info is None:
-            return False
-        self._set_index(key, info)
-        return True
+        self._set_index(key, info)                        # None: drops an entry whose file vanished
+        return info is not None
 
     def meta(self, key: str) -> bytes | None:
         with self._mu:
@@ -288,36 +283,31 @@ class DiskStore(Counted):
         """(meta, payload) of a fully checked entry, or None (a miss: absent, corrupt, truncated, foreign or
         unreadable; every bad file is removed and counted). Touches the entry's recency."""
         check_key(key)
-        path = self._path(key)
         with self._pin(key):
-            try:
-                data, ino = read_file(path)
-            except FileNotFoundError:
-                self._set_index(key, None)
-                self._count("misses")
-                return None
-            except OSError as e:
-                self._log_once(("read", e.errno), "prefix cache %s: read error (%s); treating as a miss",
-                               self.dir, e)
-                self._count("read_errors")
-                self._count("misses")
-                return None
-            try:
-                head, meta, payload = parse_entry(data, key, self.fingerprint)
-            except BadEntry as bad:
-                log.warning("prefix cache %s: entry %s is bad (%s): removed, not served", self.dir, path.name,
-                            bad.reason)
-                if not self._remove(key, bad.counter, ino):
-                    self._count(bad.counter)              # someone else removed or replaced it: still counted
-                self._count("misses")
-                return None
-            now = self._now_ns()
-            with suppress(OSError):
-                os.utime(path, ns=(now, now))
-            self._set_index(key, _Info(len(data), now, head.created, head.fingerprint, meta))
-            self._count("hits")
-            self._count("bytes_read", len(data))
-            return meta, payload
+            entry = self._read_entry(key)
+        self._count("misses" if entry is None else "hits")
+        return entry
+
+    def _read_entry(self, key: str) -> tuple[bytes, bytes] | None:
+        path = self._path(key)
+        try:
+            data, ino = read_file(path)
+            head, meta, payload = parse_entry(data, key, self.fingerprint)
+        except FileNotFoundError:
+            self._set_index(key, None)
+            return None
+        except OSError as e:
+            self._log_once(("read", e.errno), "prefix cache %s: read error (%s); treating as a miss", self.dir, e)
+            self._count("read_errors")
+            return None
+        except BadEntry as bad:
+            log.warning("prefix cache %s: entry %s is bad (%s): removed, not served", self.dir, path.name, bad.reason)
+            if not self._remove(key, bad.counter, ino):
+                self._count(bad.counter)                  # someone else removed or replaced it: still counted
+            return None
+        self._record(key, len(data), self.clock(), head.created, head.fingerprint, meta)
+        self._count("bytes_read", len(data))
+        return meta, payload
 
     def remove(self, key: str) -> bool:
         """Remove an entry (e.g. one whose payload its owner found unusable); counted as corrupt."""
@@ -402,10 +392,7 @@ class DiskStore(Counted):
                 self._log_once(("write", e.errno), "prefix cache %s: write failed (%s): not persisting (further "
                                "errors of this kind are counted, not logged)", self.dir, e)
                 return False
-            ns = int(round(created * 1e9))
-            with suppress(OSError):
-                os.utime(self._path(key), ns=(ns, ns))
-            self._set_index(key, _Info(size, ns, created, self._fp, meta))
+            self._record(key, size, created, created, self._fp, meta)
             self._count("writes")
             self._count("bytes_written", size)
             return True

@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from contextlib import suppress
 
 from dsv41.kv.counted import Counted
 
@@ -153,9 +154,7 @@ class RedisSwaPool(SwaPool):
         except ImportError:
             raise ValueError("a Redis SWA pool needs redis-py: pip install redis") from None
         self._redis = redis
-        if isinstance(urls, str):
-            urls = [u for u in urls.split(",") if u.strip()]
-        self.urls = [u.strip() for u in urls]
+        self.urls = [u.strip() for u in (urls.split(",") if isinstance(urls, str) else urls) if u.strip()]
         if not self.urls:
             raise ValueError("RedisSwaPool needs at least one redis:// URL")
         if ttl_s <= 0 or timeout_s <= 0:
@@ -171,51 +170,35 @@ class RedisSwaPool(SwaPool):
 
     def shard(self, key: str) -> int:
         """Rendezvous (highest random weight) hashing: the URL whose sha256(url || key) is largest."""
-        best, best_w = 0, b""
-        for i, u in enumerate(self.urls):
-            w = hashlib.sha256(u.encode() + b"\0" + key.encode()).digest()
-            if w > best_w:
-                best, best_w = i, w
-        return best
+        weights = [hashlib.sha256(u.encode() + b"\0" + key.encode()).digest() for u in self.urls]
+        return max(range(len(self.urls)), key=weights.__getitem__)
 
-    def _call(self, i: int, fn, *args):
-        """fn(client, *args), or raise _Down when the shard is marked down or fails."""
+    def _call(self, key: str, fn):
+        """fn(the client of the key's shard), or None when that shard is marked down or fails."""
+        i = self.shard(key)
         if self.clock() < self._down_until[i]:
             self._count("skipped_down")
-            raise _Down()
+            return None
         try:
-            out = fn(self._clients[i], *args)
+            return fn(self._clients[i])
         except (self._redis.exceptions.RedisError, OSError) as e:
             self._down_until[i] = self.clock() + self.retry_s
             self._count("errors")
             self._log_once(i, "SWA pool %s unavailable (%s: %s): treating it as misses (logged once)", self.urls[i],
                            type(e).__name__, e)
-            raise _Down() from None
-        return out
+            return None
 
     def get(self, key: str) -> bytes | None:
-        i = self.shard(key)
-        try:
-            v = self._call(i, lambda c, k: c.get(k), self.prefix + key)
-        except _Down:
-            self._count("misses")
-            return None
-        if v is None:
-            self._count("misses")
-            return None
-        self._count("hits")
-        return bytes(v)
+        v = self._call(key, lambda c: c.get(self.prefix + key))
+        self._count("misses" if v is None else "hits")
+        return None if v is None else bytes(v)
 
     def put(self, key: str, data: bytes, ttl_s: float | None = None) -> bool:
         ttl_ms = int(round(1000 * (self.ttl_s if ttl_s is None else float(ttl_s))))
         if ttl_ms <= 0:
             self._count("rejected")
             return False
-        i = self.shard(key)
-        try:
-            ok = self._call(i, lambda c, k, v: c.set(k, v, px=ttl_ms), self.prefix + key, bytes(data))
-        except _Down:
-            return False
+        ok = self._call(key, lambda c: c.set(self.prefix + key, bytes(data), px=ttl_ms))
         if ok:
             self._count("puts")
             self._count("put_bytes", len(data))
@@ -229,14 +212,8 @@ class RedisSwaPool(SwaPool):
 
     def close(self) -> None:
         for c in self._clients:
-            try:
+            with suppress(Exception):
                 c.close()
-            except Exception:
-                pass
-
-
-class _Down(Exception):
-    pass
 
 
 def make_swa_pool(spec: str | None, ttl_s: float = DEFAULT_TTL_S, max_bytes: int | None = None,
