@@ -24,23 +24,26 @@ from dsv41.codecs import qdq_index_k, qdq_main_kv
 from dsv41.config import LayerRole, ModelConfig
 from dsv41.devices import h2d
 from dsv41.kernels import qdq_fp8, sparse_attn
+from dsv41.kernels.packed_ref import topk_indices
 from dsv41.model import packed_decode
-from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope
+from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope, lin_kind
 from dsv41.model.step import StepContext
 
 
 def set_tie_break(model: nn.Module, ties: str) -> None:
-    """Choose how every indexer / candidate top-k breaks exact ties: 'official' or 'recent' (`topk_indices`)."""
+    """Choose how every indexer / candidate top-k breaks exact ties (`dsv41.kernels.packed_ref.topk_indices`).
+
+    ties="official": torch's `topk(sorted=False)`, as the official code. Its order among exactly equal scores
+      is implementation-defined and depends on the tensor's width (MODEL.md 10.2 item 1), so it reproduces
+      the official selections (gate 1) but a chunked prefill or a decode step can pick another member of a tie.
+    ties="recent": ties broken toward the larger index (the more recent entry): a fixed rule under which
+      chunked prefill, decode and batching select exactly what one-shot prefill selects, even at exact ties
+      (all-zero ReLU score rows are common). Used for the engine's exactness checks."""
     if ties not in ("official", "recent"):
         raise ValueError(f"tie break must be 'official' or 'recent', got {ties!r}")
     for m in model.modules():
         if isinstance(m, Indexer):
             m.ties = ties
-
-
-def lin_kind(cfg: ModelConfig) -> str:
-    """Storage kind of the ordinary Linear weights: 'fp8' (activation-quantized) or plain 'bf16'."""
-    return "fp8" if cfg.dtype == "fp8" else "bf16"
 
 
 def window_indices(start: torch.Tensor, T: int, W: int, prefill: bool,
@@ -70,21 +73,6 @@ def window_indices(start: torch.Tensor, T: int, W: int, prefill: bool,
     idx = torch.where(pos < P, pos % W, W + pos - P)
     lo = 0 if floor is None else floor.view(B, 1, 1).cpu()
     return torch.where(pos < lo, -1, torch.where(pos < 0, -1, idx))
-
-
-def topk_indices(score: torch.Tensor, k: int, ties: str = "official") -> torch.Tensor:
-    """Indices of the k largest entries along the last axis.
-
-    ties="official": torch's `topk(sorted=False)`, as the official code. Its order among exactly equal scores
-      is implementation-defined and depends on the tensor's width (MODEL.md 10.2 item 1), so it reproduces
-      the official selections (gate 1) but a chunked prefill or a decode step can pick another member of a tie.
-    ties="recent": ties broken toward the larger index (the more recent entry): a fixed rule under which
-      chunked prefill, decode and batching select exactly what one-shot prefill selects, even at exact ties
-      (all-zero ReLU score rows are common). Used for the engine's exactness checks."""
-    if ties == "official":
-        return score.topk(k, dim=-1, sorted=False).indices
-    order = torch.sort(score.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
-    return score.size(-1) - 1 - order
 
 
 def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int,
@@ -143,13 +131,12 @@ class Compressor(nn.Module):
         carried = h2d(start % m, u.device)                                          # tokens of the open group
         st_kv, st_sc = cache.compressor_state(layer)                                # [B,m,C], slots 0..m-1
         # row b's sequence: its `carried` state slots, then this chunk; aligned so index 0 starts a group
-        seq_kv = torch.cat([st_kv, kv], dim=1)                                     # [B,m+T,C]
-        seq_sc = torch.cat([st_sc, score], dim=1)
         shift = m - carried                                                         # first used index per row
         L = T + int(carried.max())
         gather = (shift.unsqueeze(1) + torch.arange(L, device=u.device)).clamp(max=m + T - 1)
-        seq_kv = seq_kv.gather(1, gather.unsqueeze(-1).expand(-1, -1, kv.size(-1)))
-        seq_sc = seq_sc.gather(1, gather.unsqueeze(-1).expand(-1, -1, kv.size(-1)))
+        gather = gather.unsqueeze(-1).expand(-1, -1, kv.size(-1))
+        seq_kv, seq_sc = (torch.cat([st, new], dim=1).gather(1, gather)             # [B,m+T,C] -> [B,L,C]
+                          for st, new in ((st_kv, kv), (st_sc, score)))
         if journal is not None:
             journal[("compressor", layer)] = (seq_kv, seq_sc, carried)
         length = carried + T                                                        # [B]
@@ -159,8 +146,7 @@ class Compressor(nn.Module):
         cache.set_compressor_state(layer, *carry_after(seq_kv, seq_sc, length, m))
         if n == 0:
             return None, count
-        g_kv = seq_kv[:, :n * m].unflatten(1, (n, m))
-        g_sc = seq_sc[:, :n * m].unflatten(1, (n, m))
+        g_kv, g_sc = (t[:, :n * m].unflatten(1, (n, m)) for t in (seq_kv, seq_sc))
         pooled = (g_kv * g_sc.softmax(dim=2)).sum(dim=2)
         return self.norm(pooled.to(u.dtype)), count
 
@@ -171,7 +157,7 @@ class Indexer(QuantSite):
     I[q,t] = sum_j w[q,j] * ReLU(q_j . K_t), keys FP4 (MXFP4) QDQ'd. Owners (Full layers) first turn the new
     latents into index keys. The candidate source publishes its block pool; Reindex layers mask to it."""
 
-    ties: str = "official"          # see `topk_indices`; switched model-wide by `set_tie_break`
+    ties: str = "official"          # the top-k tie rule, switched model-wide by `set_tie_break`
     score_budget: int = 1 << 26     # query rows are scored in blocks of at most this many (row, head, entry) scores
 
     def __init__(self, cfg: ModelConfig, role: LayerRole, dtype: torch.dtype):
@@ -188,38 +174,38 @@ class Indexer(QuantSite):
     def qdq(self, x: torch.Tensor) -> torch.Tensor:
         return qdq_index_k(x) if self.quant else x
 
-    def publish_keys(self, latent: torch.Tensor, count: torch.Tensor, row0: torch.Tensor, rope: Rope,
+    def publish_keys(self, latent: torch.Tensor, count: torch.Tensor, row0: torch.Tensor, freqs: torch.Tensor,
                      ctx: StepContext) -> None:
-        m = self.role.ratio
-        k = self.k_norm(self.wk(latent))
-        pos = (row0.unsqueeze(1) + torch.arange(k.size(1), device=row0.device)) * m
-        k = apply_rope(k, h2d(rope.freqs(pos), k.device))
+        """Index keys of the new latents (freqs: RoPE at each group's first token), appended to the store."""
+        k = apply_rope(self.k_norm(self.wk(latent)), freqs)
         ctx.cache.append_index_k(self.role.layer, row0, self.qdq(k), count)
         ctx.cache.index_k_publisher = self.role.layer
+
+    def queries(self, u: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries [B,T,J,I] (RoPE'd, QDQ'd) and head weights [B,T,J]."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        return self.qdq(apply_rope(q, freqs)), self.weights_proj(u) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
 
     def forward(self, u: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Returns int32 [B,T,K] compressed-entry ids, ascending, -1 = none (the caller adds its window offset)."""
         role, m = self.role, self.role.ratio
         n_vis = (ctx.start + ctx.seqlen) // m                                       # [B] entries visible at the end
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = self.qdq(apply_rope(q, freqs))
+        q, w = self.queries(u, qr, freqs)
         src = ctx.cache.index_k_publisher if ctx.opts.official_decode_artifact else role.kv_from
         keys = ctx.cache.index_k(src, n_vis)                                        # [B,N,I]
-        w = self.weights_proj(u) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)  # [B,T,J]
         compress_lens = (h2d(ctx.positions, u.device) + 1).div(m, rounding_mode="floor").unsqueeze(-1)
-        cand = None
-        if role.uses_candidates:
-            cand = ctx.published.cand[role.candidates_from][:, -ctx.seqlen:]      # source may have run on more rows
+        # the candidate source may have run on more rows
+        cand = ctx.published.cand[role.candidates_from][:, -ctx.seqlen:] if role.uses_candidates else None
         rows = max(1, self.score_budget // max(1, keys.size(1) * self.n_heads))    # bound the [rows,J,N] scores
-        parts, cands = [], []
+        parts = []
         for lo in range(0, u.size(1), rows):
             sl = slice(lo, lo + rows)
-            idx, c = self.select(q[:, sl], keys, w[:, sl], compress_lens[:, sl], None if cand is None else cand[:, sl])
-            parts.append(idx)
-            cands.append(c)
+            parts.append(self.select(q[:, sl], keys, w[:, sl], compress_lens[:, sl],
+                                     None if cand is None else cand[:, sl]))
+        idx, masks = zip(*parts)
         if role.is_candidate_source:
-            ctx.published.cand[role.layer] = torch.cat(cands, dim=1)
-        return torch.cat(parts, dim=1)
+            ctx.published.cand[role.layer] = torch.cat(masks, dim=1)
+        return torch.cat(idx, dim=1)
 
     def select(self, q, keys, w, compress_lens, cand):
         """Scores and top-k for a block of query rows -> (ids [B,t,K], candidate mask [B,t,N] or None)."""
@@ -258,7 +244,7 @@ class Attention(QuantSite):
         self.kv_norm = RMSNorm(C, cfg.norm_eps, dtype)
         self.wo_a = Linear(H * C // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, "bf16", dtype)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, kind, dtype)
-        self.rope = Rope.for_layer(cfg, role.ratio)
+        self.rope = Rope(cfg, role.ratio)
         self.compressor = Compressor(cfg, role.ratio, dtype) if role.is_kv_source else None
         self.indexer = Indexer(cfg, role, dtype) if role.is_index_source else None
 
@@ -292,10 +278,11 @@ class Attention(QuantSite):
         if latent is None:
             return
         row0 = ctx.start // m
-        if self.indexer is not None:
-            self.indexer.publish_keys(latent, count, row0, self.rope, ctx)
         pos = (row0.unsqueeze(1) + torch.arange(latent.size(1), device=row0.device)) * m   # group's first token
-        latent = apply_rope(latent, h2d(self.rope.freqs(pos), latent.device))
+        freqs = h2d(self.rope.freqs(pos), latent.device)
+        if self.indexer is not None:
+            self.indexer.publish_keys(latent, count, row0, freqs, ctx)
+        latent = apply_rope(latent, freqs)
         cache.append_compressed(self.layer, row0, qdq_main_kv(latent) if self.quant else latent, count)
 
     def with_compressed(self, u, qr, freqs, win_kv: torch.Tensor, win_idx: torch.Tensor, ctx: StepContext):
@@ -309,10 +296,8 @@ class Attention(QuantSite):
         if self.compressor is not None and ctx.opts.produce_kv:
             self.produce_global_kv(u, ctx)
         if role.is_index_source:
-            if int(n_vis.max()) == 0:
-                idx = torch.empty(B, T, 0, dtype=torch.int32, device=u.device)
-            else:
-                idx = self.indexer(u, qr, freqs, ctx)
+            idx = (self.indexer(u, qr, freqs, ctx) if int(n_vis.max())
+                   else torch.empty(B, T, 0, dtype=torch.int32, device=u.device))      # no entry visible yet
             ctx.published.topk[self.layer] = idx
             if ctx.record is not None:
                 ctx.record[("topk", self.layer)] = idx

@@ -26,6 +26,11 @@ QUANT_KINDS = ("fp8", "fp4")
 WEIGHT_KINDS = ("fp8", "fp4", "bf16", "fp32")
 
 
+def lin_kind(cfg) -> str:
+    """Storage kind of the ordinary Linear weights: 'fp8' (activation-quantized) or plain 'bf16'."""
+    return "fp8" if cfg.dtype == "fp8" else "bf16"
+
+
 class QuantSite(nn.Module):
     """A module with a QDQ step that `set_quantization` can switch off."""
 
@@ -104,24 +109,18 @@ class Rope:
     Angle p * omega_i is one fp32 product, so computing it on demand equals the official precomputed table
     row for row, and nothing of size max_seq_len is ever allocated."""
 
-    def __init__(self, rope_dim: int, original_seq_len: int, base: float, factor: float, beta_fast: int,
-                 beta_slow: int):
-        self.rope_dim = rope_dim
-        self.inv_freq = rope_inv_freq(rope_dim, original_seq_len, float(base), float(factor), beta_fast, beta_slow)
+    def __init__(self, cfg, ratio: int):
+        """Window-only layers (ratio 0): theta rope_theta, no YaRN; compressed layers: compress_rope_theta with
+        YaRN."""
+        orig, theta = (cfg.original_seq_len, cfg.compress_rope_theta) if ratio else (0, cfg.rope_theta)
+        self.inv_freq = rope_inv_freq(cfg.rope_head_dim, orig, float(theta), float(cfg.rope_factor), cfg.beta_fast,
+                                      cfg.beta_slow)
 
     def freqs(self, positions: torch.Tensor) -> torch.Tensor:
         """complex64 [..., R/2] for integer positions of any shape."""
         inv = self.inv_freq.to(positions.device)
         angle = positions.to(torch.float32).unsqueeze(-1) * inv
         return torch.polar(torch.ones_like(angle), angle)
-
-    @classmethod
-    def for_layer(cls, cfg, ratio: int) -> "Rope":
-        """Window-only layers: theta rope_theta, no YaRN; compressed layers: compress_rope_theta with YaRN."""
-        if ratio:
-            return cls(cfg.rope_head_dim, cfg.original_seq_len, cfg.compress_rope_theta, cfg.rope_factor,
-                       cfg.beta_fast, cfg.beta_slow)
-        return cls(cfg.rope_head_dim, 0, cfg.rope_theta, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:

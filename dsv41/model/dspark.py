@@ -12,9 +12,9 @@ from torch import nn
 
 from dsv41.config import LayerRole, Mode, ModelConfig
 from dsv41.kernels import sparse_attn
-from dsv41.model.attention import Attention, lin_kind
+from dsv41.model.attention import Attention
 from dsv41.model.block import Block
-from dsv41.model.common import Linear, RMSNorm, warm_up_transcendentals
+from dsv41.model.common import Linear, RMSNorm, lin_kind, warm_up_transcendentals
 from dsv41.model.mhc import hc_pre
 from dsv41.model.step import StepContext
 
@@ -29,11 +29,7 @@ class DSparkAttention(Attention):
         if main_x.size(1) == 0:
             return
         pos = start.view(-1, 1) + torch.arange(main_x.size(1))
-        kv = self.window_kv(main_x, self.rope.freqs(pos).to(main_x.device))
-        if count is None:
-            cache.write_window(self.layer, start, kv)
-        else:
-            cache.write_window(self.layer, start, kv, count)
+        cache.write_window(self.layer, start, self.window_kv(main_x, self.rope.freqs(pos).to(main_x.device)), count)
 
     def forward(self, u: torch.Tensor, ctx, main_x: torch.Tensor) -> torch.Tensor:
         cache, start = ctx.cache, ctx.start

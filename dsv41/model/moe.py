@@ -12,7 +12,7 @@ from torch import nn
 
 from dsv41.kernels import expert_act, moe_combine, moe_experts, qdq_fp8
 from dsv41.kernels.choice import fused_moe
-from dsv41.model.common import Linear
+from dsv41.model.common import Linear, lin_kind
 
 
 class Gate(nn.Module):
@@ -76,11 +76,10 @@ class MoE(nn.Module):
         n_experts, topk = cfg.moe_shape(layer_id)
         self.layer, self.n_experts, self.dim = layer_id, n_experts, cfg.dim
         self.gate = Gate(cfg, n_experts, topk, dtype)
-        kind = {"fp4": "fp4", "fp8": "fp8", "bf16": "bf16", None: "bf16"}[cfg.expert_dtype]
-        shared_kind = "fp8" if cfg.dtype == "fp8" else "bf16"
+        kind = cfg.expert_dtype or "bf16"                          # routed experts' storage (null: bf16)
         self.experts = nn.ModuleList(
             [Expert(cfg.dim, cfg.moe_inter_dim, kind, dtype, cfg.swiglu_limit) for _ in range(n_experts)])
-        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, shared_kind, dtype, cfg.swiglu_limit)
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, lin_kind(cfg), dtype, cfg.swiglu_limit)
 
     def fused_weights(self):
         """(w1s, w3s, w2s, quant_in, quant_mid) for `moe_experts` (routed experts, then the shared one) when every
@@ -94,12 +93,10 @@ class MoE(nn.Module):
             for mod in (m, w1, w2, w3):
                 if mod._forward_pre_hooks or mod._forward_hooks or mod._parameters.get("bias") is not None:
                     return None
-            q_in.add(w1.quantizes_input)
-            q_in.add(w3.quantizes_input)
+            q_in.update((w1.quantizes_input, w3.quantizes_input))
             q_mid.add(w2.quantizes_input)
-            w1s.append(w1._parameters["weight"])
-            w3s.append(w3._parameters["weight"])
-            w2s.append(w2._parameters["weight"])
+            for ws, lin in ((w1s, w1), (w3s, w3), (w2s, w2)):
+                ws.append(lin._parameters["weight"])
         if len(q_in) != 1 or len(q_mid) != 1:
             return None
         return w1s, w3s, w2s, q_in.pop(), q_mid.pop()

@@ -18,7 +18,6 @@ from dsv41.devices import h2d
 from dsv41.kernels import decode_window_rows, indexer_topk_packed, sparse_attn_packed
 from dsv41.kernels.choice import packed_decode
 from dsv41.model.cache import PackedKVStore
-from dsv41.model.common import apply_rope
 from dsv41.model.step import StepContext
 
 
@@ -48,9 +47,7 @@ def _selection(attn, u, qr, freqs, ctx: StepContext) -> torch.Tensor:
             pool = idx
     else:
         ix = attn.indexer
-        qi = ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim))
-        qi = ix.qdq(apply_rope(qi, freqs))[:, 0]                                     # [B,J,I]
-        w = (ix.weights_proj(u) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))[:, 0]  # [B,J]
+        qi, w = (t[:, 0] for t in ix.queries(u, qr, freqs))                           # [B,J,I], [B,J]
         pages, table = cache.packed_pages(role.kv_from, "index")
         cand = pub.pool[role.candidates_from] if role.uses_candidates else None
         idx, pool = indexer_topk_packed(qi, w, pages, table, n_vis, ix.topk, cand,

@@ -54,12 +54,8 @@ class Transformer(nn.Module):
                 token_map = identity_token_map(cfg.vocab_size)
             self.engram_hasher = NgramHasher(cfg, token_map)
         if cfg.vision_enabled:
-            from dsv41.model.vision import Aligner, ViT
-            self.vision = ViT(cfg, dtype)
-            self.aligner = Aligner(cfg, dtype)
-            self.image_start = nn.Parameter(torch.zeros(D, dtype=dtype))
-            self.image_end = nn.Parameter(torch.zeros(D, dtype=dtype))
-            self.image_newline = nn.Parameter(torch.zeros(D, dtype=dtype))
+            from dsv41.model.vision import add_vision_members
+            add_vision_members(self, cfg, dtype)
 
     # ---------------------------------------------------------------- pieces (also used by teacher forcing)
     def engram_hashes(self, input_ids: torch.Tensor, cache: KVStore, token_mask: torch.Tensor | None):

@@ -3,9 +3,10 @@
 
 Legend: N patches (n_vit_h * n_vit_w), H heads, Dh head dim, C vision width, D model width, r downsample ratio.
 
-Plain float math (the vision tower has no quantization). Linears compute in the dtype they were built with
-(`dtype=`: float32 for parity, bfloat16 for the published numerics); the RMSNorm weights are always float32 and the
-norms compute in fp32, casting back to the activation dtype. Patches arrive as the processor's bf16 and are
+Plain float math (the vision tower has no quantization: its Linears are the model's `Linear` of storage kind
+bf16, no activation QDQ). Linears compute in the dtype they were built with (`dtype=`: float32 for parity,
+bfloat16 for the published numerics); the RMSNorm weights are always float32 and the norms compute in fp32,
+casting back to the activation dtype. Patches arrive as the processor's bf16 and are
 converted (exactly) to the tower dtype.
 
 Checkpoint names: registered on the top-level model as `vision` (`ViT`), `aligner` (`Aligner`) and the three
@@ -16,8 +17,7 @@ names (`vision.patch_embed.proj.weight`, `vision.blocks.{i}.attn.wqkv.bias`, `al
 
 from __future__ import annotations
 
-import json
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -25,26 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.model.common import RMSNorm, warm_up_transcendentals
+from dsv41.model.common import Linear, RMSNorm, warm_up_transcendentals
 from dsv41.model.image import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START
 
 VISION_NORM_EPS = 1e-6
 
 
 # ------------------------------------------------------------------------------------------------ primitives
-
-class VisionLinear(nn.Module):
-    """y = x W^T (+ b) in the weight's dtype: plain float, no quantization (weights stored bf16)."""
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
 
 def vision_norm(dim: int) -> RMSNorm:
     """The tower's RMSNorm: the model's, with an fp32 weight (fp32 math, cast back to the input dtype)."""
@@ -87,7 +74,7 @@ def apply_rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 class PatchEmbed(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype):
         super().__init__()
-        self.proj = VisionLinear(3 * cfg.vision_patch_size ** 2, cfg.vision_dim, dtype, bias=True)
+        self.proj = Linear(3 * cfg.vision_patch_size ** 2, cfg.vision_dim, "bf16", dtype, bias=True)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         return self.proj(patches.flatten(1))
@@ -101,8 +88,8 @@ class VisionAttention(nn.Module):
         C = cfg.vision_dim
         self.n_heads = cfg.vision_n_heads
         self.head_dim = C // self.n_heads
-        self.wqkv = VisionLinear(C, 3 * C, dtype, bias=True)
-        self.wo = VisionLinear(C, C, dtype, bias=True)
+        self.wqkv = Linear(C, 3 * C, "bf16", dtype, bias=True)
+        self.wo = Linear(C, C, "bf16", dtype, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.size(0)
@@ -118,8 +105,8 @@ class VisionMLP(nn.Module):
 
     def __init__(self, cfg, dtype: torch.dtype):
         super().__init__()
-        self.w1 = VisionLinear(cfg.vision_dim, 2 * cfg.vision_inter_dim, dtype)
-        self.w2 = VisionLinear(cfg.vision_inter_dim, cfg.vision_dim, dtype)
+        self.w1 = Linear(cfg.vision_dim, 2 * cfg.vision_inter_dim, "bf16", dtype)
+        self.w2 = Linear(cfg.vision_inter_dim, cfg.vision_dim, "bf16", dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.w1(x).chunk(2, dim=-1)
@@ -184,17 +171,17 @@ class Aligner(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.downsample_ratio = cfg.vision_downsample_ratio
-        self.w1 = VisionLinear(cfg.vision_dim * self.downsample_ratio ** 2, cfg.dim, dtype, bias=True)
-        self.w2 = VisionLinear(cfg.dim, cfg.dim, dtype, bias=True)
+        self.w1 = Linear(cfg.vision_dim * self.downsample_ratio ** 2, cfg.dim, "bf16", dtype, bias=True)
+        self.w2 = Linear(cfg.dim, cfg.dim, "bf16", dtype, bias=True)
 
     def forward(self, x: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
         x = pixel_unshuffle(x, n_vit_h, n_vit_w, self.downsample_ratio)
         return self.w2(F.gelu(self.w1(x)))
 
 
-def encode_image(vision: ViT, aligner: Aligner, patches: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
-    """ViT + aligner of one image: [n_llm_h*n_llm_w, D] in the tower dtype."""
-    return aligner(vision(patches, n_vit_h, n_vit_w), n_vit_h, n_vit_w)
+def encode_image(model: nn.Module, patches: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
+    """ViT + aligner (`model.vision`, `model.aligner`) of one image: [n_llm_h*n_llm_w, D] in the tower dtype."""
+    return model.aligner(model.vision(patches, n_vit_h, n_vit_w), n_vit_h, n_vit_w)
 
 
 # ------------------------------------------------------------------------------------------------ span merge
@@ -240,10 +227,8 @@ def merge_image_embeddings(h: torch.Tensor, images: Sequence | None, image_start
 def merge_model_images(model: nn.Module, h: torch.Tensor, images: Sequence | None) -> torch.Tensor:
     """merge_image_embeddings with the five members of a model that registers `vision`, `aligner`,
     `image_start`, `image_end`, `image_newline` (the official top-level layout)."""
-    def encode(patches: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
-        return encode_image(model.vision, model.aligner, patches, n_vit_h, n_vit_w)
-
-    return merge_image_embeddings(h, images, model.image_start, model.image_end, model.image_newline, encode)
+    return merge_image_embeddings(h, images, model.image_start, model.image_end, model.image_newline,
+                                  partial(encode_image, model))
 
 
 # ------------------------------------------------------------------------------------------------ standalone
@@ -255,21 +240,26 @@ class VisionTower(nn.Module):
 
     def __init__(self, cfg, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        self.vision = ViT(cfg, dtype)
-        self.aligner = Aligner(cfg, dtype)
-        self.image_start = nn.Parameter(torch.zeros(cfg.dim, dtype=dtype))
-        self.image_end = nn.Parameter(torch.zeros(cfg.dim, dtype=dtype))
-        self.image_newline = nn.Parameter(torch.zeros(cfg.dim, dtype=dtype))
+        add_vision_members(self, cfg, dtype)
 
     def encode(self, patches: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
-        return encode_image(self.vision, self.aligner, patches, n_vit_h, n_vit_w)
+        return encode_image(self, patches, n_vit_h, n_vit_w)
 
     def merge(self, h: torch.Tensor, images: Sequence | None) -> torch.Tensor:
-        return merge_image_embeddings(h, images, self.image_start, self.image_end, self.image_newline, self.encode)
+        return merge_model_images(self, h, images)
 
 
 VISION_PREFIXES = ("vision.", "aligner.")
 VISION_NAMES = ("image_start", "image_end", "image_newline")
+
+
+def add_vision_members(module: nn.Module, cfg, dtype: torch.dtype) -> None:
+    """Register the five vision members on `module` under their official top-level names: `vision`, `aligner`
+    and the span delimiters `image_start`, `image_end`, `image_newline` ([D] each)."""
+    module.vision = ViT(cfg, dtype)
+    module.aligner = Aligner(cfg, dtype)
+    for name in VISION_NAMES:
+        setattr(module, name, nn.Parameter(torch.zeros(cfg.dim, dtype=dtype)))
 
 
 def is_vision_tensor(name: str) -> bool:
@@ -278,41 +268,25 @@ def is_vision_tensor(name: str) -> bool:
 
 def load_vision_weights(module: nn.Module, checkpoint: str | Path, strict: bool = True) -> list[str]:
     """Copy the checkpoint's vision tensors (`vision.*`, `aligner.*`, `image_*`) into `module`, whose parameter
-    names must be those official names (a VisionTower, or a full model). Each tensor is converted to the
-    parameter's dtype. Returns the names loaded; with strict, every vision parameter of `module` must be found
-    and shapes must agree."""
+    names must be those official names (a VisionTower, or a full model). `checkpoint` is a directory of
+    `*.safetensors` shards or one file. Each tensor is converted to the parameter's dtype. Returns the names
+    loaded; with strict, every vision parameter of `module` must be found and shapes must agree."""
     from safetensors import safe_open
 
     ckpt = Path(checkpoint)
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    else:
-        files = sorted(ckpt.glob("*.safetensors")) if ckpt.is_dir() else [ckpt]
-        weight_map = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as g:
-                weight_map.update({k: f.name for k in g.keys()})
-        ckpt = ckpt if ckpt.is_dir() else ckpt.parent
     params = {n: p for n, p in module.named_parameters() if is_vision_tensor(n)}
-    by_file: dict[str, list[str]] = {}
-    for name in params:
-        if name in weight_map:
-            by_file.setdefault(weight_map[name], []).append(name)
     loaded = []
     with torch.no_grad():
-        for fname, names in by_file.items():
-            with safe_open(str(ckpt / fname), framework="pt") as g:
-                for name in names:
-                    t = g.get_tensor(name)
-                    p = params[name]
+        for f in sorted(ckpt.glob("*.safetensors")) if ckpt.is_dir() else [ckpt]:
+            with safe_open(str(f), framework="pt") as g:
+                for name in sorted(params.keys() & set(g.keys())):
+                    t, p = g.get_tensor(name), params[name]
                     if tuple(t.shape) != tuple(p.shape):
                         raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != parameter {tuple(p.shape)}")
                     p.copy_(t.to(p.dtype))
                     loaded.append(name)
-    if strict:
-        missing = sorted(set(params) - set(loaded))
-        if missing:
-            more = " ..." if len(missing) > 5 else ""
-            raise ValueError(f"vision tensors missing from {checkpoint}: {missing[:5]}{more}")
+    missing = sorted(set(params) - set(loaded))
+    if strict and missing:
+        more = " ..." if len(missing) > 5 else ""
+        raise ValueError(f"vision tensors missing from {checkpoint}: {missing[:5]}{more}")
     return loaded
