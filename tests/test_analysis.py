@@ -164,8 +164,8 @@ def test_prefill_encoder_indexer():
         assert e["macs"] == 3072 * n * n                              # exact for even n (m = 2: q^2 = n^2/4)
     s256 = flops.prefill_indexer_share(FLASH, 1 << 18)
     s1m = flops.prefill_indexer_share(FLASH, 1 << 20)
-    assert 0.02 < s256["fraction_weighted"] < 0.08                    # notes: ~5%
-    assert 0.10 < s1m["fraction_weighted"] < 0.25                     # notes: 15-20%
+    assert 0.02 < s256["fraction_weighted"] < 0.08                    # docs/report.md §4.4: ~5%
+    assert 0.10 < s1m["fraction_weighted"] < 0.25                     # docs/report.md §4.4: 15-20%
     assert s256["fraction_raw"] < s1m["fraction_raw"]
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
-from dsv41.analysis.params import engram_wkv_params
+from dsv41.analysis.params import engram_wkv_params, expert_params, hc_mix_width
 from dsv41.config import LayerRole, Mode, ModelConfig, ced_split, layer_roles
 
 PRECISION_WEIGHT = {"bf16": 1.0, "fp32": 1.0, "fp8": 0.5, "fp4": 0.25}
@@ -137,16 +137,15 @@ def _layer_linear_terms(cfg: ModelConfig, role: LayerRole, expert_mma: str) -> l
     D, H, d = cfg.dim, cfg.n_heads, cfg.head_dim
     lin = linear_precision(cfg)
     n_exp, k = cfg.moe_shape(role.layer)
-    mixw = (2 + cfg.hc_mult) * cfg.hc_mult
     t = [
-        Term("hc_mixes", 2 * mixw * cfg.hc_mult * D, "fp32"),
+        Term("hc_mixes", 2 * hc_mix_width(cfg) * cfg.hc_mult * D, "fp32"),
         Term("attn_q", cfg.q_lora_rank * D + H * d * cfg.q_lora_rank, lin),
         Term("attn_wkv", d * D, lin),
         Term("attn_out", cfg.o_groups * cfg.o_lora_rank * (H * d // cfg.o_groups) + D * cfg.o_groups * cfg.o_lora_rank,
              lin),
         Term("moe_gate", n_exp * D, "fp32"),
-        Term("shared_expert", 3 * cfg.moe_inter_dim * D * cfg.n_shared_experts, lin),
-        Term("routed_experts", k * 3 * cfg.moe_inter_dim * D, expert_precision(cfg, expert_mma)),
+        Term("shared_expert", expert_params(cfg) * cfg.n_shared_experts, lin),
+        Term("routed_experts", k * expert_params(cfg), expert_precision(cfg, expert_mma)),
     ]
     if role.is_kv_source:
         t += [Term("compressor", (2 if role.ratio > 1 else 1) * d * D, "fp32" if role.ratio > 1 else "bf16"),
@@ -221,9 +220,9 @@ def encoder_indexer_macs(cfg: ModelConfig, n: int) -> dict[str, float]:
     return {"macs": total, "n2_coefficient": coef, "approx_macs": coef * n * n}
 
 
-def _prefill_term_list(cfg: ModelConfig, n: int, expert_mma: str) -> Iterator[Term]:
-    split = _encoder_layers(cfg)
-    roles = layer_roles(cfg)
+def _prefill_parts(cfg: ModelConfig, n: int, expert_mma: str) -> Iterator[Term]:
+    """Every term of a CED prefill of n tokens, in order, before `_summed` adds up the equal ones."""
+    split, roles = _encoder_layers(cfg), layer_roles(cfg)
     for r in roles[:split]:                                   # encoder: every prompt token
         yield from (Term(t.name, t.macs * n, t.precision) for t in _layer_linear_terms(cfg, r, expert_mma))
         topk_rows = _sum_min_floor(n, r.ratio, cfg.index_topk) if r.ratio else 0
@@ -244,7 +243,7 @@ def _prefill_term_list(cfg: ModelConfig, n: int, expert_mma: str) -> Iterator[Te
 
 def prefill_terms(cfg: ModelConfig, n: int, expert_mma: str = "auto") -> list[Term]:
     """All matmul terms of a CED prefill of n prompt tokens (module docstring)."""
-    return _summed(_prefill_term_list(cfg, n, expert_mma))
+    return _summed(_prefill_parts(cfg, n, expert_mma))
 
 
 def prefill_indexer_share(cfg: ModelConfig, n: int, expert_mma: str = "auto") -> dict[str, float]:
@@ -281,8 +280,7 @@ def flops_report(cfg: ModelConfig, contexts: Iterable[int] = DEFAULT_CONTEXTS,
         "indexer_at_1m": {"tokens": ONE_MILLION, "macs": idx_1m, "linear_term_macs": coefs["per_token"] * ONE_MILLION,
                           "flops_raw": 2.0 * idx_1m, "flops_weighted_fp4": 2.0 * idx_1m * PRECISION_WEIGHT["fp4"],
                           "flat_macs": indexer_macs(cfg, ONE_MILLION, hierarchical=False)},
-        "decode_flops_raw": [d["raw"] for d in dec],
-        "decode_flops_weighted": [d["weighted"] for d in dec],
+        "decode_flops_raw": [d["raw"] for d in dec], "decode_flops_weighted": [d["weighted"] for d in dec],
         "decode_flops_weighted_fp4_experts": [d["weighted"] for d in dec_fp4],
         "decode_growth": {"from": lo, "to": hi, "ratio": dec[ihi]["weighted"] / dec[ilo]["weighted"],
                           "ratio_fp4_experts": dec_fp4[ihi]["weighted"] / dec_fp4[ilo]["weighted"]},

@@ -31,7 +31,7 @@ from typing import Any
 from dsv41.config import Mode, ModelConfig, ced_split, layer_roles
 
 
-def _mix_width(cfg: ModelConfig) -> int:
+def hc_mix_width(cfg: ModelConfig) -> int:
     """hc_mixes outputs: hc pre weights + hc post weights + hc x hc comb matrix = 4 + 4 + 16 = 24."""
     return (2 + cfg.hc_mult) * cfg.hc_mult
 
@@ -46,7 +46,7 @@ def block_params(cfg: ModelConfig, layer: int) -> dict[str, int]:
 
     `routed_experts` holds all routed experts of the layer; activated counts take `n_activated` of them."""
     D, H, d = cfg.dim, cfg.n_heads, cfg.head_dim
-    mixw = _mix_width(cfg)
+    mixw = hc_mix_width(cfg)
     hc_one = mixw * cfg.hc_mult * D + mixw + 3            # fn [24, 4D] + base [24] + scale [3]
     n_experts, _ = cfg.moe_shape(layer)
     p: dict[str, int] = {
@@ -92,14 +92,10 @@ def dspark_params(cfg: ModelConfig) -> dict[str, int]:
         return dict.fromkeys(("blocks", "main_proj", "norm", "markov", "confidence", "experts"), 0)
     D = cfg.dim
     blocks = [block_params(cfg, L) for L in range(cfg.n_layers, cfg.total_layers)]
-    return {
-        "blocks": sum(sum(b.values()) for b in blocks),
-        "experts": sum(b["routed_experts"] + b["shared_expert"] for b in blocks),
-        "main_proj": D * D * len(cfg.dspark_target_layer_ids) + D,
-        "norm": D,
-        "markov": 2 * cfg.vocab_size * cfg.dspark_markov_rank,
-        "confidence": D + cfg.dspark_markov_rank,
-    }
+    return {"blocks": sum(sum(b.values()) for b in blocks),
+            "experts": sum(b["routed_experts"] + b["shared_expert"] for b in blocks),
+            "main_proj": D * D * len(cfg.dspark_target_layer_ids) + D, "norm": D,
+            "markov": 2 * cfg.vocab_size * cfg.dspark_markov_rank, "confidence": D + cfg.dspark_markov_rank}
 
 
 def vision_params(cfg: ModelConfig) -> dict[str, int]:
