@@ -41,18 +41,12 @@ TIED_COPIES = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")
 def storage_map(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, str]:
     """Parameter name -> official storage: 'fp8' (weight + 32x32 scale), 'fp4' (packed + per-32 scale),
     'fp8_rows' (Engram table, per-32 scale along rows), 'f32' or 'bf16' (plain)."""
+    linear_kinds = {f"{name}.weight": "fp8" if name.endswith("attn.wo_a") and cfg.dtype == "fp8" else mod.kind
+                    for name, mod in model.named_modules() if isinstance(mod, Linear) and mod.bias is None}
     out: dict[str, str] = {}
-    quant_weights = {}
-    for mname, mod in model.named_modules():
-        if isinstance(mod, Linear) and mod.bias is None:
-            kind = mod.kind
-            if mname.endswith("attn.wo_a") and cfg.dtype == "fp8":
-                kind = "fp8"
-            if kind in ("fp8", "fp4"):
-                quant_weights[f"{mname}.weight"] = kind
     for name, _ in model.named_parameters():
-        if name in quant_weights:
-            out[name] = quant_weights[name]
+        if linear_kinds.get(name) in ("fp8", "fp4"):
+            out[name] = linear_kinds[name]
         elif name.endswith("engram.embed.weight"):
             out[name] = "fp8_rows"
         elif FP32_PLAIN.search(name) or (name.startswith("vision.") and "norm" in name):
@@ -60,6 +54,11 @@ def storage_map(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, str]:
         else:
             out[name] = "bf16"
     return out
+
+
+def scale_name(weight_name: str) -> str:
+    """`X.weight` -> `X.scale`: where a quantized weight's scales are stored."""
+    return weight_name.removesuffix("weight") + "scale"
 
 
 # ------------------------------------------------------------------------------------------------ quantizers
@@ -124,36 +123,36 @@ def quant_rows(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Te
     return float_to_e4m3(x).view(torch.float8_e4m3fn), s
 
 
+# quantized storage kind -> (quantizer, decoder, (codes shape, scales shape) of an [R, C] parameter)
+CODECS = {
+    "fp8": (quant_fp8, dequant_fp8, lambda R, C: ((R, C), (math.ceil(R / 32), math.ceil(C / 32)))),
+    "fp4": (quant_fp4, dequant_fp4, lambda R, C: ((R, C // 2), (R, C // 32))),
+    "fp8_rows": (quant_rows, dequant_rows, lambda R, C: ((R, C), (R, C // 32))),
+}
+
+
 def representable(model: torch.nn.Module, cfg: ModelConfig) -> None:
     """Round every quantized-storage weight of `model` in place to what the official layout can hold, so
     that writing then loading is the identity (used for random models meant to be written)."""
-    smap = storage_map(model, cfg)
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, kind in smap.items():
+        for name, kind in storage_map(model, cfg).items():
             p = params[name]
-            if kind == "fp8":
-                p.copy_(dequant_fp8(*quant_fp8(p)))
-            elif kind == "fp4":
-                p.copy_(dequant_fp4(*quant_fp4(p)))
-            elif kind == "fp8_rows":
-                p.copy_(dequant_rows(*quant_rows(p)))
+            if kind in CODECS:
+                quant, dequant, _ = CODECS[kind]
+                p.copy_(dequant(*quant(p)))
             elif kind == "bf16":
                 p.copy_(p.to(torch.bfloat16))
 
 
 # ------------------------------------------------------------------------------------------------ official read
 
-def _shards(path: Path) -> list[Path]:
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"checkpoint {path}: no *.safetensors files")
-    return files
-
-
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    for f in _shards(path):
+    for f in files:
         with safe_open(str(f), "pt") as st:
             for k in st.keys():
                 if k in out:
@@ -170,63 +169,55 @@ def is_own_format(path: Path) -> bool:
         return (st.metadata() or {}).get("format") == OWN_FORMAT
 
 
+def _decode(name: str, kind: str, shape: torch.Size, tensors: dict[str, torch.Tensor], used: set[str]):
+    """One parameter from the official tensors (the names read are added to `used`); ValueError naming the
+    offending tensor."""
+    if name not in tensors:
+        raise ValueError(f"missing tensor {name!r}")
+    t = tensors[name]
+    used.add(name)
+    if kind not in CODECS:
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r}: got shape {tuple(t.shape)}, want {tuple(shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"tensor {name!r}: got dtype {t.dtype}, want a float tensor")
+        return t.float()
+    sname = scale_name(name)
+    if sname not in tensors:
+        raise ValueError(f"missing tensor {sname!r}")
+    s = tensors[sname]
+    used.add(sname)
+    _, decode, shapes = CODECS[kind]
+    want_w, want_s = shapes(*shape)
+    if kind == "fp4":
+        ok_dtype = t.dtype in (torch.int8, torch.uint8) or "float4" in str(t.dtype)
+    else:
+        ok_dtype = t.dtype in (torch.float8_e4m3fn, torch.uint8)
+    if tuple(t.shape) != want_w or not ok_dtype:
+        raise ValueError(f"tensor {name!r}: got {t.dtype} {tuple(t.shape)}, want {kind} {want_w}")
+    if tuple(s.shape) != want_s:
+        raise ValueError(f"tensor {sname!r}: got shape {tuple(s.shape)}, want {want_s}")
+    return decode(t, s)
+
+
 def load_official_state(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
     """Decode official-layout tensors into `model`'s parameters; every problem is one ValueError naming
     each offending tensor."""
-    smap = storage_map(model, cfg)
     params = dict(model.named_parameters())
     problems: list[str] = []
     used: set[str] = set()
     decoded: dict[str, torch.Tensor] = {}
-    for name, kind in smap.items():
-        p = params[name]
-        base = name[: -len("weight")] if name.endswith("weight") else None
-        if name not in tensors:
-            problems.append(f"missing tensor {name!r}")
-            continue
-        t = tensors[name]
-        used.add(name)
+    for name, kind in storage_map(model, cfg).items():
         try:
-            if kind in ("fp8", "fp4", "fp8_rows"):
-                sname = f"{base}scale"
-                if sname not in tensors:
-                    problems.append(f"missing tensor {sname!r}")
-                    continue
-                s = tensors[sname]
-                used.add(sname)
-                R, C = p.shape
-                if kind == "fp8":
-                    want_w, want_s = (R, C), (math.ceil(R / 32), math.ceil(C / 32))
-                    ok_dtype = t.dtype in (torch.float8_e4m3fn, torch.uint8)
-                elif kind == "fp4":
-                    want_w, want_s = (R, C // 2), (R, C // 32)
-                    ok_dtype = t.dtype in (torch.int8, torch.uint8) or "float4" in str(t.dtype)
-                else:
-                    want_w, want_s = (R, C), (R, C // 32)
-                    ok_dtype = t.dtype in (torch.float8_e4m3fn, torch.uint8)
-                if tuple(t.shape) != want_w or not ok_dtype:
-                    problems.append(f"tensor {name!r}: got {t.dtype} {tuple(t.shape)}, want {kind} {want_w}")
-                    continue
-                if tuple(s.shape) != want_s:
-                    problems.append(f"tensor {sname!r}: got shape {tuple(s.shape)}, want {want_s}")
-                    continue
-                dec = {"fp8": dequant_fp8, "fp4": dequant_fp4, "fp8_rows": dequant_rows}[kind](t, s)
-            else:
-                if tuple(t.shape) != tuple(p.shape):
-                    problems.append(f"tensor {name!r}: got shape {tuple(t.shape)}, want {tuple(p.shape)}")
-                    continue
-                if not t.is_floating_point():
-                    problems.append(f"tensor {name!r}: got dtype {t.dtype}, want a float tensor")
-                    continue
-                dec = t.float()
+            dec = _decode(name, kind, params[name].shape, tensors, used)
             if not torch.isfinite(dec).all():
-                problems.append(f"tensor {name!r}: non-finite values")
-                continue
+                raise ValueError(f"tensor {name!r}: non-finite values")
             decoded[name] = dec
+        except ValueError as e:
+            problems.append(str(e))
         except (RuntimeError, TypeError) as e:
             problems.append(f"tensor {name!r}: cannot decode ({e})")
-    unexpected = sorted(k for k in tensors if k not in used and not TIED_COPIES.match(k))
-    problems += [f"unexpected tensor {k!r}" for k in unexpected]
+    problems += [f"unexpected tensor {k!r}" for k in sorted(tensors) if k not in used and not TIED_COPIES.match(k)]
     if problems:
         raise ValueError(f"bad checkpoint ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
     with torch.no_grad():
@@ -240,19 +231,11 @@ def official_tensors(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torc
     smap = storage_map(model, cfg)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        kind = smap[name]
-        base = name[: -len("weight")] if name.endswith("weight") else name
-        p = p.detach()
-        if kind == "fp8":
-            out[name], out[f"{base}scale"] = quant_fp8(p)
-        elif kind == "fp4":
-            out[name], out[f"{base}scale"] = quant_fp4(p)
-        elif kind == "fp8_rows":
-            out[name], out[f"{base}scale"] = quant_rows(p)
-        elif kind == "f32":
-            out[name] = p.float().contiguous()
+        kind, p = smap[name], p.detach()
+        if kind in CODECS:
+            out[name], out[scale_name(name)] = CODECS[kind][0](p)
         else:
-            out[name] = p.to(torch.bfloat16).contiguous()
+            out[name] = p.to(torch.float32 if kind == "f32" else torch.bfloat16).contiguous()
     return out
 
 
@@ -268,19 +251,22 @@ def write_official(model: torch.nn.Module, cfg: ModelConfig, path: str | Path, s
     tensors = official_tensors(model, cfg)
     names = sorted(tensors)
     per = math.ceil(len(names) / shards)
-    weight_map, total = {}, 0
+    weight_map = {}
     for i in range(shards):
         part = names[i * per:(i + 1) * per]
         fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         save_file({k: tensors[k] for k in part}, str(path / fname))
-        for k in part:
-            weight_map[k] = fname
-            total += tensors[k].numel() * tensors[k].element_size()
+        weight_map.update(dict.fromkeys(part, fname))
+    total = sum(tensors[k].numel() * tensors[k].element_size() for k in weight_map)
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    if tokenizer_json is not None:
-        (path / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
+    _copy_tokenizer(tokenizer_json, path)
     return path
+
+
+def _copy_tokenizer(tokenizer_json: str | Path | None, path: Path) -> None:
+    if tokenizer_json is not None and Path(tokenizer_json).resolve() != (path / "tokenizer.json").resolve():
+        (path / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
 
 
 # ------------------------------------------------------------------------------------------------ our format
@@ -293,8 +279,7 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, path: str | Path, 
     meta = {"format": OWN_FORMAT, **{k: str(v) for k, v in (extra_meta or {}).items()}}
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(path / "model.safetensors"), metadata=meta)
-    if tokenizer_json is not None and Path(tokenizer_json).resolve() != (path / "tokenizer.json").resolve():
-        (path / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
+    _copy_tokenizer(tokenizer_json, path)
     return path
 
 
@@ -314,10 +299,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         from tokenizers import Tokenizer
 
         from dsv41.model.engram import build_compressed_token_map
-        token_map, n = build_compressed_token_map(Tokenizer.from_file(str(tok)))
-        if n != cfg.engram_compressed_vocab_size:
-            raise ValueError(f"config field 'engram_compressed_vocab_size' = {cfg.engram_compressed_vocab_size}: "
-                             f"the tokenizer in {path} gives {n}")
+        token_map = build_compressed_token_map(Tokenizer.from_file(str(tok)))     # the hasher checks its size
     model = Transformer(cfg, dtype=dtype, token_map=token_map)
     if is_own_format(path):
         tensors = read_tensors(path)
