@@ -55,16 +55,13 @@ DEFAULT_ANCHORS = 32
 def _draft_attention(attn, u: torch.Tensor, main_x: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     """DSparkAttention for many anchors. u [B*A,G,D] block inputs (row b*A + a: anchor p = anchors[a], at
     positions p+1..p+G), main_x [B,T,D]. Returns [B*A,G,D]."""
-    BA, G, _ = u.shape
     B, T = main_x.shape[:2]
-    W, H = attn.window, attn.n_heads
-    dev = u.device
+    G, H, dev = u.size(1), attn.n_heads, u.device
     p = anchors.to(dev)
     A = p.numel()
     main_freqs = attn.rope.freqs(torch.arange(T).unsqueeze(0)).to(dev)                    # [1,T,R/2]
     main_kv = attn.window_kv(main_x, main_freqs)                                            # [B,T,C]
-    draft_pos = (p.view(A, 1) + 1 + torch.arange(G, device=dev)).repeat(B, 1)              # [B*A,G]
-    freqs = attn.rope.freqs(draft_pos.cpu()).to(dev)
+    freqs = attn.rope.freqs(slot_positions(T, G, anchors).repeat(B, 1)).to(dev)           # rows [B*A,G]
     _, q = attn.queries(u, freqs)                                                           # [B*A,G,H,C]
     kv = attn.window_kv(u, freqs)                                                           # [B*A,G,C]
     C = kv.size(-1)
@@ -73,27 +70,24 @@ def _draft_attention(attn, u: torch.Tensor, main_x: torch.Tensor, anchors: torch
     mf = main_kv.float()
     s_main = torch.einsum("baghc,btc->baght", qf, mf) * attn.softmax_scale                  # [B,A,G,H,T]
     t = torch.arange(T, device=dev)
-    band = (t.view(1, T) <= p.view(A, 1)) & (t.view(1, T) > p.view(A, 1) - W)               # [A,T]
+    band = (t.view(1, T) <= p.view(A, 1)) & (t.view(1, T) > p.view(A, 1) - attn.window)     # [A,T]
     s_main = s_main.masked_fill(~band.view(1, A, 1, 1, T), -torch.inf)
     s_draft = torch.einsum("baghc,bakc->baghk", qf, kvf) * attn.softmax_scale               # [B,A,G,H,G]
     sink = attn.attn_sink.float().view(1, 1, 1, H, 1).expand(B, A, G, H, 1)
     probs = torch.softmax(torch.cat([s_main, s_draft, sink], dim=-1), dim=-1)
     o = (torch.einsum("baght,btc->baghc", probs[..., :T], mf)
          + torch.einsum("baghk,bakc->baghc", probs[..., T:T + G], kvf))
-    return attn.output(o.reshape(BA, G, H, C).to(q.dtype), freqs)
+    return attn.output(o.reshape(B * A, G, H, C).to(q.dtype), freqs)
 
 
 def _stage(st, x: torch.Tensor, pre_mix: torch.Tensor, main_x: torch.Tensor, anchors: torch.Tensor):
     """`Block.forward` of one drafter stage with the many-anchor attention."""
-    residual = x
     a_pre, a_post, a_comb = st.mixes(x, "attn")
     h = st.attn_norm(hc_pre(x, pre_mix))
-    x = hc_post(_draft_attention(st.attn, h, main_x, anchors), residual, a_post, a_comb)
-    residual = x
+    x = hc_post(_draft_attention(st.attn, h, main_x, anchors), x, a_post, a_comb)
     f_pre, f_post, f_comb = st.mixes(x, "ffn")
     h = st.ffn_norm(hc_pre(x, a_pre))
-    x = hc_post(st.ffn(h, None), residual, f_post, f_comb)
-    return x, f_pre
+    return hc_post(st.ffn(h, None), x, f_post, f_comb), f_pre
 
 
 def anchor_positions(T: int, first: int = 0) -> torch.Tensor:
@@ -144,15 +138,7 @@ def draft_forward(model, main_hidden: torch.Tensor, markov_ids: torch.Tensor, an
     return logits.view(B, A, G, -1), confidence.view(B, A, G)
 
 
-# ------------------------------------------------------------------------------------------------ targets
-
-def target_rows(target_logits: torch.Tensor, G: int, anchors: torch.Tensor | None = None) -> torch.Tensor:
-    """The target's logits for slot i of anchor p: row p+1+i (clamped at the end; masked by the caller).
-    [B,T,V] -> [B,A,G,V]."""
-    T = target_logits.size(1)
-    pos = slot_positions(T, G, anchors).clamp(max=T - 1)
-    return target_logits[:, pos.to(target_logits.device)]
-
+# ------------------------------------------------------------------------------------------------ acceptance
 
 def acceptance_counts(draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Greedy verification of [B,A,G] drafts against target tokens: counts[i] = anchors whose slots 0..i all
@@ -174,21 +160,18 @@ def acceptance_rates(counts: torch.Tensor) -> dict:
 
 # ------------------------------------------------------------------------------------------------ training
 
-def backbone(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen backbone's training prefill of ids [B,T]: (fp32 logits [B,T,V], main_hidden [B,T,taps*D])."""
-    with torch.no_grad():
-        out = model(ids, TrainCache(model.cfg, ids.size(0), model.dtype, ids.device), 0)
-    return out.logits.float(), out.main_hidden
-
-
 def drafts_and_targets(model, ids: torch.Tensor, anchors: torch.Tensor | None = None):
-    """Backbone, then the drafter at `anchors` (default 0..T-2) of ids [B,T]: (draft logits [B,A,G,V], confidence
-    logits [B,A,G], the target's logits for each slot [B,A,G,V], slot validity [B,A,G], backbone logits [B,T,V])."""
-    G = model.cfg.dspark_block_size
-    target_logits, main_hidden = backbone(model, ids)
+    """The frozen backbone's training prefill of ids [B,T] (no gradient), then the drafter at `anchors` (default
+    0..T-2): (draft logits [B,A,G,V], confidence logits [B,A,G], the target's logits for each slot [B,A,G,V]: row
+    p+1+i for slot i of anchor p, clamped at the end, slot validity [B,A,G], backbone logits [B,T,V] fp32)."""
+    (B, T), G = ids.shape, model.cfg.dspark_block_size
+    with torch.no_grad():
+        out = model(ids, TrainCache(model.cfg, B, model.dtype, ids.device), 0)
+    target_logits = out.logits.float()
     markov, valid = anchor_ids(ids, G, model.cfg.engram_pad_id, anchors)
-    logits, conf = draft_forward(model, main_hidden, markov.to(ids.device), anchors)
-    return logits, conf, target_rows(target_logits, G, anchors), valid.to(ids.device), target_logits
+    logits, conf = draft_forward(model, out.main_hidden, markov.to(ids.device), anchors)
+    rows = target_logits[:, slot_positions(T, G, anchors).clamp(max=T - 1).to(ids.device)]
+    return logits, conf, rows, valid.to(ids.device), target_logits
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -232,9 +215,7 @@ def evaluate_drafter(model, windows: torch.Tensor, batch_size: int) -> dict:
         logits, _, tgt, valid, _ = drafts_and_targets(model, windows[i:i + batch_size, :-1].to(dev))
         losses.append(float((soft_cross_entropy(logits, tgt) * valid).sum() / valid.sum()))
         counts += acceptance_counts(logits.argmax(-1), tgt.argmax(-1), valid)
-    out = acceptance_rates(counts)
-    out["draft_ce"] = sum(losses) / len(losses)
-    return out
+    return {**acceptance_rates(counts), "draft_ce": sum(losses) / len(losses)}
 
 
 @torch.no_grad()
@@ -246,9 +227,9 @@ def greedy_acceptance(model, prompts: torch.Tensor, n_new: int) -> dict:
     logits, _, tgt, valid, tl = drafts_and_targets(model, seq)
     A, P = seq.size(1) - 1, prompts.size(1)
     in_gen = (torch.arange(A) >= P - 1).view(1, A, 1).to(valid.device)
-    out = acceptance_rates(acceptance_counts(logits.argmax(-1), tgt.argmax(-1), valid & in_gen))
-    out["target_agrees_with_decode"] = float((tl[:, P - 1:-1].argmax(-1) == seq[:, P:]).float().mean())
-    return out
+    agree = float((tl[:, P - 1:-1].argmax(-1) == seq[:, P:]).float().mean())
+    return {**acceptance_rates(acceptance_counts(logits.argmax(-1), tgt.argmax(-1), valid & in_gen)),
+            "target_agrees_with_decode": agree}
 
 
 class DSparkStage(Stage):
@@ -283,12 +264,10 @@ class DSparkStage(Stage):
     def evaluate(self, model, val):
         """Rank 0 measures, every rank gets the result."""
         res = val.dist.broadcast(evaluate_drafter(model, val.windows, val.batch_size) if val.dist.main else {})
-        return {"val_draft_ce": res["draft_ce"], "val_acceptance": res["acceptance"],
-                "val_tokens_per_step": res["tokens_per_step"]}
+        return {f"val_{k}": res[k] for k in ("draft_ce", "acceptance", "tokens_per_step")}
 
     def finish(self, model, val, corpus, tokenizer):
         """Acceptance on the backbone's own greedy continuations of validation prompts."""
         res = greedy_acceptance(model, val.windows[:8, :32].to(val.dist.device), min(96, self.cfg.seq_len))
-        return {"greedy_acceptance": res["acceptance"], "greedy_survival": res["survival"],
-                "greedy_tokens_per_step": res["tokens_per_step"], "greedy_anchors": res["anchors"],
-                "target_agrees_with_decode": res["target_agrees_with_decode"]}
+        out = {f"greedy_{k}": res[k] for k in ("acceptance", "survival", "tokens_per_step", "anchors")}
+        return {**out, "target_agrees_with_decode": res["target_agrees_with_decode"]}

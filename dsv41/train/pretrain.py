@@ -91,18 +91,13 @@ def evaluate_lm(model, val: Validation) -> dict:
             out = model(w[:, :-1], TrainCache(model.cfg, w.size(0), model.dtype, w.device), 0)
         ce = F.cross_entropy(out.logits.float().flatten(0, 1), w[:, 1:].flatten(), reduction="none").double()
         nbytes = val.token_bytes.to(w.device)[w[:, 1:].flatten()].double()
-        sums += torch.stack([ce.sum(), torch.tensor(float(ce.numel()), device=ce.device),
-                             (ce * (nbytes > 0)).sum(), nbytes.sum()]).cpu()
+        sums += torch.tensor([ce.sum(), ce.numel(), (ce * (nbytes > 0)).sum(), nbytes.sum()], dtype=torch.float64)
     dist.all_reduce(sums)
     return {"val_loss": float(sums[0] / sums[1]), "val_bpb": float(sums[2] / sums[3] / math.log(2))}
 
 
 class PretrainStage(Stage):
     name = "pretrain"
-
-    @property
-    def source(self) -> str:
-        return self.cfg.preset
 
     def tokenizer(self, out, corpus, dist, say):
         """A BPE tokenizer trained on the training split (rank 0), reused when `out` holds one trained on the same
@@ -137,26 +132,23 @@ class PretrainStage(Stage):
                     p.zero_()
 
     def train_module(self, model, say):
-        cfg, W = self.cfg, model.cfg.window_size
+        cfg, self.window = self.cfg, model.cfg.window_size
         self.replay_layers = replay_layers(model.cfg, cfg.replay)
         if self.replay_layers is not None:
             say(f"bounded-replay simulation ({cfg.replay}): layers {sorted(self.replay_layers)}, one start per "
-                f"sequence uniform over [{W}, {cfg.seq_len - 1}]" if cfg.seq_len - 1 >= W else
+                f"sequence uniform over [{self.window}, {cfg.seq_len - 1}]" if cfg.seq_len - 1 >= self.window else
                 f"bounded-replay simulation ({cfg.replay}): skipped, --seq-len {cfg.seq_len} leaves no start in "
-                f"[W={W}, seq_len-1]")
-        self.window = W
+                f"[W={self.window}, seq_len-1]")
         return LMTrainModule(model, kv_qat=cfg.qat, replay_layers=self.replay_layers, fast=cfg.fast and not cfg.fsdp)
 
     def micro_extras(self, step, dist):
         """The replay starts of this rank's rows, one [B] tensor per micro-batch (none without replay)."""
-        cfg = self.cfg
-        starts = None
-        if self.replay_layers is not None:
-            starts = replay_starts(cfg.seed, step, (cfg.grad_accum, cfg.batch_size * dist.world), self.window,
-                                   cfg.seq_len)
+        cfg, B = self.cfg, self.cfg.batch_size
+        starts = None if self.replay_layers is None else replay_starts(
+            cfg.seed, step, (cfg.grad_accum, B * dist.world), self.window, cfg.seq_len)
         if starts is None:
             return super().micro_extras(step, dist)
-        return [(s[dist.rank * cfg.batch_size:(dist.rank + 1) * cfg.batch_size],) for s in starts]
+        return [(s[dist.rank * B:(dist.rank + 1) * B],) for s in starts]
 
     def evaluate(self, model, val):
         return evaluate_lm(model, val)

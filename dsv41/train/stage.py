@@ -40,9 +40,9 @@ class Stage(ABC):
         self.cfg = cfg                     # the run's TrainConfig
 
     @property
-    @abstractmethod
     def source(self) -> str:
         """Where the model comes from (a preset or a checkpoint), for the log."""
+        return self.cfg.preset
 
     @abstractmethod
     def tokenizer(self, out: Path, corpus, dist: Dist, say) -> tuple[Path, dict]:
