@@ -156,35 +156,31 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise bad(name, "must be a positive integer")
-        if self.n_mtp_layers < 0:
-            raise bad("n_mtp_layers", "must be >= 0")
-        if self.score_func not in ("softmax", "sigmoid", "sqrtsoftplus"):
-            raise bad("score_func", "must be softmax, sigmoid or sqrtsoftplus")
-        if self.n_shared_experts != 1:
-            raise bad("n_shared_experts", "the V4.1 MoE has exactly one shared expert")
-        if self.n_activated_experts > self.n_routed_experts:
-            raise bad("n_activated_experts", f"exceeds n_routed_experts={self.n_routed_experts}")
-        if self.dtype not in ("fp8", "bf16"):
-            raise bad("dtype", "must be 'fp8' or 'bf16'")
-        if self.expert_dtype not in ("fp4", None, "fp8", "bf16"):
-            raise bad("expert_dtype", "must be 'fp4', 'fp8', 'bf16' or null")
-        if not 0 < self.rope_head_dim <= self.head_dim or self.rope_head_dim % 2:
-            raise bad("rope_head_dim", f"must be even and within head_dim={self.head_dim}")
-        if self.rope_head_dim > self.index_head_dim:
-            raise bad("rope_head_dim", f"exceeds index_head_dim={self.index_head_dim}")
-        if self.head_dim % 32:
-            raise bad("head_dim", "must be a multiple of 32 (FP8 groups of 32, FP4 groups of 16)")
-        if self.index_head_dim % 32:
-            raise bad("index_head_dim", "must be a multiple of 32 (MXFP4 groups of 32)")
-        if self.n_heads % self.o_groups:
-            raise bad("o_groups", f"must divide n_heads={self.n_heads}")
-        if self.hc_mult < 1:
-            raise bad("hc_mult", "must be >= 1")
         n_total = self.total_layers
-        if len(self.compress_ratios) < n_total:
-            raise bad("compress_ratios", f"needs one entry per layer incl. DSpark stages ({n_total})")
-        if any(m < 0 for m in self.compress_ratios):
-            raise bad("compress_ratios", "entries must be >= 0")
+        rules = [                                         # (broken, field, why), checked in this order
+            (self.n_mtp_layers < 0, "n_mtp_layers", "must be >= 0"),
+            (self.score_func not in ("softmax", "sigmoid", "sqrtsoftplus"), "score_func",
+             "must be softmax, sigmoid or sqrtsoftplus"),
+            (self.n_shared_experts != 1, "n_shared_experts", "the V4.1 MoE has exactly one shared expert"),
+            (self.n_activated_experts > self.n_routed_experts, "n_activated_experts",
+             f"exceeds n_routed_experts={self.n_routed_experts}"),
+            (self.dtype not in ("fp8", "bf16"), "dtype", "must be 'fp8' or 'bf16'"),
+            (self.expert_dtype not in ("fp4", None, "fp8", "bf16"), "expert_dtype",
+             "must be 'fp4', 'fp8', 'bf16' or null"),
+            (not 0 < self.rope_head_dim <= self.head_dim or self.rope_head_dim % 2, "rope_head_dim",
+             f"must be even and within head_dim={self.head_dim}"),
+            (self.rope_head_dim > self.index_head_dim, "rope_head_dim",
+             f"exceeds index_head_dim={self.index_head_dim}"),
+            (self.head_dim % 32, "head_dim", "must be a multiple of 32 (FP8 groups of 32, FP4 groups of 16)"),
+            (self.index_head_dim % 32, "index_head_dim", "must be a multiple of 32 (MXFP4 groups of 32)"),
+            (self.n_heads % self.o_groups, "o_groups", f"must divide n_heads={self.n_heads}"),
+            (len(self.compress_ratios) < n_total, "compress_ratios",
+             f"needs one entry per layer incl. DSpark stages ({n_total})"),
+            (any(m < 0 for m in self.compress_ratios), "compress_ratios", "entries must be >= 0"),
+        ]
+        for broken, name, why in rules:
+            if broken:
+                raise bad(name, why)
         for name in ("kv_source_layers", "index_source_layers"):
             backbone(name)
             layers = getattr(self, name)

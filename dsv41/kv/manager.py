@@ -155,6 +155,15 @@ class PrefixCache(Counted):
         self._count("errors")
         self._log_once((what, type(e).__name__), "%s failed (%s: %s): %s", what, type(e).__name__, e, consequence)
 
+    def _guarded(self, what: str, consequence: str, fn, *args):
+        """fn(*args), or None after an exception (a `_fault`: storage trouble of any kind, or a pool that raised
+        although it must not)."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            self._fault(what, e, consequence)
+            return None
+
     def _note_metas(self, entries) -> None:
         """Record the tail units among (key, meta) entries (the store's at start-up, then those each refresh finds
         new) in the boundary index; metas not ours are ignored."""
@@ -190,13 +199,7 @@ class PrefixCache(Counted):
         return st
 
     def _swa_get(self, key: bytes, boundary: int) -> SwaState | None:
-        if self.swa is None:
-            return None
-        try:
-            raw = self.swa.get(key.hex())
-        except Exception as e:                            # a pool must not raise; if one does, it is a miss
-            self._fault("SWA pool get", e, "a miss")
-            return None
+        raw = None if self.swa is None else self._guarded("SWA pool get", "a miss", self.swa.get, key.hex())
         if raw is None:
             return None
         try:
@@ -228,11 +231,8 @@ class PrefixCache(Counted):
         (see the module docstring), or None. Never raises on storage faults."""
         ids = encode_ids(token_ids)
         self._count("lookups")
-        try:
-            hit = self._lookup(ids, len(ids) if max_len is None else min(len(ids), int(max_len)))
-        except Exception as e:                            # storage trouble of any kind: a miss
-            self._fault("prefix cache lookup", e, "a miss")
-            hit = None
+        limit = len(ids) if max_len is None else min(len(ids), int(max_len))
+        hit = self._guarded("prefix cache lookup", "a miss", self._lookup, ids, limit)
         if hit is None:
             self._count("misses")
         else:
@@ -250,34 +250,23 @@ class PrefixCache(Counted):
         I = self.interval
         chain = chain_keys(self.fp, ids, I, limit)
         jmax = self._stored_run(chain)
-        cands = [(j * I, j, chain[j]) for j in range(1, jmax + 1)]      # (U, j, unit key)
         with self._mu:
-            extras = [(j, sorted(self._extras.get(chain[j], ()))) for j in range(jmax + 1)]
-        for j, offs in extras:
-            for off in offs:
-                U = j * I + off
-                if U <= limit:
-                    cands.append((U, j, tail_key(chain[j], ids[j * I:U])))
-        short = [c for c in cands if c[0] <= self.n_win]
-        if short and len(short) == len(cands):
+            tails = [(j * I + off, j) for j in range(jmax + 1) for off in self._extras.get(chain[j], ())]
+        cands = [(j * I, j, chain[j]) for j in range(1, jmax + 1)]      # (U, j, unit key)
+        cands += [(U, j, tail_key(chain[j], ids[j * I:U])) for U, j in tails if U <= limit]
+        adoptable = sorted((c for c in cands if c[0] > self.n_win), reverse=True)
+        if cands and not adoptable:
             self._count("short_hits")
-        cands = sorted((c for c in cands if c[0] > self.n_win), reverse=True)
-        segs: dict[int, GlobalState] = {}
-        bad_from = jmax + 1                               # interval units from here on failed to load
-        for U, j, key in cands:
-            if j >= bad_from:
+        segs: list[GlobalState] = []                      # interval units 1..len(segs), up to the first unusable
+        for k in range(1, max((j for _, j, _ in adoptable), default=0) + 1):
+            st = self._load_unit(chain[k], KIND_INTERVAL, (k - 1) * I, k * I, chain[k - 1])
+            if st is None:
+                break
+            segs.append(st)
+        for U, j, key in adoptable:                       # longest first
+            if j > len(segs):
                 continue
-            parts = []
-            for k in range(1, j + 1):
-                if k not in segs:
-                    st = self._load_unit(chain[k], KIND_INTERVAL, (k - 1) * I, k * I, chain[k - 1])
-                    if st is None:
-                        bad_from = k
-                        break
-                    segs[k] = st
-                parts.append(segs[k])
-            if j >= bad_from:
-                continue
+            parts = segs[:j]
             if U != j * I:
                 tail = self._load_unit(key, KIND_TAIL, j * I, U, chain[j])
                 if tail is None:
@@ -325,10 +314,7 @@ class PrefixCache(Counted):
         if self.disk is None:
             return out
         self._count("saves")
-        try:
-            self._save(ids, upto, global_state, swa_state, out)
-        except Exception as e:
-            self._fault("prefix cache save", e, "not persisted")
+        self._guarded("prefix cache save", "not persisted", self._save, ids, upto, global_state, swa_state, out)
         return out
 
     def _put_unit(self, key: bytes, seg: GlobalState, kind: int, parent: bytes, out: dict) -> bool:
@@ -346,7 +332,6 @@ class PrefixCache(Counted):
         I = self.interval
         chain = chain_keys(self.fp, ids, I, upto)
         J = upto // I
-        complete = True
         for j in range(1, J + 1):
             if self.disk.contains(chain[j].hex()):
                 self._count("units_existing")
@@ -354,13 +339,9 @@ class PrefixCache(Counted):
             s0 = (j - 1) * I
             if gs.start > s0:
                 self._count("save_gaps")                  # evicted since export_start: the rest is unreachable
-                complete = False
-                break
+                return
             if not self._put_unit(chain[j], gs.slice(s0, j * I), KIND_INTERVAL, chain[j - 1], out):
-                complete = False
-                break
-        if not complete:
-            return
+                return
         key = chain[J]
         if upto % I:
             key = tail_key(chain[J], ids[J * I:upto])
@@ -373,12 +354,7 @@ class PrefixCache(Counted):
         if swa is not None and self.swa is not None:
             body = swa.to_bytes()
             env = SWA_ENVELOPE.pack(_SWA_MAGIC, key, hashlib.sha256(body).digest()) + body
-            try:
-                ok = self.swa.put(key.hex(), env, self.swa_ttl_s)
-            except Exception as e:                        # a pool must not raise; if one does, not persisted
-                self._fault("SWA pool put", e, "not persisted")
-                ok = False
-            if ok:
+            if self._guarded("SWA pool put", "not persisted", self.swa.put, key.hex(), env, self.swa_ttl_s):
                 out["swa"] = True
                 self._count("swa_puts")
 
@@ -393,12 +369,8 @@ class PrefixCache(Counted):
 
     def metrics(self) -> dict[str, int | float]:
         """Flat numeric counters for a /metrics endpoint (prefix_cache_*, prefix_disk_*, prefix_swa_*)."""
-        out = {}
-        for tier, d in self.stats().items():
-            for k, v in (d or {}).items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    out[f"prefix_{tier}_{k}"] = v
-        return out
+        return {f"prefix_{tier}_{k}": v for tier, d in self.stats().items() for k, v in (d or {}).items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     def close(self) -> None:
         if self.swa is not None:
