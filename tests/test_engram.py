@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from dsv41.codecs import qdq_fp8
 from dsv41.config import ModelConfig
 from dsv41.model.common import warm_up_transcendentals
 from dsv41.model.engram import (
@@ -292,10 +294,40 @@ def test_zero_dot_gate_and_dtype():
     assert yb.dtype == torch.bfloat16
 
 
+def _qdq_fp8_tiles(w: torch.Tensor, tile: int = 32) -> torch.Tensor:
+    """Round a weight [O, I] to e4m3 values with one power-of-two scale per tile x tile block (the checkpoint's
+    fp8 Linear storage, MODEL.md 9): scale = 2^ceil(log2(amax * fp32(1/448))), amax >= 1e-4, RNE to e4m3.
+    Used to give random weights checkpoint-representable values."""
+    O, I = w.shape
+    po, pi = -O % tile, -I % tile
+    g = F.pad(w.float(), (0, pi, 0, po)).reshape((O + po) // tile, tile, (I + pi) // tile, tile)
+    amax = g.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-4)
+    mant, expo = torch.frexp(amax * torch.tensor(1.0 / 448.0, dtype=torch.float32))   # y = mant * 2^expo
+    scale = torch.ldexp(torch.ones_like(amax), expo - (mant == 0.5).to(expo.dtype))      # 2^ceil(log2 y)
+    q = (g / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(O + po, I + pi)[:O, :I].to(w.dtype)
+
+
+@torch.no_grad()
+def reset_engram(eng: Engram, generator: torch.Generator | None = None) -> None:
+    """Random weights with checkpoint-like statistics, every value representable in the checkpoint format:
+    table ~ N(0, 1) rounded to e4m3 with a ue8m0 scale per 32, wkv ~ N(0, 1/in) rounded to fp8 per 32x32
+    tile, q/k ~ 1 + 0.1 N(0, 1) rounded to bf16 (the case-a checkpoint measures 1.0 +- 0.1)."""
+    def randn(shape):
+        return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+    e = eng.embed.weight
+    e.copy_(qdq_fp8(randn(e.shape)).to(e.dtype))
+    w = eng.wkv.weight
+    w.copy_(_qdq_fp8_tiles(randn(w.shape) * w.shape[1] ** -0.5).to(w.dtype))
+    for p in (eng.q_weight, eng.k_weight):
+        p.copy_((1 + 0.1 * randn(p.shape)).to(torch.bfloat16).to(p.dtype))
+
+
 def test_reset_parameters_statistics():
     cfg = case_cfg()
     eng = Engram(cfg, 4, dtype=torch.float32)
-    eng.reset_parameters(torch.Generator().manual_seed(0))
+    reset_engram(eng, torch.Generator().manual_seed(0))
     e = eng.embed.weight
     assert abs(e.std().item() - 1) < 0.05 and torch.equal(e, e.bfloat16().float())
     w = eng.wkv.weight

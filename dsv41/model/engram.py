@@ -33,10 +33,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dsv41.codecs import qdq_fp8
 from dsv41.model.common import Linear
 
 DEAD = -1           # compressed id of a position that takes no part in an n-gram (MODEL.md 6.2)
@@ -104,28 +102,15 @@ def is_prime(n: int) -> bool:
     return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
 
 
-def _next_unseen_prime(after: int, seen: set[int]) -> int:
-    c = after + 1
-    while c in seen or not is_prime(c):
-        c += 1
-    return c
-
-
 @lru_cache(maxsize=32)
-def _primes(n_layers: int, max_ngram: int, n_heads: int, start: int) -> tuple:
-    seen: set[int] = set()
-    layers = []
-    for _ in range(n_layers):
-        per_ngram = []
-        for _ in range(max_ngram - 1):
-            cur, sizes = start - 1, []
-            for _ in range(n_heads):
-                cur = _next_unseen_prime(cur, seen)
-                seen.add(cur)
-                sizes.append(cur)
-            per_ngram.append(tuple(sizes))
-        layers.append(tuple(per_ngram))
-    return tuple(layers)
+def _primes(count: int, start: int) -> tuple[int, ...]:
+    """The first `count` primes >= start."""
+    out, c = [], start
+    while len(out) < count:
+        if is_prime(c):
+            out.append(c)
+        c += 1
+    return tuple(out)
 
 
 def engram_primes(cfg) -> list[list[list[int]]]:
@@ -133,9 +118,12 @@ def engram_primes(cfg) -> list[list[list[int]]]:
 
     One global "seen" set; for every layer and every n-gram size the search restarts just below
     `engram_vocab_size` (the first candidate is engram_vocab_size itself) and takes the next `engram_n_heads`
-    primes not handed out yet. Released config: the 48 consecutive primes from 16000057 on."""
-    p = _primes(len(cfg.engram_layer_ids), cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_vocab_size)
-    return [[list(h) for h in layer] for layer in p]
+    primes not handed out yet. Every prime such a search skips has been handed out already, so this deals out
+    the consecutive primes from engram_vocab_size on, in (layer, n-gram size, head) order. Released config: the
+    48 consecutive primes from 16000057 on."""
+    E, K, H = len(cfg.engram_layer_ids), cfg.engram_max_ngram_size - 1, cfg.engram_n_heads
+    flat = _primes(E * K * H, cfg.engram_vocab_size)
+    return [[list(flat[(e * K + k) * H:(e * K + k + 1) * H]) for k in range(K)] for e in range(E)]
 
 
 def check_engram_tables(cfg, primes: list[list[list[int]]] | None = None) -> None:
@@ -198,22 +186,17 @@ class NgramHasher(nn.Module):
                              f"({tmap.numel()} ids)")
         primes = engram_primes(cfg)
         check_engram_tables(cfg, primes)
-        self.layer_ids = tuple(cfg.engram_layer_ids)
-        self.max_ngram = cfg.engram_max_ngram_size
-        self.n_heads = cfg.engram_n_heads
-        self.n_cols = (self.max_ngram - 1) * self.n_heads
-        self.compressed_vocab_size = size
+        N = self.max_ngram = cfg.engram_max_ngram_size
         self.pad_id = int(tmap[cfg.engram_pad_id])
-        self.register_buffer("token_map", tmap, persistent=False)
-        self.register_buffer("primes", torch.tensor(primes, dtype=torch.long).reshape(
-            len(self.layer_ids), self.max_ngram - 1, self.n_heads), persistent=False)          # [E, N-1, H]
-        self.register_buffer("offsets", torch.tensor([hash_column_offsets(p) for p in primes],
-                                                     dtype=torch.long).reshape(len(self.layer_ids), self.n_cols),
-                             persistent=False)                                                # [E, G]
-        mult = [hash_multipliers(cfg, L) for L in self.layer_ids]
-        self.register_buffer("multipliers", torch.stack(mult) if mult else torch.zeros(0, self.max_ngram,
-                                                                                        dtype=torch.long),
-                             persistent=False)                                                # [E, N]
+        E, H = len(cfg.engram_layer_ids), cfg.engram_n_heads
+        mult = [hash_multipliers(cfg, L) for L in cfg.engram_layer_ids]
+        buffers = {"token_map": tmap,
+                   "primes": torch.tensor(primes, dtype=torch.long).reshape(E, N - 1, H),              # [E, N-1, H]
+                   "offsets": torch.tensor([hash_column_offsets(p) for p in primes],
+                                           dtype=torch.long).reshape(E, (N - 1) * H),                 # [E, G]
+                   "multipliers": torch.stack(mult) if mult else torch.zeros(0, N, dtype=torch.long)}  # [E, N]
+        for name, t in buffers.items():
+            self.register_buffer(name, t, persistent=False)
 
     def init_history(self, batch: int, device: torch.device | str | None = None) -> torch.Tensor:
         """All-DEAD history [B, N-1]: the state before a sequence's first token."""
@@ -256,32 +239,6 @@ class NgramHasher(nn.Module):
 
 # ------------------------------------------------------------------------------------------------ 6.3 lookup, gate
 
-class EngramEmbedding(nn.Module):
-    """The hash table [R, W], held dequantized (official: e4m3 rows times one ue8m0 scale per 32, exact in bf16)."""
-
-    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.num_embeddings, self.dim = num_embeddings, dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
-def _qdq_fp8_tiles(w: torch.Tensor, tile: int = 32) -> torch.Tensor:
-    """Round a weight [O, I] to e4m3 values with one power-of-two scale per tile x tile block (the checkpoint's
-    fp8 Linear storage, MODEL.md 9): scale = 2^ceil(log2(amax * fp32(1/448))), amax >= 1e-4, RNE to e4m3.
-    Used to give random weights checkpoint-representable values."""
-    O, I = w.shape
-    po, pi = -O % tile, -I % tile
-    g = F.pad(w.float(), (0, pi, 0, po)).reshape((O + po) // tile, tile, (I + pi) // tile, tile)
-    amax = g.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-4)
-    mant, expo = torch.frexp(amax * torch.tensor(1.0 / 448.0, dtype=torch.float32))   # y = mant * 2^expo
-    scale = torch.ldexp(torch.ones_like(amax), expo - (mant == 0.5).to(expo.dtype))      # 2^ceil(log2 y)
-    q = (g / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
-    return q.reshape(O + po, I + pi)[:O, :I].to(w.dtype)
-
-
 class Engram(nn.Module):
     """One engram layer: X [B,T,S,D] -> X' [B,T,S,D] (MODEL.md 6.3), applied before its block.
 
@@ -300,30 +257,16 @@ class Engram(nn.Module):
             raise ValueError(f"config field 'engram_layer_ids' = {list(cfg.engram_layer_ids)!r}: no engram at "
                              f"layer {layer_id}")
         check_engram_tables(cfg)
-        self.layer_id = layer_id
         self.layer_index = tuple(cfg.engram_layer_ids).index(layer_id)  # slice of NgramHasher's E axis
-        self.dim, self.hc_mult, self.eps = cfg.dim, cfg.hc_mult, cfg.norm_eps
+        self.eps = cfg.norm_eps
         self.n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-        self.head_dim = cfg.engram_head_dim
-        self.embed = EngramEmbedding(cfg.engram_num_embeddings[self.layer_index], cfg.engram_head_dim, dtype)
-        self.wkv = Linear(self.n_cols * self.head_dim, self.dim * (self.hc_mult + 1), kind="fp8", dtype=dtype)
-        self.q_weight = nn.Parameter(torch.ones(self.hc_mult, self.dim, dtype=dtype))
-        self.k_weight = nn.Parameter(torch.ones(self.hc_mult, self.dim, dtype=dtype))
-
-    @torch.no_grad()
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Random weights with checkpoint-like statistics, every value representable in the checkpoint format:
-        table ~ N(0, 1) rounded to e4m3 with a ue8m0 scale per 32, wkv ~ N(0, 1/in) rounded to fp8 per 32x32
-        tile, q/k ~ 1 + 0.1 N(0, 1) rounded to bf16 (the case-a checkpoint measures 1.0 +- 0.1)."""
-        def randn(shape):
-            return torch.randn(shape, generator=generator, dtype=torch.float32)
-
-        e = self.embed.weight
-        e.copy_(qdq_fp8(randn(e.shape)).to(e.dtype))
-        w = self.wkv.weight
-        w.copy_(_qdq_fp8_tiles(randn(w.shape) * w.shape[1] ** -0.5).to(w.dtype))
-        for p in (self.q_weight, self.k_weight):
-            p.copy_((1 + 0.1 * randn(p.shape)).to(torch.bfloat16).to(p.dtype))
+        S, D, W = cfg.hc_mult, cfg.dim, cfg.engram_head_dim
+        # the hash table [R, W], held dequantized (official: e4m3 rows times one ue8m0 scale per 32, exact in bf16)
+        self.embed = nn.Embedding.from_pretrained(
+            torch.empty(cfg.engram_num_embeddings[self.layer_index], W, dtype=dtype), freeze=False)
+        self.wkv = Linear(self.n_cols * W, D * (S + 1), kind="fp8", dtype=dtype)
+        self.q_weight = nn.Parameter(torch.ones(S, D, dtype=dtype))
+        self.k_weight = nn.Parameter(torch.ones(S, D, dtype=dtype))
 
     def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, S, D = x.shape
