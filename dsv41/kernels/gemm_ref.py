@@ -10,8 +10,9 @@ commutes with every rounding of the block sum, so `partial(x_blk, w_blk)` here h
 `F.linear` over the whole K computes the same function in an order the math library picks per CPU and per shape;
 ~1e-7 of that difference lands an FP8 activation on the other side of an e4m3 rounding midpoint now and then, and
 the flip cascades (docs/golden.md §4). This order removes that source: on one machine and torch build the result
-equals the official code's bit for bit. Within one 32-wide block the library's order still applies (it can differ
-between CPUs and dispatch levels), so results across machines agree to the gates, not to the bit.
+equals the official code's bit for bit. Within one 32-wide block the library's order still applies: it can change
+with the number of rows (1-7 rows against 512 differ in the last bit on an AMD EPYC) and between CPUs, so this order
+is not batch-invariant, and results across machines agree to the gates (docs/golden.md §4), not to the bit.
 """
 
 from __future__ import annotations
