@@ -51,7 +51,7 @@ from dsv41.kv.disk import DiskStore
 from dsv41.kv.state_format import GlobalState, SwaState
 from dsv41.kv.prefix import (DEFAULT_INTERVAL, chain_keys, check_key, encode_ids, engram_history_at,
                              fingerprint as make_fingerprint, ratio_align, tail_key)
-from dsv41.kv.swa_pool import DEFAULT_TTL_S, SwaPool, make_swa_pool
+from dsv41.kv.swa_pool import SwaPool, make_swa_pool
 
 __all__ = ["PrefixCache", "Hit", "UNIT_META", "SWA_ENVELOPE"]
 
@@ -89,11 +89,8 @@ def _disk_defaults(cache_dir, max_bytes, min_free_bytes) -> tuple[int, int]:
         total = shutil.disk_usage(cache_dir).total
     except OSError:
         total = 1 << 40
-    if max_bytes is None:
-        max_bytes = max(1, total // 2)
-    if min_free_bytes is None:
-        min_free_bytes = min(total // 20, 8 << 30)
-    return int(max_bytes), int(min_free_bytes)
+    return (max(1, total // 2) if max_bytes is None else max_bytes,
+            min(total // 20, 8 << 30) if min_free_bytes is None else min_free_bytes)
 
 
 class PrefixCache(Counted):
@@ -107,34 +104,28 @@ class PrefixCache(Counted):
     align           the least common multiple of the compression ratios (`dsv41.kv.prefix.ratio_align(cfg)`)
     max_bytes, min_free_bytes, min_age_s, clock, durable   the `DiskStore`'s (defaults: half the file system,
                     min(5% of it, 8 GiB) free, 300 s minimum age, time.time)
-    swa_ttl_s       TTL of SWA snapshots (None: the pool's own, DEFAULT_TTL_S for a pool built from a string)
     hasher          the model's `NgramHasher` (model.engram_hasher): fills in the Engram history of hits whose
                     unit carries none (interval units); None for models without Engram
     refresh_s       rescan the directory for other processes' units at most this often
-    disk            an existing `DiskStore` (instead of cache_dir and the sizing arguments)
     """
 
     def __init__(self, fingerprint: str, cache_dir=None, swa_pool: SwaPool | str | None = None, *,
                  interval: int = DEFAULT_INTERVAL, n_win: int = 128, align: int = 1, max_bytes: int | None = None,
-                 min_free_bytes: int | None = None, min_age_s: float = 300.0, swa_ttl_s: float | None = None,
-                 clock=time.time, hasher=None, refresh_s: float = 2.0, durable: bool = True,
-                 disk: DiskStore | None = None):
+                 min_free_bytes: int | None = None, min_age_s: float = 300.0, clock=time.time, hasher=None,
+                 refresh_s: float = 2.0, durable: bool = True):
         super().__init__(COUNTERS, log)
         self.fp = check_key(fingerprint)
         if interval <= 0 or align <= 0 or interval % align:
             raise ValueError(f"interval {interval} must be a positive multiple of {align} (the compression ratios)")
         if n_win < 0:
             raise ValueError("n_win must be >= 0")
-        self.interval, self.n_win, self.align = int(interval), int(n_win), int(align)
-        self.clock, self.hasher, self.refresh_s, self.swa_ttl_s = clock, hasher, float(refresh_s), swa_ttl_s
-        if disk is None and cache_dir is not None:
+        self.interval, self.n_win = int(interval), int(n_win)
+        self.clock, self.hasher, self.refresh_s = clock, hasher, float(refresh_s)
+        self.disk = None
+        if cache_dir is not None:
             mb, mf = _disk_defaults(cache_dir, max_bytes, min_free_bytes)
-            disk = DiskStore(cache_dir, mb, mf, min_age_s, clock, fingerprint=self.fp, durable=durable)
-        if disk is not None and disk.fingerprint != self.fp:
-            raise ValueError("the DiskStore's fingerprint differs from the cache's")
-        self.disk = disk
-        self.swa = (make_swa_pool(swa_pool, ttl_s=DEFAULT_TTL_S if swa_ttl_s is None else swa_ttl_s)
-                    if isinstance(swa_pool, str) else swa_pool)
+            self.disk = DiskStore(cache_dir, mb, mf, min_age_s, clock, fingerprint=self.fp, durable=durable)
+        self.swa = make_swa_pool(swa_pool) if isinstance(swa_pool, str) else swa_pool   # its TTL: DEFAULT_TTL_S
         self._extras: dict[bytes, set[int]] = {}          # parent chain key -> tail offsets (the boundary index)
         self._last_refresh = float("-inf")
         if self.disk is not None:
@@ -354,7 +345,7 @@ class PrefixCache(Counted):
         if swa is not None and self.swa is not None:
             body = swa.to_bytes()
             env = SWA_ENVELOPE.pack(_SWA_MAGIC, key, hashlib.sha256(body).digest()) + body
-            if self._guarded("SWA pool put", "not persisted", self.swa.put, key.hex(), env, self.swa_ttl_s):
+            if self._guarded("SWA pool put", "not persisted", self.swa.put, key.hex(), env):
                 out["swa"] = True
                 self._count("swa_puts")
 

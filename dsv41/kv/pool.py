@@ -177,22 +177,18 @@ class PackedKVPool:
         return BatchView(self, list(seq_ids))
 
     # ---------------------------------------------------------------- export / import (prefix caching, SYSTEM.md 4)
-    def _gather_entries(self, s: _Sequence, layer: int, kind: str, e0: int, e1: int) -> torch.Tensor:
-        """uint8 [e1 - e0, bytes] on the CPU: the sequence's records e0..e1-1 of one layer and kind."""
-        pl = self.global_layers[layer]
-        if e1 <= e0:
-            return torch.zeros(0, pl.record_bytes[kind], dtype=torch.uint8)
-        return pl.records(kind)[pl.entry_rows(s.pages[layer], e0, e1)].cpu()
+    def _history_arg(self, what: str, history) -> torch.Tensor:
+        """A caller's Engram history as int64 [n-1] on the CPU; ValueError for another length."""
+        history = torch.as_tensor(history, dtype=torch.long).cpu().reshape(-1).clone()
+        if history.numel() != self.history_width:
+            raise ValueError(f"{what}: engram_history must hold {self.history_width} ids, got {history.numel()}")
+        return history
 
     def _export_history(self, s: _Sequence, upto: int, engram_history: torch.Tensor | None) -> torch.Tensor | None:
         if not self.history_width:
             return None
         if engram_history is not None:
-            history = torch.as_tensor(engram_history, dtype=torch.long).cpu().reshape(-1).clone()
-            if history.numel() != self.history_width:
-                raise ValueError(f"export_global: engram_history must hold {self.history_width} ids, got "
-                                 f"{history.numel()}")
-            return history
+            return self._history_arg("export_global", engram_history)
         if upto == s.pos and s.engram_history is not None:
             return s.engram_history.detach().cpu().reshape(-1).clone()
         return None
@@ -223,7 +219,7 @@ class PackedKVPool:
         if upto < s.pos and any(upto % m for m in ratios):
             raise ValueError(f"export_global: upto {upto} < pos {s.pos} must be a multiple of every compression "
                              f"ratio {ratios} (the compressor carry exists only at the current position)")
-        layers = []
+        view, layers = self.bind([sid]), []
         for L, pl in self.global_layers.items():
             m, C = pl.spec.ratio, pl.spec.width
             e0, e1 = start // m, upto // m
@@ -231,12 +227,12 @@ class PackedKVPool:
                 if s.rows[(L, k)] < e1:
                     raise ValueError(f"export_global: sequence {sid} layer {L} holds {s.rows[(L, k)]} {k} "
                                      f"entries, fewer than the {e1} of {upto} positions")
-            if carry_rows(m, upto):
-                kv, sc = self.pending[L]                      # all m slots, exactly as held (see GlobalLayerState)
-                ckv, csc = kv[s.slot].cpu().clone(), sc[s.slot].cpu().clone()
+            if carry_rows(m, upto):                           # all m slots, exactly as held (see GlobalLayerState)
+                ckv, csc = (t[0].cpu().clone() for t in view.compressor_state(L))
             else:
                 ckv = csc = torch.zeros(0, C, dtype=torch.float32)
-            layers.append(GlobalLayerState(L, m, *(self._gather_entries(s, L, k, e0, e1) for k in KINDS), ckv, csc))
+            records = (view.read_records(L, k, e1, start=e0)[0][0].cpu() for k in KINDS)
+            layers.append(GlobalLayerState(L, m, *records, ckv, csc))
         return GlobalState(start, upto, layers, self._export_history(s, upto, engram_history), s.index_k_publisher)
 
     def check_global_state(self, state: GlobalState) -> None:
@@ -278,30 +274,20 @@ class PackedKVPool:
             raise ValueError(f"import_global: the state starts at position {state.start}: join it onto the "
                              "segments before it (GlobalState.join) first")
         self.check_global_state(state)
-        history = state.engram_history if engram_history is None else \
-            torch.as_tensor(engram_history, dtype=torch.long).cpu().reshape(-1)
-        if self.history_width:
-            if history is None and state.upto > 0:
-                raise ValueError("import_global: this config has Engram and the state carries no Engram history: "
-                                 "pass engram_history (dsv41.kv.prefix.engram_history_at)")
-            if history is not None and history.numel() != self.history_width:
-                raise ValueError(f"import_global: engram_history must hold {self.history_width} ids")
+        history = state.engram_history
+        if self.history_width and engram_history is not None:
+            history = self._history_arg("import_global", engram_history)
+        if self.history_width and history is None and state.upto > 0:
+            raise ValueError("import_global: this config has Engram and the state carries no Engram history: "
+                             "pass engram_history (dsv41.kv.prefix.engram_history_at)")
         self._clear_pending(s.slot)
+        view = self.bind([sid])
         for ls in state.layers:
-            L, pl = ls.layer, self.global_layers[ls.layer]
-            n = ls.main.size(0)
-            if n:
-                rows = pl.entry_rows(pl.ensure(s.pages[L], n), 0, n)
-                for kind, rec in (("main", ls.main), ("index", ls.index)):
-                    pl.records(kind)[rows] = rec.to(self.device)
             for kind in KINDS:
-                s.rows[(L, kind)] = n
-            pl.version += 1
-            r = ls.carry_kv.size(0)
-            if r:
-                kv, sc = self.pending[L]
-                kv[s.slot, :r] = ls.carry_kv.to(self.device)
-                sc[s.slot, :r] = ls.carry_score.to(self.device)
+                view.write_records(ls.layer, kind, 0, getattr(ls, kind).unsqueeze(0), ls.main.size(0))
+            if ls.carry_kv.size(0):                           # the whole m-slot slab (see GlobalLayerState)
+                view.set_compressor_state(ls.layer, *(t.to(self.device).unsqueeze(0)
+                                                      for t in (ls.carry_kv, ls.carry_score)))
         s.pos = state.upto
         s.engram_history = None if history is None or not self.history_width else \
             history.to(torch.long).clone().to(self.device)
