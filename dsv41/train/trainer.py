@@ -75,6 +75,7 @@ class Trainer:
         elif self.dist.main:
             self.log_path.unlink(missing_ok=True)
         self.total_steps = self.total_steps or cfg.steps or self._steps_in_budget(cfg.minutes or DEFAULT_MINUTES)
+        self.model.zero_grad(set_to_none=True)             # the probe's gradients
         self.warmup = cfg.warmup if cfg.warmup is not None else default_warmup(self.total_steps)
         self.eval_every = cfg.eval_every or max(1, self.total_steps // 8)
         self.save_every = cfg.save_every or self.eval_every
@@ -139,7 +140,6 @@ class Trainer:
         self.module = parallelize(module, model, dist, cfg.fsdp)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.opt = self._optimizers()
-        self.opt_step_time = self._time_optimizer_step()
         self.balancer = LoadBalancer(model, cfg.balance_rate, prefix=self.stage.balance_prefix)
 
     def _optimizers(self):
@@ -165,25 +165,20 @@ class Trainer:
         self.probe_step_time = min(times[1:]) if len(times) > 1 else times[-1]
         return set(self.dist.broadcast(sorted(names)))
 
-    def _time_optimizer_step(self) -> float:
-        """With a minutes budget: time one optimizer step on the probe's gradients, then put the weights back and
-        start the optimizers afresh (so the run is exactly as if nothing had happened). Clears the gradients."""
-        t = 0.0
-        if self.cfg.steps is None:
-            saved = [p.detach().clone() for p in self.trainable]
-            t0 = time.time()
-            self.opt.step()
-            t = time.time() - t0
-            with torch.no_grad():
-                for p, before in zip(self.trainable, saved):
-                    p.copy_(before)
-            self.opt = self._optimizers()
-        self.model.zero_grad(set_to_none=True)
-        return t
-
     def _steps_in_budget(self, minutes: float) -> int:
+        """The steps that fit in `minutes` for the whole command, from the probe's forward/backward time and one
+        optimizer step timed on the probe's gradients (then the weights are put back and the optimizers started
+        afresh, so that the run is exactly as if nothing had happened)."""
         cfg = self.cfg
-        step_time = self.dist.broadcast((self.probe_step_time * cfg.grad_accum + self.opt_step_time) * 1.05)
+        saved = [p.detach().clone() for p in self.trainable]
+        t = time.time()
+        self.opt.step()
+        opt_time = time.time() - t
+        with torch.no_grad():
+            for p, before in zip(self.trainable, saved):
+                p.copy_(before)
+        self.opt = self._optimizers()
+        step_time = self.dist.broadcast((self.probe_step_time * cfg.grad_accum + opt_time) * 1.05)
         left = minutes * 60 - (time.time() - self.t0)
         # 8 evaluations (+ the final QDQ one and the sample: ~2 more; a forward ~ 0.4 of a forward/backward),
         # a checkpoint with each (~1.5 s), ~10 s at the end
@@ -191,7 +186,7 @@ class Trainer:
         reserve = 10 * batches * 0.4 * self.probe_step_time + 8 * 1.5 + 10
         steps = max(1, int((left - reserve) / step_time))
         self.say(f"budget: {minutes:g} min; measured step {step_time:.2f}s (forward/backward "
-                 f"{self.probe_step_time:.2f}s, optimizer {self.opt_step_time:.2f}s) -> {steps} steps")
+                 f"{self.probe_step_time:.2f}s, optimizer {opt_time:.2f}s) -> {steps} steps")
         return steps
 
     # ---------------------------------------------------------------- state
