@@ -14,17 +14,26 @@ from torch import nn
 
 NORM_MEAN = {"attn_norm": 0.025, "ffn_norm": 0.2, "q_norm": 0.97, "kv_norm": 0.4, "compressor.norm": 0.6,
              "k_norm": 0.5}
+# by the weight's leaf name; the compressor's wkv measures the same 1.8 as the attention's, its wgate 1.0
 GAIN = {"wq_a": 1.6, "wq_b": 0.95, "wkv": 1.8, "wo_a": 1.6, "wo_b": 1.9, "gate": 2.9, "w1": 1.5, "w3": 1.5,
-        "w2": 1.05, "compressor.wkv": 1.8, "compressor.wgate": 1.0, "weights_proj": 0.97, "wk": 1.0}
+        "w2": 1.05, "weights_proj": 0.97, "wk": 1.0}
 EMBED_STD = 0.12
-
-
-def _gain(name: str) -> float:
-    for key in ("compressor.wkv", "compressor.wgate"):
-        if key in name:
-            return GAIN[key]
-    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name
-    return GAIN.get(leaf, 1.0)
+# (pattern searched in the parameter name, std, mean, whether std is divided by sqrt(fan_in)): the first match
+# wins; other parameters are norms (1-D: NORM_MEAN) or projections (GAIN)
+RULES = (
+    (r"^(vision|aligner)\..*norm", 0.1, 1.0, False),
+    (r"^(vision|aligner)\..*bias$", 0.02, 0.0, False),
+    (r"^aligner\.w2", 0.35, 0.0, True),
+    (r"^(vision|aligner)\.", 1.0, 0.0, True),
+    (r"^image_|^embed\.weight$|markov_head\.embed\.weight$", EMBED_STD, 0.0, False),
+    (r"hc_(attn|ffn)_fn$", 1.0, 0.0, True),
+    (r"hc_(attn|ffn)_base$", 0.5, 0.0, False),
+    (r"hc_(attn|ffn)_scale$", 0.4, 0.0, False),
+    (r"attn_sink$", 0.5, 0.0, False),
+    (r"gate\.bias(_vl)?$", 0.1, 0.0, False),
+    (r"engram\.embed\.weight$", 1.0, 0.0, False),
+    (r"engram\.(q|k)_weight$", 0.1, 1.0, False),
+)
 
 
 @torch.no_grad()
@@ -32,47 +41,21 @@ def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
     """Fill every parameter of a `Transformer` in place, deterministically from `seed` (per device type: the
     values are drawn on the parameters' device, so a GPU-built model never round-trips through host memory)."""
     gens: dict[torch.device, torch.Generator] = {}
-
-    def normal(p: torch.Tensor, std: float, mean: float = 0.0) -> None:
+    for name, p in model.named_parameters():
+        rule = next((r for r in RULES if re.search(r[0], name)), None)
+        if rule is not None:
+            _, std, mean, per_fan_in = rule
+            std = std / p.shape[-1] ** 0.5 if per_fan_in else std
+        elif p.ndim == 1:                                     # RMSNorm weights
+            mean = next((mu for key, mu in NORM_MEAN.items() if name.endswith(key + ".weight")), 1.0)
+            std = 0.1 * mean
+        else:
+            leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name
+            std, mean = GAIN.get(leaf, 1.0) / p.shape[-1] ** 0.5, 0.0
         g = gens.get(p.device)
         if g is None:
             g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
         p.copy_((torch.randn(p.shape, generator=g, device=p.device) * std + mean).to(p.dtype))
-
-    for name, p in model.named_parameters():
-        if name.startswith(("vision.", "aligner.")):
-            if "norm" in name:
-                normal(p, 0.1, 1.0)
-            elif name.endswith("bias"):
-                normal(p, 0.02)
-            else:
-                normal(p, (0.35 if name.startswith("aligner.w2") else 1.0) / p.shape[-1] ** 0.5)
-        elif name.startswith("image_"):
-            normal(p, EMBED_STD)
-        elif name == "embed.weight" or name.endswith("markov_head.embed.weight"):
-            normal(p, EMBED_STD)
-        elif re.search(r"hc_(attn|ffn)_fn$", name):
-            normal(p, 1.0 / p.shape[-1] ** 0.5)
-        elif re.search(r"hc_(attn|ffn)_base$", name):
-            normal(p, 0.5)
-        elif re.search(r"hc_(attn|ffn)_scale$", name):
-            normal(p, 0.4)
-        elif name.endswith("attn_sink"):
-            normal(p, 0.5)
-        elif re.search(r"gate\.bias(_vl)?$", name):
-            normal(p, 0.1)
-        elif name.endswith("engram.embed.weight"):
-            normal(p, 1.0)
-        elif re.search(r"engram\.(q|k)_weight$", name):
-            normal(p, 0.1, 1.0)
-        elif p.ndim == 1:                                     # RMSNorm weights
-            mean = 1.0
-            for key, mu in NORM_MEAN.items():
-                if name.endswith(key + ".weight"):
-                    mean = mu
-            normal(p, 0.1 * mean, mean)
-        else:
-            normal(p, _gain(name) / p.shape[-1] ** 0.5)
     return model
 
 
