@@ -11,6 +11,7 @@ layer it reads each of those from (MODEL.md 1.2, SYSTEM.md 2).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import json
@@ -316,6 +317,21 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r}: expected one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+# ------------------------------------------------------------------------------------------------ token counts
+
+def parse_tokens(s: str) -> int:
+    """A token count: an integer, or with a binary suffix K (1024) / M (1048576)."""
+    t = s.strip()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:].upper())
+    try:
+        n = int(t[:-1] if mult else t) * (mult or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {s!r} (use e.g. 4096, 4K, 1M)") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"token count must be positive: {s!r}")
+    return n
 
 
 # ------------------------------------------------------------------------------------------------ roles

@@ -11,22 +11,9 @@ from dsv41.analysis.flops import DEFAULT_CONTEXTS, flops_report, plot_decode_cur
 from dsv41.analysis.io import io_overlap, raw_bytes_per_image_token, training_flops_per_token, vit_tokens
 from dsv41.analysis.kv_bytes import kv_report
 from dsv41.analysis.params import params_report
-from dsv41.config import ModelConfig, load_config, role_summary
+from dsv41.config import ModelConfig, load_config, parse_tokens, role_summary
 
 DEFAULT_CONFIG = "v41-flash"
-
-
-def parse_tokens(s: str) -> int:
-    """A token count: an integer, or with a binary suffix K (1024) / M (1048576)."""
-    t = s.strip()
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:].upper())
-    try:
-        n = int(t[:-1] if mult else t) * (mult or 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a token count: {s!r} (use e.g. 4096, 4K, 1M)") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"token count must be positive: {s!r}")
-    return n
 
 
 def _g(x: float, unit: float = 1e9, nd: int = 2) -> str:

@@ -9,8 +9,10 @@ entries per layer would take minutes on a CPU and measure the codec, not the sto
 same `write_window` the model calls.
 
 The measured global bytes per token is what the sequence's pages hold in records (entries x 356 B for the
-released geometry) over N; it equals `dsv41.analysis.kv_bytes.global_kv_bytes_per_token` exactly whenever N is a
-multiple of every ratio (890 B/token for v41-flash and v41-geometry).
+released geometry) over N; it equals the analytic figure exactly whenever N is a multiple of every ratio (890 B/token
+for v41-flash and v41-geometry). The analytic figures here count the codecs' record sizes over the config's layer
+roles; `dsv41 analyze kv` (`dsv41.analysis.kv_bytes`) derives the same ones from the formats' bit widths, and the
+tests hold the three equal.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from fractions import Fraction
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from dsv41.analysis.kv_bytes import global_kv_bytes_per_token, swa_bytes_per_sequence
-from dsv41.codecs import pack_index_k, pack_main_kv, qdq_fp8
-from dsv41.config import ModelConfig, load_config
+from dsv41.codecs import index_k_bytes, main_kv_bytes, pack_index_k, pack_main_kv, qdq_fp8, swa_kv_bytes
+from dsv41.config import ModelConfig, load_config, layer_roles
+from dsv41.kv.pages import KINDS
 from dsv41.kv.pool import PackedKVPool
 
-__all__ = ["analytic_swa_bytes", "analytic_pending_bytes", "fill_random",
+__all__ = ["analytic_global_bytes_per_token", "analytic_swa_bytes", "analytic_pending_bytes", "fill_random",
            "kv_bytes_report", "bench_kv", "as_number"]
 
 
@@ -37,10 +40,15 @@ def as_number(x: Fraction | int) -> int | float:
     return int(x) if x.denominator == 1 else float(x)
 
 
-def analytic_swa_bytes(cfg: ModelConfig) -> int | float:
+def analytic_global_bytes_per_token(cfg: ModelConfig) -> Fraction:
+    """Sum over the KV sources of (main + index record bytes) / m (SYSTEM.md 1): 890 for V4.1-Flash."""
+    entry = main_kv_bytes(cfg.head_dim) + index_k_bytes(cfg.index_head_dim)
+    return sum((Fraction(entry, r.ratio) for r in layer_roles(cfg) if r.is_kv_source), Fraction(0))
+
+
+def analytic_swa_bytes(cfg: ModelConfig) -> int:
     """SWA rings one sequence holds: W packed rows per backbone layer and per DSpark stage."""
-    s = swa_bytes_per_sequence(cfg)
-    return s["backbone"] + s["dspark"]
+    return cfg.total_layers * cfg.window_size * swa_kv_bytes(cfg.head_dim)
 
 
 def analytic_pending_bytes(pool: PackedKVPool) -> int:
@@ -53,14 +61,11 @@ def kv_bytes_report(pool: PackedKVPool, sid: int) -> dict[str, Any]:
     cfg = pool.cfg
     b = pool.seq_bytes(sid)
     n = b["tokens"]
-    by_layer = []
-    for L, pl in pool.global_layers.items():
-        s = pool.seqs[sid]
-        by_layer.append({"layer": L, "ratio": pl.spec.ratio, "entries": s.rows[(L, "main")],
-                         "main_record_bytes": pl.record_bytes["main"], "index_record_bytes": pl.record_bytes["index"],
-                         "bytes": s.rows[(L, "main")] * pl.record_bytes["main"]
-                         + s.rows[(L, "index")] * pl.record_bytes["index"],
-                         "pages": len(s.pages[L])})
+    s = pool.seqs[sid]
+    by_layer = [{"layer": L, "ratio": pl.spec.ratio, "entries": s.rows[(L, "main")],
+                 "main_record_bytes": pl.record_bytes["main"], "index_record_bytes": pl.record_bytes["index"],
+                 "bytes": sum(s.rows[(L, k)] * pl.record_bytes[k] for k in KINDS), "pages": len(s.pages[L])}
+                for L, pl in pool.global_layers.items()]
     return {
         "tokens": n,
         "global_bytes": b["global_entries_bytes"],
@@ -70,7 +75,7 @@ def kv_bytes_report(pool: PackedKVPool, sid: int) -> dict[str, Any]:
         "global_pages": b["global_pages"],
         "page_size": pool.page_size,
         "measured_global_bytes_per_token": as_number(Fraction(b["global_entries_bytes"], n)) if n else None,
-        "analytic_global_bytes_per_token": as_number(global_kv_bytes_per_token(cfg)),
+        "analytic_global_bytes_per_token": as_number(analytic_global_bytes_per_token(cfg)),
         "allocated_global_bytes_per_token": float(b["global_allocated_bytes"] / n) if n else None,
         "swa_bytes": b["swa_bytes"],
         "analytic_swa_bytes": as_number(analytic_swa_bytes(cfg)),
@@ -78,13 +83,6 @@ def kv_bytes_report(pool: PackedKVPool, sid: int) -> dict[str, Any]:
         "analytic_pending_bytes": analytic_pending_bytes(pool),
         "by_layer": by_layer,
     }
-
-
-def _bank(pool: PackedKVPool, layer: int, size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    spec = pool.specs[layer]
-    main = pack_main_kv(torch.randn(size, spec.width, generator=gen), check_finite=False)
-    index = pack_index_k(torch.randn(size, spec.index_width, generator=gen), check_finite=False)
-    return {"main": main.to(pool.device), "index": index.to(pool.device)}
 
 
 @torch.no_grad()
@@ -104,7 +102,9 @@ def fill_random(pool: PackedKVPool, sid: int, tokens: int, chunk: int = 1 << 16,
     for L, pl in pool.global_layers.items():
         m = pl.spec.ratio
         n = tokens // m
-        recs = _bank(pool, L, bank, gen)
+        recs = {"main": pack_main_kv(torch.randn(bank, pl.spec.width, generator=gen), check_finite=False),
+                "index": pack_index_k(torch.randn(bank, pl.spec.index_width, generator=gen), check_finite=False)}
+        recs = {k: v.to(pool.device) for k, v in recs.items()}
         off = int(torch.randint(bank, (1,), generator=gen))
         for r in range(0, n, chunk):
             c = min(chunk, n - r)
@@ -115,7 +115,7 @@ def fill_random(pool: PackedKVPool, sid: int, tokens: int, chunk: int = 1 << 16,
         for e0, e1 in sorted({(0, min(n, pool.page_size)), (max(0, n - pool.page_size), n)}):
             if e1 <= e0:                                        # read the first and the last page back
                 continue
-            for kind in ("main", "index"):
+            for kind in KINDS:
                 got, valid = view.read_records(L, kind, torch.tensor([e1]), start=e0)
                 want = recs[kind][((torch.arange(e0, e1) + off) % bank).to(pool.device)]
                 if not (bool(valid.all()) and torch.equal(got[0], want)):
@@ -127,15 +127,12 @@ def fill_random(pool: PackedKVPool, sid: int, tokens: int, chunk: int = 1 << 16,
         first = max(0, tokens - W)
         kv = qdq_fp8(torch.randn(1, tokens - first, spec.width, generator=gen))
         view.write_window(L, torch.tensor([first]), kv.to(pool.device))
-    # compressor carry: the tokens of the open group
+    # compressor carry: the r tokens of the open group in the last r of the m slots (empty slots: kv 0, score -inf)
     for L, spec in pool.specs.items():
         if spec.pending_rows:
-            m, C = spec.pending_rows, spec.width
-            r = tokens % m
-            kv = torch.zeros(1, m, C)
-            sc = torch.full((1, m, C), -torch.inf)
-            kv[:, m - r:] = torch.randn(1, r, C, generator=gen)        # the open group: the last r slots
-            sc[:, m - r:] = torch.randn(1, r, C, generator=gen)
+            m, r = spec.pending_rows, tokens % spec.pending_rows
+            kv, sc = (F.pad(torch.randn(1, r, spec.width, generator=gen), (0, 0, m - r, 0), value=empty)
+                      for empty in (0.0, -torch.inf))
             view.set_compressor_state(L, kv.to(pool.device), sc.to(pool.device))
     view.pos = torch.tensor([tokens])
     if pool.device.type == "cuda":

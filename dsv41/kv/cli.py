@@ -11,11 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-
-def _tokens(s: str) -> int:
-    from dsv41.analysis.cli import parse_tokens
-
-    return parse_tokens(s)
+from dsv41.config import parse_tokens
 
 
 def register_bench(bench_sub) -> argparse.ArgumentParser:
@@ -23,7 +19,7 @@ def register_bench(bench_sub) -> argparse.ArgumentParser:
     p = bench_sub.add_parser("kv", help="fill the packed KV store for one sequence and report bytes by kind",
                              description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="v41-flash", help="preset name or config.json (default v41-flash)")
-    p.add_argument("--tokens", type=_tokens, required=True, help="sequence length: 4096, 64K, 1M (= 2^20)")
+    p.add_argument("--tokens", type=parse_tokens, required=True, help="sequence length: 4096, 64K, 1M (= 2^20)")
     p.add_argument("--page-size", type=int, default=64, help="global-store entries per page (default 64)")
     p.add_argument("--device", default="cpu", help="where the store lives (default cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
