@@ -1,4 +1,4 @@
-"""Torch references of the kernels that read the engine's packed KV store (`dsv41.kv.paged.PackedKVPool`).
+"""Torch references of the kernels that read the engine's packed KV store (`dsv41.kv.pool.PackedKVPool`).
 
 Each `*_ref` here has the signature of its Triton launcher (`dsv41.kernels.triton`) and is built only from the
 codecs' unpack functions and the model's own math (`sparse_attn_ref`; the indexer of MODEL.md 3.6-3.7 as

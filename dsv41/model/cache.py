@@ -68,7 +68,7 @@ class KVStore(Protocol):
 
 
 class PackedKVStore(KVStore, Protocol):
-    """A store that keeps the packed bytes (`dsv41.kv.paged.BatchView`): the decode attention reads them in place
+    """A store that keeps the packed bytes (`dsv41.kv.batch_view.BatchView`): the decode attention reads them in place
     (`dsv41.model.packed_decode`)."""
 
     def packed_ring(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
