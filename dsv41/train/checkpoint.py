@@ -34,16 +34,14 @@ def unwrap_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_training_checkpoint(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg,
-                             tokenizer_json: str | Path | None, train_state: dict, step: int,
-                             extra_meta: dict | None = None, provenance: dict | None = None) -> Path:
+                             tokenizer_json: str | Path | None, train_state: dict, step: int, extra_meta: dict,
+                             provenance: dict | None = None) -> None:
     """Write the checkpoint of the module docstring; `state_dict` is `unwrap_state_dict(model)`."""
     out = Path(out_dir)
     tmp = out / ".partial"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    meta = {"step": step, **(extra_meta or {})}
-    model = SimpleNamespace(state_dict=lambda: state_dict)       # what `save_checkpoint` asks of a model
-    save_checkpoint(model, cfg, tmp, extra_meta=meta, tokenizer_json=tokenizer_json)
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_checkpoint(SimpleNamespace(state_dict=lambda: state_dict), cfg, tmp,     # what it asks of a model
+                    extra_meta={"step": step, **extra_meta}, tokenizer_json=tokenizer_json)
     if provenance is not None:
         (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
     torch.save({**train_state, "step": step}, tmp / TRAIN_STATE)
@@ -51,7 +49,6 @@ def save_training_checkpoint(out_dir: str | Path, state_dict: dict[str, torch.Te
     for n in names + [TRAIN_STATE]:
         os.replace(tmp / n, out / n)
     shutil.rmtree(tmp)
-    return out
 
 
 def checkpoint_step(out_dir: str | Path) -> int | None:

@@ -32,9 +32,8 @@ import hashlib
 import json
 import sys
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -60,7 +59,7 @@ class Corpus:
     name: str
     train: list[Document]
     val: list[Document]
-    provenance: dict = field(default_factory=dict)
+    provenance: dict
 
 
 # ------------------------------------------------------------------------------------------------ split
@@ -146,28 +145,24 @@ def load_corpus(data: str | Path | None = None, val_fraction: float = DEFAULT_VA
         raise ValueError(f"corpus {where!r}: {len(docs)} non-empty documents give {len(train)} for training and "
                          f"{len(val)} for validation; both need at least one (add documents or raise the "
                          f"validation fraction)")
-    listing = hashlib.sha256("\n".join(d.name for d in train).encode()).hexdigest()[:16]
-    provenance = {
+    return Corpus(name, train, val, {
         "corpus": name, "root": where, "python": sys.version.split()[0],
         "split": f"sha256('{SPLIT_SALT}' + document name)[:8] / 2^64 < {val_fraction} -> validation",
         "val_fraction": val_fraction, "train_documents": len(train), "val_documents": len(val),
         "train_bytes": sum(len(d.text.encode()) for d in train), "val_bytes": sum(len(d.text.encode()) for d in val),
-        "train_listing_sha256": listing,
-        "skipped_dirs": sorted(STDLIB_SKIP_DIRS) if data is None else [],
-    }
-    return Corpus(name, train, val, provenance)
+        "train_listing_sha256": hashlib.sha256("\n".join(d.name for d in train).encode()).hexdigest()[:16],
+        "skipped_dirs": sorted(STDLIB_SKIP_DIRS) if data is None else []})
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer
 
-def train_tokenizer(docs: Iterable[Document], vocab_size: int):
+def train_tokenizer(docs: list[Document], vocab_size: int):
     """Byte-level BPE with the special tokens of the module docstring; `vocab_size` counts them all."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     n_special = len(SPECIAL_TOKENS) + len(EXTRA_SPECIAL_TOKENS)
     if vocab_size < 256 + n_special:
         raise ValueError(f"vocab_size {vocab_size} is below the 256 byte symbols + {n_special} special tokens")
-    docs = list(docs)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -176,8 +171,7 @@ def train_tokenizer(docs: Iterable[Document], vocab_size: int):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
     tok.add_special_tokens(list(EXTRA_SPECIAL_TOKENS))
-    for i, t in enumerate(SPECIAL_TOKENS):
-        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [BOS_ID, EOS_ID, PAD_ID]
     return tok
 
 

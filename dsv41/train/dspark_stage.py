@@ -235,7 +235,6 @@ def greedy_acceptance(model, prompts: torch.Tensor, n_new: int) -> dict:
 class DSparkStage(Stage):
     """The drafter (`mtp.*`) trained on the frozen backbone of `--init`, with that checkpoint's tokenizer; only
     the drafter's MoEs are balanced."""
-    name = "dspark"
     balance_prefix = "mtp."
 
     @property

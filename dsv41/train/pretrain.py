@@ -44,12 +44,9 @@ class LMTrainModule(nn.Module):
         m = self.model
         cache = TrainCache(m.cfg, ids.size(0), m.dtype, ids.device, kv_qat=self.kv_qat)
         opts = ForwardOptions(window_floor=floor, window_floor_layers=self.replay_layers)
-        if self.fast and fast_applies(m):               # the same function, faster (fast.py)
-            logits = fast_forward(m, ids, cache, opts)
-        else:
-            logits = m(ids, cache, 0, opts).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        return loss, {}
+        # the fast forward is the same function, faster (fast.py)
+        logits = fast_forward(m, ids, cache, opts) if self.fast and fast_applies(m) else m(ids, cache, 0, opts).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()), {}
 
 
 def replay_layers(mcfg, mode: str) -> frozenset | None:
@@ -97,7 +94,8 @@ def evaluate_lm(model, val: Validation) -> dict:
 
 
 class PretrainStage(Stage):
-    name = "pretrain"
+    """A model of `--preset` from scratch, with its own tokenizer; next-token cross-entropy, optionally with the
+    bounded-replay simulation."""
 
     def tokenizer(self, out, corpus, dist, say):
         """A BPE tokenizer trained on the training split (rank 0), reused when `out` holds one trained on the same
@@ -165,6 +163,5 @@ class PretrainStage(Stage):
             prompt = doc[:doc.find("\n", 80) + 1 or 120]
             ids = torch.tensor([[D.BOS_ID] + tokenizer.encode(prompt).ids], device=val.dist.device)
             seq = greedy_continue(model, ids, self.cfg.sample_tokens)
-            out["sample_prompt"] = prompt
-            out["sample"] = tokenizer.decode(seq[0, ids.size(1):].tolist())
+            out.update(sample_prompt=prompt, sample=tokenizer.decode(seq[0, ids.size(1):].tolist()))
         return out

@@ -9,7 +9,6 @@ what an evaluation measures and what the end of a run adds to the summary. The s
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +28,10 @@ class Validation:
     token_bytes: torch.Tensor              # [V] UTF-8 bytes per id (0 for special tokens)
     batch_size: int
     dist: Dist
-    autocast: Callable = contextlib.nullcontext
+    autocast: Callable                     # () -> the context the model's forwards run in
 
 
 class Stage(ABC):
-    name: str
     balance_prefix = ""                    # the MoEs (by module name) whose gate biases the balancer moves
 
     def __init__(self, cfg):
