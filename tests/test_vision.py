@@ -192,8 +192,7 @@ def test_merge_matches_embed_out(cfg, gold_blocks, tower32):
         return tower32.encode(patches, n_h, n_w)
 
     with torch.no_grad():
-        out = vi.merge_image_embeddings(h, records, tower32.image_start, tower32.image_end, tower32.image_newline,
-                                        encode)
+        out = vi.merge_image_embeddings(tower32, h, records, encode)
     assert out is h and calls == [(15, 29), (20, 16)]
     ref = gold_blocks["embed_out"]
     rel = rows_rel(h, ref)
@@ -213,23 +212,21 @@ def test_merge_shared_image_encoded_once_and_checks(cfg, tower32, batch):
         n.append((n_h, n_w))
         return torch.ones(math.ceil(n_h / 3) * math.ceil(n_w / 3), cfg.dim)
 
-    vi.merge_image_embeddings(h, records, tower32.image_start, tower32.image_end, tower32.image_newline, fake_encode)
+    vi.merge_image_embeddings(tower32, h, records, fake_encode)
     assert len(n) == 2  # image 1 occurs in both rows
     assert torch.equal((h.abs().sum(-1) > 0), types >= 0)
     rec = records[0][0]
     with pytest.raises(ValueError):  # wrong number of aligner rows
-        vi.merge_image_embeddings(h, [[rec]], tower32.image_start, tower32.image_end, tower32.image_newline,
-                                  lambda p, a, b: torch.ones(3, cfg.dim))
+        vi.merge_image_embeddings(tower32, h, [[rec]], lambda p, a, b: torch.ones(3, cfg.dim))
     late = im.ImageRecord(ids.shape[1] - 5, rec.patches, rec.n_vit_h, rec.n_vit_w, rec.types)
     with pytest.raises(ValueError):  # span past the end of the sequence
-        vi.merge_image_embeddings(h, [[late]], tower32.image_start, tower32.image_end, tower32.image_newline,
-                                  tower32.encode)
-    assert vi.merge_image_embeddings(h, None, None, None, None, None) is h
+        vi.merge_image_embeddings(tower32, h, [[late]], tower32.encode)
+    assert vi.merge_image_embeddings(None, h, None) is h
     # the model-member form (a model registering vision / aligner / image_* at top level) gives the same rows
     h1, h2 = torch.zeros(1, ids.shape[1], cfg.dim), torch.zeros(1, ids.shape[1], cfg.dim)
     with torch.no_grad():
         tower32.merge(h1, records[1:])
-        vi.merge_model_images(tower32, h2, records[1:])
+        vi.merge_image_embeddings(tower32, h2, records[1:])
     assert torch.equal(h1, h2) and h1.abs().sum() > 0
 
 

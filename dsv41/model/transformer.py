@@ -72,8 +72,8 @@ class Transformer(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor, images=None) -> torch.Tensor:
         h = self.embed(input_ids)
         if images is not None:
-            from dsv41.model.vision import merge_model_images
-            h = merge_model_images(self, h, images)
+            from dsv41.model.vision import merge_image_embeddings
+            h = merge_image_embeddings(self, h, images)
         return h
 
     def streams_in(self, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,14 +28,7 @@ from torch import nn
 from dsv41.model.common import Linear, RMSNorm, warm_up_transcendentals
 from dsv41.model.image import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START
 
-VISION_NORM_EPS = 1e-6
-
-
-# ------------------------------------------------------------------------------------------------ primitives
-
-def vision_norm(dim: int) -> RMSNorm:
-    """The tower's RMSNorm: the model's, with an fp32 weight (fp32 math, cast back to the input dtype)."""
-    return RMSNorm(dim, VISION_NORM_EPS, torch.float32)
+VISION_NORM_EPS = 1e-6     # the tower's RMSNorms: the model's, with an fp32 weight (fp32 math, cast back)
 
 
 # ------------------------------------------------------------------------------------------------ 2D RoPE
@@ -52,14 +45,12 @@ def _rope_table_cpu(n_h: int, n_w: int, rope_dim: int, theta: float) -> tuple[to
 
 
 def vision_rope_table(n_h: int, n_w: int, rope_dim: int, theta: float,
-                      device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin fp32 [N, 1, rope_dim] for the patch grid in row-major order; rope_dim = Dh/2.
 
     inv_f_i = theta^(-2i/rope_dim), i < rope_dim/2; the angle vector of patch (r, c) is [r*inv_f, c*inv_f]."""
     cos, sin = _rope_table_cpu(int(n_h), int(n_w), int(rope_dim), float(theta))
-    if device is not None and torch.device(device).type != "cpu":
-        cos, sin = cos.to(device), sin.to(device)
-    return cos, sin
+    return cos.to(device), sin.to(device)
 
 
 def apply_rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,15 +61,6 @@ def apply_rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 # ------------------------------------------------------------------------------------------------ ViT
-
-class PatchEmbed(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype):
-        super().__init__()
-        self.proj = Linear(3 * cfg.vision_patch_size ** 2, cfg.vision_dim, "bf16", dtype, bias=True)
-
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        return self.proj(patches.flatten(1))
-
 
 class VisionAttention(nn.Module):
     """wqkv (bias) -> 2D RoPE on q, k -> full bidirectional SDPA (scale Dh^-0.5) -> wo (bias)."""
@@ -116,9 +98,9 @@ class VisionMLP(nn.Module):
 class VisionBlock(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype):
         super().__init__()
-        self.norm1 = vision_norm(cfg.vision_dim)
+        self.norm1 = RMSNorm(cfg.vision_dim, VISION_NORM_EPS, torch.float32)
         self.attn = VisionAttention(cfg, dtype)
-        self.norm2 = vision_norm(cfg.vision_dim)
+        self.norm2 = RMSNorm(cfg.vision_dim, VISION_NORM_EPS, torch.float32)
         self.mlp = VisionMLP(cfg, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,20 +116,20 @@ class ViT(nn.Module):
         C, H = cfg.vision_dim, cfg.vision_n_heads
         if C % H or (C // H) % 4:
             raise ValueError(f"vision head dim {C}/{H} must be an integer divisible by 4 (2D RoPE half-split)")
-        self.dtype = dtype
         self.rope_dim = C // H // 2
         self.rope_theta = float(cfg.vision_rope_theta)
-        self.patch_size = cfg.vision_patch_size
-        self.patch_embed = PatchEmbed(cfg, dtype)
+        self.patch_size = p = cfg.vision_patch_size
+        # flattened patch -> C (the official `patch_embed.proj`)
+        self.patch_embed = nn.ModuleDict({"proj": Linear(3 * p * p, C, "bf16", dtype, bias=True)})
         self.blocks = nn.ModuleList([VisionBlock(cfg, dtype) for _ in range(cfg.vision_n_layers)])
-        self.norm = vision_norm(C)
+        self.norm = RMSNorm(C, VISION_NORM_EPS, torch.float32)
 
     def forward(self, patches: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
         p = self.patch_size
         if patches.dim() != 4 or tuple(patches.shape[1:]) != (3, p, p) or patches.size(0) != n_vit_h * n_vit_w:
             raise ValueError(f"patches {tuple(patches.shape)} do not match a {n_vit_h}x{n_vit_w} grid of 3x{p}x{p}")
-        w = self.patch_embed.proj.weight
-        x = self.patch_embed(patches.to(device=w.device, dtype=w.dtype))
+        proj = self.patch_embed.proj
+        x = proj(patches.to(device=proj.weight.device, dtype=proj.weight.dtype).flatten(1))
         cos, sin = vision_rope_table(n_vit_h, n_vit_w, self.rope_dim, self.rope_theta, x.device)
         for block in self.blocks:
             x = block(x, cos, sin)
@@ -189,16 +171,20 @@ def encode_image(model: nn.Module, patches: torch.Tensor, n_vit_h: int, n_vit_w:
 EncodeFn = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
-def merge_image_embeddings(h: torch.Tensor, images: Sequence | None, image_start: torch.Tensor,
-                           image_end: torch.Tensor, image_newline: torch.Tensor, encode: EncodeFn) -> torch.Tensor:
-    """Overwrite every image span of the token embeddings h [B, T, D] in place (and return h).
+def merge_image_embeddings(model: nn.Module | None, h: torch.Tensor, images: Sequence | None,
+                           encode: EncodeFn | None = None) -> torch.Tensor:
+    """Overwrite every image span of the token embeddings h [B, T, D] in place (and return h), with the vision
+    members of `model` (a VisionTower, or a model that registers `vision`, `aligner`, `image_start`, `image_end`,
+    `image_newline` on itself: the official top-level layout).
 
     images: one entry per batch row, each None or a list of records with `start`, `patches`, `n_vit_h`,
     `n_vit_w` and `types` (image.ImageRecord / the official ImageInput). In each span START / END / NEW_LINE rows
-    take image_start / image_end / image_newline, and the IMAGE rows take encode(patches, n_vit_h, n_vit_w) rows in
-    order. An image whose patches tensor occurs several times in the batch is encoded once."""
+    take model.image_start / image_end / image_newline, and the IMAGE rows take encode(patches, n_vit_h, n_vit_w)
+    rows in order (default: `encode_image` with the model's ViT and aligner). An image whose patches tensor occurs
+    several times in the batch is encoded once."""
     if images is None:
         return h
+    encode = partial(encode_image, model) if encode is None else encode
     if len(images) > h.size(0):
         raise ValueError(f"images for {len(images)} rows, embeddings have {h.size(0)}")
     encoded: dict[int, torch.Tensor] = {}
@@ -217,18 +203,10 @@ def merge_image_embeddings(h: torch.Tensor, images: Sequence | None, image_start
                 raise ValueError(f"image span has {int(is_img.sum())} IMAGE slots, "
                                  f"the aligner gave {embeds.size(0)} rows")
             span = h[b, start:start + length]
-            span[types == IMAGE_START] = image_start.to(h.dtype)
-            span[types == IMAGE_END] = image_end.to(h.dtype)
-            span[types == IMAGE_NEW_LINE] = image_newline.to(h.dtype)
+            for kind, name in zip((IMAGE_START, IMAGE_END, IMAGE_NEW_LINE), VISION_NAMES):
+                span[types == kind] = getattr(model, name).to(h.dtype)
             span[is_img] = embeds.to(device=h.device, dtype=h.dtype)
     return h
-
-
-def merge_model_images(model: nn.Module, h: torch.Tensor, images: Sequence | None) -> torch.Tensor:
-    """merge_image_embeddings with the five members of a model that registers `vision`, `aligner`,
-    `image_start`, `image_end`, `image_newline` (the official top-level layout)."""
-    return merge_image_embeddings(h, images, model.image_start, model.image_end, model.image_newline,
-                                  partial(encode_image, model))
 
 
 # ------------------------------------------------------------------------------------------------ standalone
@@ -246,7 +224,7 @@ class VisionTower(nn.Module):
         return encode_image(self, patches, n_vit_h, n_vit_w)
 
     def merge(self, h: torch.Tensor, images: Sequence | None) -> torch.Tensor:
-        return merge_model_images(self, h, images)
+        return merge_image_embeddings(self, h, images)
 
 
 VISION_PREFIXES = ("vision.", "aligner.")
