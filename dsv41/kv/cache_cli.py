@@ -53,12 +53,11 @@ def cache_stats(cache_dir: str) -> dict:
         d["bytes"] += e["size"]
     created = [e["created"] for e in entries]
     s = store.stats()
-    files = store.entry_files()
-    tmp = [n for n in os.listdir(cache_dir) if n.startswith(".tmp.")]
     return {"cache_dir": os.path.abspath(cache_dir), "entries": s["entries"], "bytes": s["bytes"],
             "fingerprints": fps, "oldest_age_s": now - min(created) if created else None,
-            "newest_age_s": now - max(created) if created else None, "temp_files": len(tmp),
-            "unreadable_entries": len(files) - s["entries"], "free_bytes": s["free_bytes"]}
+            "newest_age_s": now - max(created) if created else None,
+            "temp_files": sum(n.startswith(".tmp.") for n in os.listdir(cache_dir)),
+            "unreadable_entries": len(store.entry_files()) - s["entries"], "free_bytes": s["free_bytes"]}
 
 
 def cmd_cache(args: argparse.Namespace) -> int:

@@ -144,14 +144,13 @@ class DiskStore(Counted):
                 self._index[key] = info
                 self._total += info.size
 
-    def _remove(self, key: str, counter: str | None, ino: int | None = None, used_ns: int | None = None) -> bool:
-        """Unlink <key>.kv and drop it from the index; only if it is still inode `ino` and not used after
-        `used_ns` (when given: a file rewritten or touched by another process meanwhile is kept)."""
+    def _remove(self, key: str, counter: str, ino: int | None = None, used_ns: int | None = None) -> bool:
+        """Unlink <key>.kv, drop it from the index and count it under `counter`; only if it is still inode `ino`
+        and not used after `used_ns` (when given: a file rewritten or touched by another process meanwhile is
+        kept)."""
         path = self._path(key)
-        size = 0
         try:
             st = os.stat(path)
-            size = st.st_size
             if (ino is not None and st.st_ino != ino) or (used_ns is not None and st.st_mtime_ns > used_ns):
                 return False                              # replaced or used meanwhile: keep it
             os.unlink(path)
@@ -162,10 +161,9 @@ class DiskStore(Counted):
             self._log_once(("unlink", e.errno), "prefix cache %s: cannot remove %s (%s)", self.dir, path, e)
             return False
         self._set_index(key, None)
-        if counter:
-            self._count(counter)
-            if counter == "evictions":
-                self._count("evicted_bytes", size)
+        self._count(counter)
+        if counter == "evictions":
+            self._count("evicted_bytes", st.st_size)
         return True
 
     def _read_info(self, key: str) -> _Info | None:

@@ -50,8 +50,7 @@ from dsv41.codecs import swa_kv_bytes
 from dsv41.config import ModelConfig
 from dsv41.kv.batch_view import BatchView
 from dsv41.kv.pages import KINDS, PagedLayer, grown
-from dsv41.kv.state_format import (GLOBAL_LAYOUT_VERSION, SWA_LAYOUT_VERSION, GlobalLayerState, GlobalState,
-                                   SwaState, carry_rows)
+from dsv41.kv.state_format import GlobalLayerState, GlobalState, SwaState, carry_rows
 from dsv41.model.cache import LayerCacheSpec, cache_spec
 
 __all__ = ["PackedKVPool"]
@@ -237,9 +236,6 @@ class PackedKVPool:
 
     def check_global_state(self, state: GlobalState) -> None:
         """ValueError unless `state` fits this pool's config (layers, ratios, record sizes, widths, carry rows)."""
-        if state.layout_version != GLOBAL_LAYOUT_VERSION:
-            raise ValueError(f"global state layout version {state.layout_version}, this pool reads "
-                             f"{GLOBAL_LAYOUT_VERSION}")
         want = sorted(self.global_layers)
         got = sorted(ls.layer for ls in state.layers)
         if got != want:
@@ -305,8 +301,6 @@ class PackedKVPool:
         """Restore the SWA rings of sequence `sid`, which must stand at the snapshot's position (import the global
         state first). ValueError on a position or layout mismatch."""
         s = self._seq(sid)
-        if state.layout_version != SWA_LAYOUT_VERSION:
-            raise ValueError(f"SWA state layout version {state.layout_version}, this pool reads {SWA_LAYOUT_VERSION}")
         if state.pos != s.pos:
             raise ValueError(f"import_swa: the snapshot is at position {state.pos}, sequence {sid} at {s.pos}")
         if sorted(state.rings) != sorted(self.swa):

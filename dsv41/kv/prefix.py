@@ -29,6 +29,8 @@ from typing import Iterable
 
 import numpy as np
 
+from dsv41.kv.state_format import GLOBAL_LAYOUT_VERSION
+
 __all__ = ["DEFAULT_INTERVAL", "KEY_SCHEME", "fingerprint", "encode_ids", "root_key", "chain_keys", "tail_key",
            "prefix_key", "unit_boundaries", "ratio_align", "engram_history_at", "check_key"]
 
@@ -44,14 +46,11 @@ def check_key(key: str) -> str:
     return key
 
 
-def fingerprint(cfg, weights_id: str, tokenizer_id: str, layout_version: int | None = None) -> str:
+def fingerprint(cfg, weights_id: str, tokenizer_id: str, layout_version: int = GLOBAL_LAYOUT_VERSION) -> str:
     """Hex SHA-256 namespacing every key: the model config (a `ModelConfig` or its dict), the weights' identity
     (e.g. a checkpoint digest), the tokenizer's identity and the KV layout version (default: the pool's
     `GLOBAL_LAYOUT_VERSION`). Canonical JSON (sorted keys, no whitespace) of those, so equal inputs give equal
     fingerprints in every process and Python version."""
-    if layout_version is None:
-        from dsv41.kv.state_format import GLOBAL_LAYOUT_VERSION
-        layout_version = GLOBAL_LAYOUT_VERSION
     conf = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
     doc = {"scheme": KEY_SCHEME, "config": conf, "weights": str(weights_id), "tokenizer": str(tokenizer_id),
            "kv_layout": int(layout_version)}
@@ -62,10 +61,7 @@ def fingerprint(cfg, weights_id: str, tokenizer_id: str, layout_version: int | N
 def encode_ids(token_ids) -> np.ndarray:
     """Token ids (list, numpy array, tensor; 1-D or [1, T]) as a little-endian int32 array, the canonical
     encoding; ValueError for anything else or ids outside int32."""
-    if hasattr(token_ids, "detach"):
-        a = token_ids.detach().cpu().numpy()
-    else:
-        a = np.asarray(token_ids)
+    a = token_ids.detach().cpu().numpy() if hasattr(token_ids, "detach") else np.asarray(token_ids)
     if a.ndim == 2 and a.shape[0] == 1:
         a = a[0]
     if a.ndim != 1:

@@ -70,13 +70,6 @@ def carry_rows(ratio: int, upto: int) -> int:
     return ratio if ratio > 1 and upto % ratio else 0
 
 
-def _check_head(what: str, magic: bytes, want_magic: bytes, version: int, want_version: int) -> None:
-    if magic != want_magic:
-        raise ValueError(f"{what}: bad magic {bytes(magic)!r}")
-    if version != want_version:
-        raise ValueError(f"{what}: layout version {version}, this reader knows {want_version}")
-
-
 class _Reader:
     """Bounds-checked cursor over a byte buffer (every overrun is a ValueError)."""
 
@@ -92,6 +85,16 @@ class _Reader:
 
     def unpack(self, st: struct.Struct) -> tuple:
         return st.unpack(self.take(st.size))
+
+    def header(self, st: struct.Struct, magic: bytes, version: int) -> list:
+        """The fields after the magic and the layout version of header `st`; ValueError for another magic or
+        version."""
+        got_magic, got_version, *fields = self.unpack(st)
+        if got_magic != magic:
+            raise ValueError(f"{self.what}: bad magic {bytes(got_magic)!r}")
+        if got_version != version:
+            raise ValueError(f"{self.what}: layout version {got_version}, this reader knows {version}")
+        return fields
 
     def tensor(self, dtype: np.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
@@ -132,13 +135,12 @@ class GlobalState:
     layers: list[GlobalLayerState]
     engram_history: torch.Tensor | None = None      # int64 [n-1] at `upto`, or None (not known)
     index_k_publisher: int | None = None
-    layout_version: int = GLOBAL_LAYOUT_VERSION
 
     def to_bytes(self) -> bytes:
         hist = self.engram_history
         flags = (1 if hist is not None else 0) | (2 if self.index_k_publisher is not None else 0)
         layers = sorted(self.layers, key=lambda ls: ls.layer)
-        parts = [_G_HEAD.pack(_GLOBAL_MAGIC, self.layout_version, flags, self.start, self.upto,
+        parts = [_G_HEAD.pack(_GLOBAL_MAGIC, GLOBAL_LAYOUT_VERSION, flags, self.start, self.upto,
                               -1 if self.index_k_publisher is None else self.index_k_publisher, len(layers),
                               0 if hist is None else hist.numel(), 0)]
         if hist is not None:
@@ -156,8 +158,7 @@ class GlobalState:
     @classmethod
     def from_bytes(cls, data) -> "GlobalState":
         rd = _Reader(data, "global state")
-        magic, version, flags, start, upto, publisher, n_layers, h, _ = rd.unpack(_G_HEAD)
-        _check_head("global state", magic, _GLOBAL_MAGIC, version, GLOBAL_LAYOUT_VERSION)
+        flags, start, upto, publisher, n_layers, h, _ = rd.header(_G_HEAD, _GLOBAL_MAGIC, GLOBAL_LAYOUT_VERSION)
         if start > upto or (not flags & 1 and h):
             raise ValueError("global state: inconsistent header")
         hist = rd.tensor(_I64, (h,)) if flags & 1 else None
@@ -170,7 +171,7 @@ class GlobalState:
             layers.append(GlobalLayerState(layer, m, rd.tensor(_U8, (n, bm)), rd.tensor(_U8, (n, bi)),
                                            rd.tensor(_F32, (r, C)), rd.tensor(_F32, (r, C))))
         rd.done()
-        return cls(start, upto, layers, hist, publisher if flags & 2 else None, version)
+        return cls(start, upto, layers, hist, publisher if flags & 2 else None)
 
     # ---------------------------------------------------------------- segments
     def slice(self, start: int, upto: int) -> "GlobalState":
@@ -190,8 +191,7 @@ class GlobalState:
             r = ls.carry_kv.size(0) if end else 0
             layers.append(GlobalLayerState(ls.layer, m, ls.main[e0:e1].clone(), ls.index[e0:e1].clone(),
                                            ls.carry_kv[:r].clone(), ls.carry_score[:r].clone()))
-        return GlobalState(start, upto, layers, self.engram_history if end else None,
-                           self.index_k_publisher, self.layout_version)
+        return GlobalState(start, upto, layers, self.engram_history if end else None, self.index_k_publisher)
 
     @staticmethod
     def join(parts: list["GlobalState"]) -> "GlobalState":
@@ -217,8 +217,7 @@ class GlobalState:
             layers.append(GlobalLayerState(L, pieces[0].ratio, torch.cat([p.main for p in pieces]),
                                            torch.cat([p.index for p in pieces]), pieces[-1].carry_kv.clone(),
                                            pieces[-1].carry_score.clone()))
-        return GlobalState(parts[0].start, last.upto, layers, last.engram_history, last.index_k_publisher,
-                           last.layout_version)
+        return GlobalState(parts[0].start, last.upto, layers, last.engram_history, last.index_k_publisher)
 
 
 @dataclass(eq=False)
@@ -228,10 +227,9 @@ class SwaState:
     pos: int
     rings: dict[int, torch.Tensor]                   # layer -> uint8 [W, row bytes]
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    layout_version: int = SWA_LAYOUT_VERSION
 
     def to_bytes(self) -> bytes:
-        parts = [_S_HEAD.pack(_SWA_MAGIC, self.layout_version, 0, self.pos, len(self.rings), len(self.extras))]
+        parts = [_S_HEAD.pack(_SWA_MAGIC, SWA_LAYOUT_VERSION, 0, self.pos, len(self.rings), len(self.extras))]
         for L in sorted(self.rings):
             ring = self.rings[L]
             if ring.dtype != torch.uint8 or ring.dim() != 2:
@@ -252,8 +250,7 @@ class SwaState:
     @classmethod
     def from_bytes(cls, data) -> "SwaState":
         rd = _Reader(data, "SWA state")
-        magic, version, _, pos, n_rings, n_extras = rd.unpack(_S_HEAD)
-        _check_head("SWA state", magic, _SWA_MAGIC, version, SWA_LAYOUT_VERSION)
+        _, pos, n_rings, n_extras = rd.header(_S_HEAD, _SWA_MAGIC, SWA_LAYOUT_VERSION)
         rings = {}
         for _ in range(n_rings):
             L, W, row, _ = rd.unpack(_S_LAYER)
@@ -267,4 +264,4 @@ class SwaState:
             shape = struct.unpack(f"<{d}Q", rd.take(8 * d))
             extras[name] = rd.tensor(_EXTRA_DTYPES[code][1], tuple(shape))
         rd.done()
-        return cls(pos, rings, extras, version)
+        return cls(pos, rings, extras)
