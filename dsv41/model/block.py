@@ -33,13 +33,10 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, role.layer, dtype)
         self.attn_norm = RMSNorm(D, cfg.norm_eps, dtype)
         self.ffn_norm = RMSNorm(D, cfg.norm_eps, dtype)
-        f32 = torch.float32
-        self.hc_attn_fn = nn.Parameter(torch.zeros(M, S * D, dtype=f32))
-        self.hc_ffn_fn = nn.Parameter(torch.zeros(M, S * D, dtype=f32))
-        self.hc_attn_base = nn.Parameter(torch.zeros(M, dtype=f32))
-        self.hc_ffn_base = nn.Parameter(torch.zeros(M, dtype=f32))
-        self.hc_attn_scale = nn.Parameter(torch.ones(3, dtype=f32))
-        self.hc_ffn_scale = nn.Parameter(torch.ones(3, dtype=f32))
+        # hc_{attn,ffn}_fn [M, S*D], _base [M] (zeros), _scale [3] (ones), fp32
+        for k, shape, fill in (("fn", (M, S * D), 0.0), ("base", (M,), 0.0), ("scale", (3,), 1.0)):
+            for which in ("attn", "ffn"):
+                setattr(self, f"hc_{which}_{k}", nn.Parameter(torch.full(shape, fill, dtype=torch.float32)))
         self.engram = Engram(cfg, role.layer, dtype) if role.has_engram else None
 
     def mixes(self, x: torch.Tensor, which: str, compute=hc_mixes):

@@ -11,7 +11,7 @@ Legend: B batch, W window rows, C latent width (head_dim), I index-key width, m 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -30,14 +30,12 @@ class LayerCacheSpec:
 
 
 def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
-    specs = []
+    """Every layer (backbone, then DSpark stages) has a window; KV sources add their global store."""
+    specs = [LayerCacheSpec(L, cfg.window_size, cfg.head_dim) for L in range(cfg.total_layers)]
     for r in layer_roles(cfg):
-        own = r.is_kv_source
-        specs.append(LayerCacheSpec(
-            r.layer, cfg.window_size, cfg.head_dim, ratio=r.ratio if own else 0,
-            index_width=cfg.index_head_dim if own else 0, pending_rows=r.ratio if own and r.ratio > 1 else 0))
-    for L in range(cfg.n_layers, cfg.total_layers):
-        specs.append(LayerCacheSpec(L, cfg.window_size, cfg.head_dim))
+        if r.is_kv_source:
+            specs[r.layer] = replace(specs[r.layer], ratio=r.ratio, index_width=cfg.index_head_dim,
+                                     pending_rows=r.ratio if r.ratio > 1 else 0)
     return specs
 
 
@@ -98,10 +96,8 @@ class DenseCache:
         self.pos = torch.zeros(batch, dtype=torch.long)
         self.window = {L: torch.zeros(batch, s.window_rows, s.width, dtype=dtype, device=self.device)
                        for L, s in self.specs.items()}
-        self.ckv: dict[int, torch.Tensor] = {}
-        self.kidx: dict[int, torch.Tensor] = {}
-        self.rows: dict[int, torch.Tensor] = {}
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # per layer with a global store: compressed KV, index keys [B, capacity, *], rows held [B]; carry (kv, score)
+        self.ckv, self.kidx, self.rows, self.pending = {}, {}, {}, {}
         for L, s in self.specs.items():
             if s.ratio:
                 self.ckv[L] = torch.zeros(batch, 16, s.width, dtype=dtype, device=self.device)
@@ -193,9 +189,8 @@ class DenseCache:
 
     def set_compressor_state(self, layer: int, kv: torch.Tensor, score: torch.Tensor) -> None:
         """kv/score [B,m,C] fp32: slots m-r_b..m-1 hold the r_b tokens of each row's open group (`carry_after`)."""
-        st_kv, st_sc = self.pending[layer]
-        st_kv.copy_(kv)
-        st_sc.copy_(score)
+        for state, new in zip(self.pending[layer], (kv, score)):
+            state.copy_(new)
 
     # ---------------------------------------------------------------- accounting
     def global_bytes(self) -> int:

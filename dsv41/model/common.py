@@ -11,7 +11,7 @@ the model a continuous function of its inputs: dataflow equalities such as chunk
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -137,17 +137,11 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> t
     return torch.cat([head, rot], dim=-1)
 
 
-_WARMED = False
-
-
+@cache
 def warm_up_transcendentals() -> None:
     """torch 2.13 CPU can compute the first vectorised cos/sin/sqrt/log of a process slightly wrong
-    (golden/README.md section 6); one small call of each first makes later calls exact."""
-    global _WARMED
-    if _WARMED:
-        return
+    (golden/README.md section 6); one small call of each first makes later calls exact (once per process)."""
     t = torch.linspace(0.5, 40.0, 4096, dtype=torch.float32)
     for fn in (torch.cos, torch.sin, torch.sqrt, torch.log, torch.exp, torch.rsqrt):
         fn(t)
     torch.polar(torch.ones_like(t), t)
-    _WARMED = True

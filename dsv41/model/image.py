@@ -23,6 +23,7 @@ import io
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -75,9 +76,8 @@ def num_image_tokens(n_llm_h: int, n_llm_w: int) -> int:
 
 def llm_grid(best_height: int, best_width: int, patch_size: int, downsample_ratio: int) -> tuple[int, int]:
     """Token grid of a pixel size: whole patches per side, then ceil over the aligner's ratio."""
-    n_h = math.ceil((best_height // patch_size) / downsample_ratio)
-    n_w = math.ceil((best_width // patch_size) / downsample_ratio)
-    return n_h, n_w
+    return (math.ceil((best_height // patch_size) / downsample_ratio),
+            math.ceil((best_width // patch_size) / downsample_ratio))
 
 
 def solve_resize_ratio(height, width, patch_size: int, downsample_ratio: int, max_n_token: int) -> tuple[int, int]:
@@ -100,34 +100,26 @@ def solve_resize_ratio(height, width, patch_size: int, downsample_ratio: int, ma
     return new_h, new_w
 
 
-def safe_resize(height, width, best_height: int, best_width: int, patch_size: int, downsample_ratio: int,
-                max_n_token: int) -> tuple[int, int, int, int]:
-    """(n_llm_h, n_llm_w, best_height, best_width): shrink the planned size when its span is too long."""
-    n_h, n_w = llm_grid(best_height, best_width, patch_size, downsample_ratio)
-    if num_image_tokens(n_h, n_w) > max_n_token:
-        best_height, best_width = solve_resize_ratio(height, width, patch_size, downsample_ratio, max_n_token)
-        n_h, n_w = llm_grid(best_height, best_width, patch_size, downsample_ratio)
-        if num_image_tokens(n_h, n_w) > max_n_token:
-            raise ValueError(f"image of {width}x{height} cannot fit vision_max_n_token={max_n_token}")
-    return n_h, n_w, best_height, best_width
-
-
 def plan_image_grid(width: int, height: int, cfg) -> tuple[int, int, int, int]:
-    """Size plan of an image of the given original size: (n_llm_h, n_llm_w, best_height, best_width)."""
+    """Size plan of an image of the given original size: (n_llm_h, n_llm_w, best_height, best_width). The planned
+    size shrinks (`solve_resize_ratio`) when its span is too long."""
     if width <= 0 or height <= 0:
         raise ValueError(f"image has zero size ({width}x{height})")
-    p = cfg.vision_patch_size
+    p, r, max_n = cfg.vision_patch_size, cfg.vision_downsample_ratio, cfg.vision_max_n_token
     ratio = cfg.vision_max_wh_ratio
     if ratio is not None and width > height * ratio:
         width = height * ratio
     if 0 < width * height < cfg.vision_min_pixels:
         up = (cfg.vision_min_pixels / (width * height)) ** 0.5
-        width = int(width * up)
-        height = int(height * up)
-    best_width = math.ceil(width / p) * p
-    best_height = math.ceil(height / p) * p
-    return safe_resize(height, width, best_height, best_width, p, cfg.vision_downsample_ratio,
-                       cfg.vision_max_n_token)
+        width, height = int(width * up), int(height * up)
+    best_height, best_width = math.ceil(height / p) * p, math.ceil(width / p) * p
+    n_h, n_w = llm_grid(best_height, best_width, p, r)
+    if num_image_tokens(n_h, n_w) > max_n:
+        best_height, best_width = solve_resize_ratio(height, width, p, r, max_n)
+        n_h, n_w = llm_grid(best_height, best_width, p, r)
+        if num_image_tokens(n_h, n_w) > max_n:
+            raise ValueError(f"image of {width}x{height} cannot fit vision_max_n_token={max_n}")
+    return n_h, n_w, best_height, best_width
 
 
 def image_token_types(n_llm_h: int, n_llm_w: int) -> torch.Tensor:
@@ -152,8 +144,7 @@ def open_image(source: Any) -> Image.Image:
         if isinstance(source, (bytes, bytearray, memoryview)):
             stream = io.BytesIO(bytes(source))
         elif isinstance(source, (str, os.PathLike)):
-            with open(source, "rb") as f:
-                stream = io.BytesIO(f.read())
+            stream = io.BytesIO(Path(source).read_bytes())
         elif hasattr(source, "read"):
             stream = io.BytesIO(source.read())
         else:
@@ -213,11 +204,8 @@ def expand_prompt(items: Sequence[Any], images: Sequence[Any], cfg,
     images: the ordered image list (paths, bytes, PIL images or `PreparedImage`s); only referenced ones are
     processed, each once (pass `cache` to share the work across sequences). Returns `input_ids` int64 [T],
     `token_types` int64 [T] (-1 text, 0..3 span types) and the `ImageRecord`s in order of occurrence."""
-    if cache is None:
-        cache = {}
-    ids: list[int] = []
-    types: list[int] = []
-    records: list[ImageRecord] = []
+    cache = {} if cache is None else cache
+    ids, types, records = [], [], []
     for item in items:
         idx = _image_item_index(item)
         if idx is None:
@@ -267,10 +255,9 @@ def expand_batch(sequences: Any, images: Sequence[Any], cfg
         raise ValueError(f"sequences expand to different lengths {sorted(lengths)}; pad them to one length")
     if 0 in lengths:
         raise ValueError("empty sequence")
-    input_ids = torch.stack([r[0] for r in rows])
-    token_types = torch.stack([r[1] for r in rows])
+    input_ids, token_types, records = zip(*rows)
     prepared = [cache.get(i) for i in range(len(images))]
-    return input_ids, token_types, [r[2] for r in rows], prepared
+    return torch.stack(input_ids), torch.stack(token_types), list(records), prepared
 
 
 def image_spans(records: Sequence[Sequence[ImageRecord]]) -> torch.Tensor:

@@ -161,11 +161,8 @@ def compare_captures(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
     """Gate-1 style report: per capture tensor, max / median relative error per row and rows above threshold."""
     report = {}
     for name, t in ours.items():
-        if name in ("tokens", "decode_tokens") or name not in ref:
-            continue
-        if not (name.startswith(("block_out", "block_pre_out", "engram_out", "final_hidden", "decode_"))):
-            continue
-        if name in ("decode_logits",):
+        captured = name.startswith(("block_out", "block_pre_out", "engram_out", "final_hidden", "decode_"))
+        if not captured or name in ("decode_tokens", "decode_logits") or name not in ref:
             continue
         r = rel_rows(t, ref[name])
         report[name] = {"max": r.max().item(), "median": r.median().item(),

@@ -44,14 +44,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList([Block(cfg, r, dtype) for r in self.roles])
         self.norm = RMSNorm(D, cfg.norm_eps, dtype)
         self.head = nn.Linear(D, V, bias=False, dtype=torch.float32)
-        self.mtp = nn.ModuleList()
-        if cfg.dspark_enabled:
-            for k in range(cfg.n_mtp_layers):
-                self.mtp.append(DSparkBlock(cfg, k, dtype))
+        n_stages = cfg.n_mtp_layers if cfg.dspark_enabled else 0
+        self.mtp = nn.ModuleList([DSparkBlock(cfg, k, dtype) for k in range(n_stages)])
         self.engram_hasher = None
         if cfg.engram_enabled:
-            if token_map is None:
-                token_map = identity_token_map(cfg.vocab_size)
+            token_map = identity_token_map(cfg.vocab_size) if token_map is None else token_map
             self.engram_hasher = NgramHasher(cfg, token_map)
         if cfg.vision_enabled:
             from dsv41.model.vision import add_vision_members
