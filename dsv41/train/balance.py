@@ -40,8 +40,7 @@ def expert_load(indices: torch.Tensor, n_experts: int, mask: torch.Tensor | None
 
 def bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
     """b + rate * sign(mean(load) - load) (pure). A modality with no tokens (all-zero load) is unchanged."""
-    step = torch.sign(load.mean() - load).to(bias)
-    return bias + rate * step
+    return bias + rate * torch.sign(load.mean() - load).to(bias)
 
 
 def max_violation(load: torch.Tensor) -> float:

@@ -24,25 +24,22 @@ def register(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default=d.preset, help="model preset (tiny, debug, ...) or config.json")
     p.add_argument("--stage", choices=STAGES, default=d.stage)
-    p.add_argument("--init", default=None, help="dspark stage: the pretrained checkpoint directory")
-    p.add_argument("--data", default=None,
-                   help="text file, directory or JSONL ('text' field); default: the Python standard library")
-    p.add_argument("--out", default=None, help="output / checkpoint directory (default runs/train-<preset>"
-                                               "[-dspark])")
+    p.add_argument("--init", help="dspark stage: the pretrained checkpoint directory")
+    p.add_argument("--data", help="text file, directory or JSONL ('text' field); default: the Python standard library")
+    p.add_argument("--out", help="output / checkpoint directory (default runs/train-<preset>[-dspark])")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help="share of documents (by name hash) held out for validation")
     p.add_argument("--resume", action="store_true", help="continue the run in --out exactly")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, default=None, help="optimizer steps")
-    budget.add_argument("--minutes", type=float, default=None,
-                        help=f"wall-time budget of the whole command (default {DEFAULT_MINUTES:g} when --steps "
-                             f"is not given)")
+    budget.add_argument("--steps", type=int, help="optimizer steps")
+    budget.add_argument("--minutes", type=float, help=f"wall-time budget of the whole command (default "
+                                                      f"{DEFAULT_MINUTES:g} when --steps is not given)")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per process and micro-batch")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum)
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (shared by all routes)")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of the run)")
+    p.add_argument("--warmup", type=int, help="warmup steps (default 5%% of the run)")
     p.add_argument("--clip", type=float, default=d.clip, help="gradient-norm clip (0: off)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
                    help="muon: head-wise Muon + Muon + Sinkhorn + AdamW by route; adamw: AdamW for everything")
@@ -57,15 +54,14 @@ def register(subparsers) -> None:
                         "layers at a random replay start per sequence (SYSTEM.md 2 and 4)")
     p.add_argument("--balance-rate", type=float, default=d.balance_rate, help="aux-loss-free bias step u")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--eval-every", type=int)
     p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="validation windows per evaluation")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default on CPU: 1, steady on shared cores)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default on CPU: 1, steady on shared cores)")
     p.add_argument("--device", choices=DEVICES, default=d.device)
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 instead of DDP (under torchrun; NCCL on GPUs, gloo on CPU)")
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="greedy sample length at the end")
-    p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stop-at", type=int, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=run)
 

@@ -253,7 +253,6 @@ class Trainer:
         lr_f = lr_factor(self.step, self.total_steps, self.warmup)
         self.opt.set_lr_factor(lr_f)
         self.opt.step()
-        self.opt.zero_grad()
         bal = self.balancer.step(dist.all_reduce if dist.world > 1 else None)
         dist.all_reduce(total)
         self.step += 1

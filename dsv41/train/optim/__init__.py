@@ -14,11 +14,9 @@ class OptimizerSet:
         self.optimizers = dict(optimizers)
 
     def step(self) -> None:
+        """Step every optimizer, then clear their parameters' gradients (set to None)."""
         for opt in self.optimizers.values():
             opt.step()
-
-    def zero_grad(self) -> None:
-        for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
 
     def set_lr_factor(self, factor: float) -> None:

@@ -109,11 +109,9 @@ class MomentumOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict):
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"{type(self).__name__} takes matrices; got a parameter of shape "
-                                     f"{tuple(p.shape)}")
+        shapes = [tuple(p.shape) for group in self.param_groups for p in group["params"] if p.ndim != 2]
+        if shapes:
+            raise ValueError(f"{type(self).__name__} takes matrices; got parameters of shapes {shapes}")
 
     def gradients(self, group: dict):
         """(parameter, full gradient, its state) for each parameter of `group` that has a gradient."""

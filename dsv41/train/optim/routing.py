@@ -41,13 +41,10 @@ from dsv41.train.optim.sinkhorn import SinkhornMomentum
 KINDS = ("muon_headwise", "muon", "sinkhorn", "adamw", "excluded", "frozen")
 EXCLUDED = re.compile(r"ffn\.gate\.bias(_vl)?$")
 HEADWISE = ((re.compile(r"attn\.indexer\.wq_b\.weight$"), "index_n_heads"),
-            (re.compile(r"attn\.indexer\.wk\.weight$"), 1),
             (re.compile(r"attn\.wq_b\.weight$"), "n_heads"),
-            (re.compile(r"attn\.wkv\.weight$"), 1))
-SINKHORN = ((re.compile(r"^embed\.weight$"), 1.0),
-            (re.compile(r"^head\.weight$"), 1.0),
-            (re.compile(r"engram\.embed\.weight$"), 5.0),
-            (re.compile(r"markov_head\.(embed|head)\.weight$"), 1.0))
+            (re.compile(r"attn\.(indexer\.wk|wkv)\.weight$"), 1))
+SINKHORN = ((re.compile(r"(^|markov_head\.)(embed|head)\.weight$"), 1.0),
+            (re.compile(r"engram\.embed\.weight$"), 5.0))
 ADAMW_MATRICES = re.compile(r"(hc_(attn|ffn)_fn|engram\.(q|k)_weight|confidence_head\.proj\.weight)$")
 
 
