@@ -163,7 +163,7 @@ def _snapshot(pool, sid):
     glob = {}
     for L in pool.global_layers:
         for kind in ("main", "index"):
-            glob[(L, kind)] = pool._gather_entries(s, L, kind, 0, s.rows[(L, kind)])
+            glob[(L, kind)] = pool.bind([sid]).read_records(L, kind, s.rows[(L, kind)])[0][0].cpu()
     pend = {}
     for L, (kv, sc) in pool.pending.items():
         m = pool.specs[L].pending_rows
