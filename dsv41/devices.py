@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["h2d"]
-
 
 def h2d(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """t on `device`; a pageable host tensor going to a GPU is copied without synchronizing the stream."""

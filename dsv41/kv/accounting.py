@@ -30,9 +30,6 @@ from dsv41.config import ModelConfig, load_config, layer_roles
 from dsv41.kv.pages import KINDS
 from dsv41.kv.pool import PackedKVPool
 
-__all__ = ["analytic_global_bytes_per_token", "analytic_swa_bytes", "analytic_pending_bytes", "fill_random",
-           "kv_bytes_report", "bench_kv", "as_number"]
-
 
 def as_number(x: Fraction | int) -> int | float:
     """An exact int when the fraction is one, else a float (JSON friendly)."""

@@ -27,8 +27,6 @@ from dsv41.model.engram import DEAD
 if TYPE_CHECKING:
     from dsv41.kv.pool import PackedKVPool
 
-__all__ = ["BatchView"]
-
 _UNPACK = {"main": unpack_main_kv, "index": unpack_index_k, "swa": unpack_swa_kv}
 
 

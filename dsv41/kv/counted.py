@@ -7,8 +7,6 @@ import logging
 import threading
 from typing import Iterable
 
-__all__ = ["Counted"]
-
 
 class Counted:
     """Named counters under a (re-entrant) lock, and warnings logged once per kind."""

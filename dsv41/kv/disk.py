@@ -50,8 +50,6 @@ from dsv41.kv.disk_format import (HEADER_BYTES, MAX_META, BadEntry, entry_header
                                   parse_header)
 from dsv41.kv.prefix import check_key
 
-__all__ = ["DiskStore", "COUNTERS"]
-
 log = logging.getLogger("dsv41.kv.disk")
 
 SUFFIX = ".kv"
@@ -117,7 +115,7 @@ class DiskStore(Counted):
         # indirections for fault-injection tests (ENOSPC / EIO)
         self._os_write, self._os_fsync = os.write, os.fsync
         self._last_scan = float("-inf")
-        self._scan()
+        self.refresh()
 
     # ---------------------------------------------------------------- paths and helpers
     def _path(self, key: str) -> Path:
@@ -198,10 +196,10 @@ class DiskStore(Counted):
             self._remove(key, "corrupt_removed", bad.ino)
 
     # ---------------------------------------------------------------- scanning
-    def _scan(self, full: bool = True) -> list[tuple[str, bytes]]:
-        """Sync the index with the directory: new entries' headers read (corrupt ones removed), vanished ones
-        dropped, stale temp files removed, and (full=True) every entry's size and recency refreshed from a stat.
-        Returns [(key, meta)] of new entries."""
+    def refresh(self, full: bool = True) -> list[tuple[str, bytes]]:
+        """Sync the index with the directory (pick up other processes' entries): new entries' headers read
+        (corrupt ones removed), vanished ones dropped, stale temp files removed, and (full=True) every entry's size
+        and recency refreshed from a stat. Returns [(key, meta)] of entries new to this index."""
         new: list[tuple[str, bytes]] = []
         seen: set[str] = set()
         try:
@@ -250,11 +248,6 @@ class DiskStore(Counted):
                 self._set_index(key, None)
         self._last_scan = self.clock()
         return new
-
-    def refresh(self, full: bool = False) -> list[tuple[str, bytes]]:
-        """Rescan now (pick up other processes' entries, drop vanished ones; full=True also re-stats known
-        entries); returns [(key, meta)] of entries new to this index."""
-        return self._scan(full)
 
     # ---------------------------------------------------------------- reads
     def contains(self, key: str) -> bool:
@@ -341,7 +334,7 @@ class DiskStore(Counted):
         if not due and self._fits(self._total_without(key), self._free(), size):
             return True
         with flock(self.dir / LOCK_NAME, self._lock_failed):
-            self._scan()
+            self.refresh()
             with self._mu:
                 total, free = self._total_without(key), self._free()
                 if self._fits(total, free, size):
@@ -468,7 +461,7 @@ class DiskStore(Counted):
     def _rescan_repairing(self) -> None:
         old, self.repair = self.repair, True
         try:
-            self._scan()
+            self.refresh()
         finally:
             self.repair = old
 

@@ -16,8 +16,6 @@ import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-__all__ = ["TMP_PREFIX", "tmp_name", "is_stale_tmp", "read_file", "write_atomic", "fsync_dir", "flock"]
-
 TMP_PREFIX = ".tmp."
 
 

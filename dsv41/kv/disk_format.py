@@ -29,9 +29,6 @@ from typing import NamedTuple
 
 from dsv41.kv.prefix import check_key
 
-__all__ = ["MAGIC", "FORMAT_VERSION", "MAX_META", "HEADER_BYTES", "BadEntry", "Header", "fingerprint_bytes",
-           "entry_header", "parse_header", "parse_entry"]
-
 MAGIC = b"DSV41KV\x00"
 FORMAT_VERSION = 1
 MAX_META = 1 << 16

@@ -53,8 +53,6 @@ from dsv41.kv.prefix import (DEFAULT_INTERVAL, chain_keys, check_key, encode_ids
                              fingerprint as make_fingerprint, ratio_align, tail_key)
 from dsv41.kv.swa_pool import SwaPool, make_swa_pool
 
-__all__ = ["PrefixCache", "Hit", "UNIT_META", "SWA_ENVELOPE"]
-
 log = logging.getLogger("dsv41.kv.manager")
 
 UNIT_META = struct.Struct("<4sBBHQQ32s")          # 56 bytes: see the module docstring
@@ -237,7 +235,7 @@ class PrefixCache(Counted):
         if self.disk is None or limit <= self.n_win:
             return None
         if self.clock() - self._last_refresh >= self.refresh_s:
-            self._note_metas(self.disk.refresh())
+            self._note_metas(self.disk.refresh(full=False))
         I = self.interval
         chain = chain_keys(self.fp, ids, I, limit)
         jmax = self._stored_run(chain)

@@ -16,8 +16,6 @@ from dsv41.codecs import index_k_bytes, main_kv_bytes
 from dsv41.devices import h2d
 from dsv41.model.cache import LayerCacheSpec
 
-__all__ = ["KINDS", "PagedLayer", "grown", "page_table"]
-
 KINDS = ("main", "index")                   # the two record kinds of a global-store entry
 
 

@@ -53,8 +53,6 @@ from dsv41.kv.pages import KINDS, PagedLayer, grown
 from dsv41.kv.state_format import GlobalLayerState, GlobalState, SwaState, carry_rows
 from dsv41.model.cache import LayerCacheSpec, cache_spec
 
-__all__ = ["PackedKVPool"]
-
 
 @dataclass
 class _Sequence:

@@ -31,9 +31,6 @@ import numpy as np
 
 from dsv41.kv.state_format import GLOBAL_LAYOUT_VERSION
 
-__all__ = ["DEFAULT_INTERVAL", "KEY_SCHEME", "fingerprint", "encode_ids", "root_key", "chain_keys", "tail_key",
-           "prefix_key", "unit_boundaries", "ratio_align", "engram_history_at", "check_key"]
-
 DEFAULT_INTERVAL = 4096
 KEY_SCHEME = "dsv41-prefix-v1"          # bump when the key derivation changes (folded into the fingerprint)
 _INT32 = np.dtype("<i4")

@@ -48,9 +48,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["GlobalState", "GlobalLayerState", "SwaState", "GLOBAL_LAYOUT_VERSION", "SWA_LAYOUT_VERSION",
-           "carry_rows"]
-
 GLOBAL_LAYOUT_VERSION = 1
 SWA_LAYOUT_VERSION = 1
 _GLOBAL_MAGIC = b"DSGK"

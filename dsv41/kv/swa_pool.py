@@ -31,8 +31,6 @@ from contextlib import suppress
 
 from dsv41.kv.counted import Counted
 
-__all__ = ["SwaPool", "MemorySwaPool", "RedisSwaPool", "make_swa_pool", "default_pool_bytes", "DEFAULT_TTL_S"]
-
 log = logging.getLogger("dsv41.kv.swa_pool")
 
 DEFAULT_TTL_S = 600.0
