@@ -76,10 +76,7 @@ def build_compressed_token_map(tokenizer) -> tuple[torch.Tensor, int]:
     out = [0] * n
     for tid in range(n):
         text = backend.decode([tid], skip_special_tokens=False)
-        if "\ufffd" in text:
-            key = backend.id_to_token(tid)
-        else:
-            key = norm.normalize_str(text) or text
+        key = backend.id_to_token(tid) if "\ufffd" in text else (norm.normalize_str(text) or text)
         out[tid] = key_ids.setdefault(key, len(key_ids))
     return torch.tensor(out, dtype=torch.long), len(key_ids)
 

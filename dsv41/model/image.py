@@ -133,24 +133,20 @@ def image_token_types(n_llm_h: int, n_llm_w: int) -> torch.Tensor:
 def open_image(source: Any) -> Image.Image:
     """An RGB PIL image from a path, raw bytes, a file object or a PIL image. ValueError when it is not an image
     or has zero size."""
-    def rgb(src: Image.Image) -> Image.Image:
+    try:
+        if isinstance(source, Image.Image):
+            src = source
+        elif isinstance(source, (bytes, bytearray, memoryview)):
+            src = Image.open(io.BytesIO(bytes(source)))
+        elif isinstance(source, (str, os.PathLike)):
+            src = Image.open(io.BytesIO(Path(source).read_bytes()))
+        elif hasattr(source, "read"):
+            src = Image.open(io.BytesIO(source.read()))
+        else:
+            raise ValueError(f"cannot load an image from a {type(source).__name__}")
         if src.width <= 0 or src.height <= 0:
             raise ValueError(f"image has zero size ({src.width}x{src.height})")
         return src.convert("RGB")
-
-    try:
-        if isinstance(source, Image.Image):
-            return rgb(source)
-        if isinstance(source, (bytes, bytearray, memoryview)):
-            stream = io.BytesIO(bytes(source))
-        elif isinstance(source, (str, os.PathLike)):
-            stream = io.BytesIO(Path(source).read_bytes())
-        elif hasattr(source, "read"):
-            stream = io.BytesIO(source.read())
-        else:
-            raise ValueError(f"cannot load an image from a {type(source).__name__}")
-        with Image.open(stream) as src:
-            return rgb(src)
     except (UnidentifiedImageError, Image.DecompressionBombError, SyntaxError, EOFError) as e:
         raise ValueError(f"not a readable image: {e}") from e
     except OSError as e:

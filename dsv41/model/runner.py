@@ -7,6 +7,8 @@ Tensor names and layouts are those of the golden files, so `check.py` compares o
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from dsv41.model.cache import DenseCache
@@ -86,12 +88,9 @@ def run_teacher_forced(model, golden: dict[str, torch.Tensor], official_decode_a
     chunks = prompt_chunks or [T]
     if sum(chunks) != T:
         raise ValueError(f"prompt_chunks {chunks} do not add up to the prompt length {T}")
-    steps, lo = [], 0
-    for n in chunks:                                  # (token ids, capture prefix, slice of the golden tensors)
-        steps.append((tokens[:, lo:lo + n], "", slice(lo, lo + n)))
-        lo += n
-    for k in range(0 if dec is None else dec.size(1)):
-        steps.append((dec[:, k:k + 1], "decode_", slice(k, k + 1)))
+    bounds = list(accumulate(chunks, initial=0))      # steps: (token ids, capture prefix, slice of the golden tensors)
+    steps = [(tokens[:, lo:hi], "", slice(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
+    steps += [(dec[:, k:k + 1], "decode_", slice(k, k + 1)) for k in range(0 if dec is None else dec.size(1))]
     outs: dict[str, list[torch.Tensor]] = {}
     dt = model.dtype
 
@@ -103,9 +102,7 @@ def run_teacher_forced(model, golden: dict[str, torch.Tensor], official_decode_a
 
     for ids, prefix, sl in steps:
         P, Tn = cache.pos, ids.size(1)
-        image_mask = None
-        if token_types is not None and not prefix:
-            image_mask = token_types[:, sl] >= 0
+        image_mask = token_types[:, sl] >= 0 if token_types is not None and not prefix else None
         ctx = StepContext(P.clone(), Tn, cache, ForwardOptions(official_decode_artifact=official_decode_artifact),
                           image_mask=image_mask)
         hashes = model.engram_hashes(ids, cache, ctx.token_mask)

@@ -39,9 +39,8 @@ class ForwardOptions:
 
     def floor_for(self, layer: int) -> torch.Tensor | None:
         """The window floor that applies to `layer` (None: its window is not truncated)."""
-        if self.window_floor_layers is None or layer in self.window_floor_layers:
-            return self.window_floor
-        return None
+        applies = self.window_floor_layers is None or layer in self.window_floor_layers
+        return self.window_floor if applies else None
 
 
 @dataclass

@@ -76,8 +76,7 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.size(0)
         q, k, v = (t.view(n, self.n_heads, self.head_dim) for t in self.wqkv(x).chunk(3, dim=-1))
-        q = apply_rope_2d(q, cos, sin)
-        k = apply_rope_2d(k, cos, sin)
+        q, k = (apply_rope_2d(t, cos, sin) for t in (q, k))
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
         return self.wo(o.transpose(0, 1).reshape(n, -1))
 
