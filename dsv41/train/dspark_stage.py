@@ -38,11 +38,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
-from dsv41.config import load_config
-from dsv41.model.mhc import hc_post, hc_pre
+from dsv41.kernels.mhc_math import hc_post, hc_pre
+from dsv41.model.loading import load_model
 from dsv41.train.qat import TrainCache
 from dsv41.train.stage import Stage, greedy_continue
 
@@ -248,11 +247,10 @@ class DSparkStage(Stage):
         prov = init / "tokenizer_provenance.json"
         return init / "tokenizer.json", json.loads(prov.read_text()) if prov.is_file() else None
 
-    def model_config(self, tokenizer, n_compressed):
-        return load_config(self.cfg.init)
-
-    def init_weights(self, model):
-        model.load_state_dict(load_file(str(Path(self.cfg.init) / "model.safetensors")))
+    def build_model(self, tokenizer):
+        """The pretrained model of `--init` (its tokenizer.json, the one `tokenizer` was read from, gives Engram's
+        token map)."""
+        return load_model(self.cfg.init)[0]
 
     def trainable(self, model):
         return {n for n, _ in model.named_parameters() if n.startswith("mtp.")}

@@ -35,10 +35,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv41.kernels.mhc_math import hc_pre
 from dsv41.kernels.moe_ref import expert_act_ref
 from dsv41.model.attention import Attention, window_indices
 from dsv41.model.common import QuantSite
-from dsv41.model.mhc import hc_pre
 from dsv41.model.step import ForwardOptions, StepContext
 
 

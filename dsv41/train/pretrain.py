@@ -21,8 +21,10 @@ from torch import nn
 
 from dsv41.config import ced_split, load_config
 from dsv41.model.common import set_quantization
+from dsv41.model.engram import build_compressed_token_map
 from dsv41.model.init import init_weights
 from dsv41.model.step import ForwardOptions
+from dsv41.model.transformer import Transformer
 from dsv41.train import data as D
 from dsv41.train.fast import fast_applies, fast_forward
 from dsv41.train.qat import TrainCache
@@ -114,20 +116,23 @@ class PretrainStage(Stage):
         dist.barrier()
         return tok_path, {"tokenizer_of": want}
 
-    def model_config(self, tokenizer, n_compressed):
+    def build_model(self, tokenizer):
+        """The preset's model with the tokenizer's ids (Engram's compressed vocabulary, pad, image and draft
+        tokens), initialised from the seed."""
         mcfg = load_config(self.cfg.preset)
         if tokenizer.get_vocab_size() > mcfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} ids, the model {mcfg.vocab_size}")
+        token_map, n_comp = build_compressed_token_map(tokenizer)
         ids = D.special_ids(tokenizer)
-        return mcfg.replace(engram_compressed_vocab_size=n_compressed, engram_pad_id=D.PAD_ID,
+        mcfg = mcfg.replace(engram_compressed_vocab_size=n_comp, engram_pad_id=D.PAD_ID,
                             image_token_id=ids["<|image|>"], dspark_noise_token_id=ids["<|draft|>"])
-
-    def init_weights(self, model):
+        model = Transformer(mcfg, dtype=torch.float32, token_map=(token_map, n_comp) if mcfg.engram_enabled else None)
         init_weights(model, self.cfg.seed)
         with torch.no_grad():                      # aux-loss-free balancing starts from unbiased selection
             for name, p in model.named_parameters():
                 if name.endswith(("gate.bias", "gate.bias_vl")):
                     p.zero_()
+        return model
 
     def train_module(self, model, say):
         cfg, self.window = self.cfg, model.cfg.window_size

@@ -1,7 +1,7 @@
 """What differs between the training stages, behind one interface (`Stage`): the trainer asks its stage and never
 branches on which one runs (SYSTEM.md 5 and 6).
 
-A stage decides where the tokenizer and the model's weights come from, which parameters train, the loss (its
+A stage decides where the tokenizer, the model and its weights come from, which parameters train, the loss (its
 training module: forward(ids, targets, *extras) -> (loss, metrics)), any extra per-micro-batch forward inputs,
 what an evaluation measures and what the end of a run adds to the summary. The stages: pretraining from scratch
 (`pretrain.PretrainStage`) and the DSpark drafter on a frozen backbone (`dspark_stage.DSparkStage`).
@@ -47,12 +47,8 @@ class Stage(ABC):
         """The tokenizer.json to use and its provenance ({"tokenizer_of": {...}} or {})."""
 
     @abstractmethod
-    def model_config(self, tokenizer, n_compressed: int):
-        """The model's ModelConfig; `n_compressed`: the Engram compressed vocabulary of `tokenizer`."""
-
-    @abstractmethod
-    def init_weights(self, model: nn.Module) -> None:
-        """Fill a freshly built model's weights."""
+    def build_model(self, tokenizer) -> nn.Module:
+        """The Transformer for `tokenizer` (fp32, on the CPU, its config as `.cfg`) with its weights filled."""
 
     def trainable(self, model: nn.Module) -> set[str] | None:
         """Names of the parameters this stage may train (None: all)."""

@@ -88,17 +88,12 @@ class Trainer:
     def _build_data_and_model(self) -> None:
         from tokenizers import Tokenizer
 
-        from dsv41.model.engram import build_compressed_token_map
-        from dsv41.model.transformer import Transformer
-
         cfg, dist, stage = self.cfg, self.dist, self.stage
         self.corpus = D.load_corpus(cfg.data, cfg.val_fraction)
         self.tokenizer_path, self.provenance = stage.tokenizer(self.out, self.corpus, dist, self.say)
         self.tokenizer = Tokenizer.from_file(str(self.tokenizer_path))
-        token_map, n_comp = build_compressed_token_map(self.tokenizer)
-        self.model_cfg = mcfg = stage.model_config(self.tokenizer, n_comp)
-        model = Transformer(mcfg, dtype=torch.float32, token_map=(token_map, n_comp) if mcfg.engram_enabled else None)
-        stage.init_weights(model)
+        model = stage.build_model(self.tokenizer)
+        self.model_cfg = model.cfg
         set_quantization(model, False)
         self.model = model.to(dist.device).train()
         t = time.time()
