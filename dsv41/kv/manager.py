@@ -138,19 +138,16 @@ class PrefixCache(Counted):
         return cls(make_fingerprint(cfg, weights_id, tokenizer_id), **kw)
 
     # ---------------------------------------------------------------- bookkeeping
-    def _fault(self, what: str, e: Exception, consequence: str) -> None:
-        """An unexpected error the operation degrades on (to a miss, to not persisting): counted under "errors",
-        logged once per operation and exception type."""
-        self._count("errors")
-        self._log_once((what, type(e).__name__), "%s failed (%s: %s): %s", what, type(e).__name__, e, consequence)
-
     def _guarded(self, what: str, consequence: str, fn, *args):
-        """fn(*args), or None after an exception (a `_fault`: storage trouble of any kind, or a pool that raised
-        although it must not)."""
+        """fn(*args), or None after an unexpected error the operation degrades on (storage trouble of any kind, or
+        a pool that raised although it must not): to a miss, to not persisting. Counted under "errors", logged once
+        per operation and exception type."""
         try:
             return fn(*args)
         except Exception as e:
-            self._fault(what, e, consequence)
+            self._count("errors")
+            self._log_once((what, type(e).__name__), "%s failed (%s: %s): %s", what, type(e).__name__, e,
+                           consequence)
             return None
 
     def _note_metas(self, entries) -> None:
@@ -279,12 +276,9 @@ class PrefixCache(Counted):
         `PackedKVPool.export_global` to skip copying what is stored; 0 is always correct."""
         if self.disk is None:
             return 0
-        try:
-            chain = chain_keys(self.fp, encode_ids(token_ids), self.interval, int(upto))
-            return self._stored_run(chain) * self.interval
-        except Exception as e:
-            self._fault("prefix cache export_start", e, "exporting from 0")
-            return 0
+        run = self._guarded("prefix cache export_start", "exporting from 0",
+                            lambda: self._stored_run(chain_keys(self.fp, encode_ids(token_ids), self.interval, upto)))
+        return 0 if run is None else run * self.interval
 
     def save(self, token_ids, upto: int, global_state: GlobalState, swa_state: SwaState | None = None) -> dict:
         """Persist the unit ending at `upto` (token_ids[:upto] are the tokens the sequence processed): the interval

@@ -67,6 +67,7 @@ class PagedLayer:
     def release(self, pages: list[int]) -> None:
         self.free.extend(reversed(pages))
         self.page_epoch += 1
+        self.version += 1
 
     def ensure(self, pages: list[int], entries: int) -> list[int]:
         """Extend a sequence's page list (in place) to hold `entries` entries; returns it."""

@@ -143,7 +143,6 @@ class PackedKVPool:
         s = self._seq(sid)
         for L, pages in s.pages.items():
             self.global_layers[L].release(pages)
-            self.global_layers[L].version += 1
         self.free_slots.append(s.slot)
         del self.seqs[sid]
 
@@ -324,19 +323,13 @@ class PackedKVPool:
         s = self._seq(sid)
         main, index = (sum(s.rows[(L, k)] * pl.record_bytes[k] for L, pl in self.global_layers.items())
                        for k in KINDS)
-        return {
-            "packed": True,
-            "global_bytes": main + index,                      # the same figure under DensePool's key
-            "global_entries_bytes": main + index,
-            "global_main_bytes": main,
-            "global_index_bytes": index,
-            "global_entries": sum(s.rows[(L, "main")] for L in self.global_layers),
-            "global_allocated_bytes": sum(len(s.pages[L]) * pl.page_bytes for L, pl in self.global_layers.items()),
-            "global_pages": sum(len(p) for p in s.pages.values()),
-            "swa_bytes": sum(t[0].numel() for t in self.swa.values()),
-            "pending_bytes": self._pending_bytes(per_slot=True),
-            "tokens": s.pos,
-        }
+        return {"packed": True, "global_bytes": main + index,     # global_bytes: the figure under DensePool's key
+                "global_entries_bytes": main + index, "global_main_bytes": main, "global_index_bytes": index,
+                "global_entries": sum(s.rows[(L, "main")] for L in self.global_layers),
+                "global_allocated_bytes": sum(len(s.pages[L]) * pl.page_bytes for L, pl in self.global_layers.items()),
+                "global_pages": sum(len(p) for p in s.pages.values()),
+                "swa_bytes": sum(t[0].numel() for t in self.swa.values()),
+                "pending_bytes": self._pending_bytes(per_slot=True), "tokens": s.pos}
 
     def _pending_bytes(self, per_slot: bool) -> int:
         """Bytes of the compressor carry (kv + score): one slot's, or every slot's."""
@@ -354,12 +347,10 @@ class PackedKVPool:
     def pool_bytes(self) -> dict[str, int]:
         """Bytes of the pool's storage tensors (capacity) and of what is handed out."""
         pages_used = {L: pl.n_pages - len(pl.free) for L, pl in self.global_layers.items()}
-        return {
-            "sequences": len(self.seqs),
-            "global_capacity_bytes": sum(pl.n_pages * pl.page_bytes for pl in self.global_layers.values()),
-            "global_allocated_bytes": sum(pages_used[L] * pl.page_bytes for L, pl in self.global_layers.items()),
-            "global_pages_allocated": sum(pages_used.values()),
-            "global_entries_bytes": sum(self.seq_bytes(s)["global_entries_bytes"] for s in self.seqs),
-            "swa_capacity_bytes": sum(t.numel() for t in self.swa.values()),
-            "pending_capacity_bytes": self._pending_bytes(per_slot=False),
-        }
+        return {"sequences": len(self.seqs),
+                "global_capacity_bytes": sum(pl.n_pages * pl.page_bytes for pl in self.global_layers.values()),
+                "global_allocated_bytes": sum(pages_used[L] * pl.page_bytes for L, pl in self.global_layers.items()),
+                "global_pages_allocated": sum(pages_used.values()),
+                "global_entries_bytes": sum(self.seq_bytes(s)["global_entries_bytes"] for s in self.seqs),
+                "swa_capacity_bytes": sum(t.numel() for t in self.swa.values()),
+                "pending_capacity_bytes": self._pending_bytes(per_slot=False)}
