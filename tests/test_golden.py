@@ -27,9 +27,9 @@ import torch
 from safetensors.torch import load_file
 
 import dsv41.model.attention as attention
+from dsv41.kernels.mhc_math import hc_post, hc_pre
 from dsv41.model.attention import Attention
 from dsv41.model.loading import load_model
-from dsv41.model.mhc import hc_post, hc_pre
 from dsv41.model.runner import compare_captures, rel_rows, run_logits, run_teacher_forced
 from dsv41.model.transformer import Block
 from tests.conftest import GOLDEN

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.config import ced_split, layer_roles
-from dsv41.model.mhc import hc_pre
+from dsv41.kernels.mhc_math import hc_pre
 from dsv41.model.step import ForwardOptions, Publications, StepContext
 
 MODES = ("full", "ced-exact", "ced-bounded")

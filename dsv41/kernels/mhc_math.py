@@ -1,4 +1,4 @@
-"""The mHC math of one step (MODEL.md 2 items 3-6): the functions the model's blocks (`dsv41.model.mhc`) and the
+"""The mHC math of one step (MODEL.md 2 items 3-6): the functions the model's blocks (`dsv41.model.block`) and the
 fused step's reference (`mhc_ref.mhc_fused_ref`) share, kept in the kernels layer so that both import them from here.
 
 Legend: B batch, T tokens, S streams (hc_mult), D width, M = (2 + S) * S mix coefficients.

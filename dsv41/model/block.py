@@ -2,6 +2,15 @@
 hyper-connection streams (MODEL.md 2), with its Engram module (applied before it) on the layers that have one.
 
 Legend: B batch, T tokens, S streams, D width, M = (2 + S) * S mix coefficients.
+
+Manifold-constrained hyper-connections (mHC): the residual stream as S parallel copies. Each sub-layer
+(attention, FFN) computes from the stream it is applied to (`dsv41.kernels.mhc_math`):
+  pre  [S]    how to collapse the streams into the sub-layer input  (used one sub-layer LATER: the lag),
+  post [S]    how to spread the sub-layer output back over the streams,
+  comb [S,S]  a doubly-stochastic (Sinkhorn) mixing of the residual streams, comb[source j, destination k].
+The "single-pass" design: attention collapses with the previous block's FFN `pre`, the FFN with this block's
+attention `pre`, so each sub-layer reads the stream once (report section on mHC; MODEL.md 2 item 3). Block 0
+collapses with a one-hot `pre` on stream 0 (`Transformer.streams_in`).
 """
 
 from __future__ import annotations
@@ -11,10 +20,10 @@ from torch import nn
 
 from dsv41.config import LayerRole, ModelConfig
 from dsv41.kernels import mhc_fused
+from dsv41.kernels.mhc_math import hc_mixes, hc_post, hc_pre
 from dsv41.model.attention import Attention
 from dsv41.model.common import RMSNorm
 from dsv41.model.engram import Engram
-from dsv41.model.mhc import hc_mixes, hc_post, hc_pre
 from dsv41.model.moe import MoE
 from dsv41.model.step import StepContext
 

@@ -12,10 +12,10 @@ from torch import nn
 
 from dsv41.config import LayerRole, Mode, ModelConfig
 from dsv41.kernels import sparse_attn
+from dsv41.kernels.mhc_math import hc_pre
 from dsv41.model.attention import Attention
 from dsv41.model.block import Block
 from dsv41.model.common import Linear, RMSNorm, lin_kind, warm_up_transcendentals
-from dsv41.model.mhc import hc_pre
 from dsv41.model.step import StepContext
 
 

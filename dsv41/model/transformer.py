@@ -17,12 +17,12 @@ from torch import nn
 
 from dsv41.config import ModelConfig, layer_roles
 from dsv41.kernels.choice import fused_mhc_across
+from dsv41.kernels.mhc_math import hc_pre
 from dsv41.model.block import Block
 from dsv41.model.cache import KVStore
 from dsv41.model.common import RMSNorm, warm_up_transcendentals
 from dsv41.model.dspark import DSparkBlock, forward_spec
 from dsv41.model.engram import NgramHasher, identity_token_map
-from dsv41.model.mhc import hc_pre, identity_pre_mix
 from dsv41.model.step import ForwardOptions, StepContext
 
 
@@ -78,7 +78,9 @@ class Transformer(nn.Module):
         on stream 0 [B,T,S]."""
         B, T = emb.shape[:2]
         S = self.cfg.hc_mult
-        return emb.unsqueeze(2).repeat(1, 1, S, 1), identity_pre_mix(B, T, S, emb.device)
+        pre = torch.zeros(B, T, S, dtype=torch.float32, device=emb.device)
+        pre[..., 0] = 1.0
+        return emb.unsqueeze(2).repeat(1, 1, S, 1), pre
 
     def block_input(self, layer: Block, h: torch.Tensor, ctx: StepContext, hashes: torch.Tensor | None,
                     taps: dict | None = None) -> torch.Tensor:
