@@ -27,9 +27,7 @@ def plot_history(history: list[dict], path: Path, title: str) -> Path:
     if evals:
         key = "val_loss" if "val_loss" in evals[0] else "val_draft_ce"
         ax.plot([h["tokens"] for h in evals], [h[key] for h in evals], "o-", lw=1.4, label=key.replace("_", " "))
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("nats / token")
-    ax.set_title(title)
+    ax.set(xlabel="tokens", ylabel="nats / token", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -138,9 +138,8 @@ class Trainer:
         self.balancer = LoadBalancer(model, cfg.balance_rate, prefix=self.stage.balance_prefix)
 
     def _optimizers(self):
-        cfg = self.cfg
-        return build_optimizers(self.model, self.routes, cfg.lr, cfg.weight_decay,
-                                muon_ns_dtype=cfg.muon_ns_dtype(self.dist.device))
+        return build_optimizers(self.model, self.routes, self.cfg.lr, self.cfg.weight_decay,
+                                muon_ns_dtype=self.cfg.muon_ns_dtype(self.dist.device))
 
     def _probe(self, module) -> set[str]:
         """One forward/backward on the first batch (data position untouched): parameters that get no gradient
@@ -208,8 +207,7 @@ class Trainer:
             state["optimizer"] = torch.load(self.out / f"optimizer.rank{self.dist.rank}.pt", weights_only=True)
         self.opt.load_state_dict(state["optimizer"])
         self.loader.load_state_dict(state["loader"])
-        self.history = list(state["history"])
-        self.total_steps = int(state["total_steps"])
+        self.history, self.total_steps = list(state["history"]), int(state["total_steps"])
         self.step = int(state["step"])
         torch.set_rng_state(state["rng"])
         self.say(f"resumed {self.out} at step {self.step} of {self.total_steps}")
