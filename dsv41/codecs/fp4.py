@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import as_u8, byte_ints, e4m3_to_float, e8m0_to_float, f32, float_to_e4m3, grouped, pow2, require_finite
-from .fp8 import pow2_ceil, round_to_e4m3, ue8m0_scale_byte
+from .fp8 import as_u8, byte_ints, e4m3_to_float, e8m0_to_float, f32, float_to_e4m3, grouped, pow2, pow2_ceil
+from .fp8 import record_bytes, require_finite, round_to_e4m3, ue8m0_scale_byte, unpack_record
 
 E2M1_MAX = 6.0
 MAIN_KV_GROUP = 16
@@ -143,20 +143,12 @@ def _fp4_record(r: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
 
 def _unpack_fp4(packed: torch.Tensor, group: int, decode_scale, what: str) -> torch.Tensor:
     """uint8[..., d/2 + d/group] -> fp32[..., d] = E2M1(code) * decode_scale(scale byte)."""
-    b = as_u8(packed)
-    n = b.shape[-1]
-    d = n * 2 * group // (group + 2)
-    if d <= 0 or d % group or d // 2 + d // group != n:
-        raise ValueError(f"{what}: {n} bytes is not d/2 + d/{group} for any d divisible by {group}")
-    vals = e2m1_to_float(unpack_nibbles(b[..., : d // 2])).unflatten(-1, (d // group, group))
-    return (vals * decode_scale(b[..., d // 2 :]).unsqueeze(-1)).flatten(-2)
+    return unpack_record(packed, group, 4, lambda b: e2m1_to_float(unpack_nibbles(b)), decode_scale, what)
 
 
 def main_kv_bytes(d: int = 512) -> int:
     """Bytes of one packed main-KV record of d channels: d/2 code bytes + d/16 E4M3 scales (288 for 512)."""
-    if d <= 0 or d % MAIN_KV_GROUP:
-        raise ValueError(f"main-KV channel count must be a positive multiple of {MAIN_KV_GROUP}, got {d}")
-    return d // 2 + d // MAIN_KV_GROUP
+    return record_bytes(d, MAIN_KV_GROUP, 4, "main-KV")
 
 
 def qdq_main_kv(x: torch.Tensor, group: int = MAIN_KV_GROUP) -> torch.Tensor:
@@ -199,10 +191,7 @@ def pack_main_kv_exact(x: torch.Tensor) -> torch.Tensor:
     representable group amax = c_max * scale, so one candidate is the group's true scale). Groups matching no
     candidate (unrepresentable input) keep the codec's scale and round like `pack_main_kv`. No host sync on
     accelerators (every candidate is evaluated); on CPU the candidates are skipped when the codec's scale fits."""
-    d = x.shape[-1]
-    if d % MAIN_KV_GROUP:
-        raise ValueError(f"main-KV width must be a multiple of {MAIN_KV_GROUP}, got {d}")
-    g = x.float().unflatten(-1, (d // MAIN_KV_GROUP, MAIN_KV_GROUP))
+    g = grouped(x, MAIN_KV_GROUP, "pack_main_kv_exact")
     amax = g.abs().amax(dim=-1, keepdim=True)
     scale = _main_kv_scale(amax)
     ok = _represents(g, scale)
@@ -222,9 +211,7 @@ def pack_main_kv_exact(x: torch.Tensor) -> torch.Tensor:
 
 def index_k_bytes(d: int = 128) -> int:
     """Bytes of one packed index-key record of d channels: d/2 code bytes + d/32 UE8M0 scales (68 for 128)."""
-    if d <= 0 or d % INDEX_K_GROUP:
-        raise ValueError(f"index-K channel count must be a positive multiple of {INDEX_K_GROUP}, got {d}")
-    return d // 2 + d // INDEX_K_GROUP
+    return record_bytes(d, INDEX_K_GROUP, 4, "index-K")
 
 
 def qdq_index_k(x: torch.Tensor, group: int = INDEX_K_GROUP) -> torch.Tensor:

@@ -109,6 +109,26 @@ def grouped(x: torch.Tensor, group: int, what: str) -> torch.Tensor:
     return x.float().unflatten(-1, (x.shape[-1] // group, group))
 
 
+def record_bytes(d: int, group: int, code_bits: int, what: str) -> int:
+    """Bytes of a packed record of d channels: d codes of `code_bits` bits, then one scale byte per `group`."""
+    if d <= 0 or d % group:
+        raise ValueError(f"{what} channel count must be a positive multiple of {group}, got {d}")
+    return d * code_bits // 8 + d // group
+
+
+def unpack_record(packed: torch.Tensor, group: int, code_bits: int, decode_codes, decode_scale,
+                  what: str) -> torch.Tensor:
+    """uint8[..., n] records (`record_bytes` layout) -> fp32[..., d] = decode_codes(codes) * decode_scale(byte)."""
+    b = as_u8(packed)
+    n = b.shape[-1]
+    d = n * 8 * group // (code_bits * group + 8)            # the inverse of record_bytes, where one exists
+    if d <= 0 or d % group or d * code_bits // 8 + d // group != n:
+        raise ValueError(f"{what}: {n} bytes is not the record of d channels for any d divisible by {group}")
+    codes = d * code_bits // 8
+    vals = decode_codes(b[..., :codes]).unflatten(-1, (d // group, group))
+    return (vals * decode_scale(b[..., codes:]).unsqueeze(-1)).flatten(-2)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # E4M3
 # ----------------------------------------------------------------------------------------------------------
@@ -230,9 +250,7 @@ def qdq_fp8(x: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:
 
 def swa_kv_bytes(d: int = 512) -> int:
     """Bytes of one packed SWA-KV row of d channels: d E4M3 codes + d/32 UE8M0 scales (528 for 512)."""
-    if d <= 0 or d % FP8_GROUP:
-        raise ValueError(f"SWA-KV channel count must be a positive multiple of {FP8_GROUP}, got {d}")
-    return d + d // FP8_GROUP
+    return record_bytes(d, FP8_GROUP, 8, "SWA-KV")
 
 
 def pack_swa_kv(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
@@ -247,11 +265,4 @@ def pack_swa_kv(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
 
 def unpack_swa_kv(packed: torch.Tensor) -> torch.Tensor:
     """uint8[..., d + d/32] -> fp32[..., d] = E4M3(code) * 2^(scale byte - 127)."""
-    b = as_u8(packed)
-    n = b.shape[-1]
-    d = n * FP8_GROUP // (FP8_GROUP + 1)
-    if d <= 0 or d % FP8_GROUP or swa_kv_bytes(d) != n:
-        raise ValueError(f"unpack_swa_kv: {n} bytes is not d + d/32 for any d divisible by 32")
-    vals = e4m3_to_float(b[..., :d]).unflatten(-1, (d // FP8_GROUP, FP8_GROUP))
-    scale = e8m0_to_float(b[..., d:]).unsqueeze(-1)
-    return (vals * scale).flatten(-2)
+    return unpack_record(packed, FP8_GROUP, 8, e4m3_to_float, e8m0_to_float, "unpack_swa_kv")
