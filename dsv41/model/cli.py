@@ -57,9 +57,7 @@ def main(args) -> int:
                 extra[f"vit_hidden.{i}"] = vit.float()
         extra["image_grid"] = torch.tensor(grid, dtype=torch.int64)
     else:
-        if isinstance(seqs, dict):
-            seqs = seqs.get("tokens", seqs)
-        tokens = _token_batch(seqs, cfg.vocab_size)
+        tokens = _token_batch(seqs.get("tokens", seqs) if isinstance(seqs, dict) else seqs, cfg.vocab_size)
     t1 = time.perf_counter()
     if args.teacher_force:
         golden = load_file(args.teacher_force)

@@ -86,19 +86,16 @@ class MoE(nn.Module):
         expert's Linears agree on the activation QDQ, have no bias and no expert has forward hooks; else None.
         Checked on every call (flags and hooks can change), through the modules' own dicts: this runs once per
         layer and decode step, where nn.Module attribute lookups would cost ~200 per layer."""
-        w1s, w3s, w2s, q_in, q_mid = [], [], [], set(), set()
-        for m in (*self.experts._modules.values(), self.shared_experts):
-            sub = m._modules
-            w1, w3, w2 = sub["w1"], sub["w3"], sub["w2"]
-            for mod in (m, w1, w2, w3):
-                if mod._forward_pre_hooks or mod._forward_hooks or mod._parameters.get("bias") is not None:
-                    return None
-            q_in.update((w1.quantizes_input, w3.quantizes_input))
-            q_mid.add(w2.quantizes_input)
-            for ws, lin in ((w1s, w1), (w3s, w3), (w2s, w2)):
-                ws.append(lin._parameters["weight"])
+        mods = (*self.experts._modules.values(), self.shared_experts)
+        lins = [(m._modules["w1"], m._modules["w3"], m._modules["w2"]) for m in mods]
+        for mod in (*mods, *(w for ls in lins for w in ls)):
+            if mod._forward_pre_hooks or mod._forward_hooks or mod._parameters.get("bias") is not None:
+                return None
+        q_in = {w.quantizes_input for w1, w3, _ in lins for w in (w1, w3)}
+        q_mid = {w2.quantizes_input for _, _, w2 in lins}
         if len(q_in) != 1 or len(q_mid) != 1:
             return None
+        w1s, w3s, w2s = ([ls[i]._parameters["weight"] for ls in lins] for i in range(3))
         return w1s, w3s, w2s, q_in.pop(), q_mid.pop()
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, record: dict | None = None

@@ -42,9 +42,7 @@ def _selection(attn, u, qr, freqs, ctx: StepContext) -> torch.Tensor:
         return int(n_vis.max()), h2d(n_vis, u.device)
     n_max, n_vis = ctx.memoized(("n-vis", m), visible)
     if n_max == 0:
-        idx, pool = torch.empty(B, 0, dtype=torch.int32, device=u.device), None
-        if role.is_candidate_source:
-            pool = idx
+        idx = pool = torch.empty(B, 0, dtype=torch.int32, device=u.device)         # (the pool: a candidate source's)
     else:
         ix = attn.indexer
         qi, w = (t[:, 0] for t in ix.queries(u, qr, freqs))                           # [B,J,I], [B,J]
