@@ -1,15 +1,13 @@
 """The OpenAI-compatible server (`dsv41 serve`) and the main job (`dsv41 demo`).
 
-    app.py                 the FastAPI app (routes, error handlers, health, metrics) and an in-thread launcher
+    app.py                 the FastAPI app (routes, error handlers, models, health, metrics) and an in-thread launcher
     serving.py             what chat and completions share: request -> choices -> one job -> JSON body or stream
+                           (server-sent events), the engine's sampling parameters per choice
     serving_chat.py        POST /v1/chat/completions
     serving_completion.py  POST /v1/completions
-    serving_models.py      GET /v1/models
     jobs.py                the engine requests of one HTTP request, and the client watched while they run
     runner.py              the engine loop thread (the only code that touches the engine)
     validation.py          body, model name, prompt and context-length checks
-    sampling.py            the engine's sampling parameters for one choice
-    sse.py                 server-sent events
     logprobs.py            log-probabilities in OpenAI's chat and legacy formats
     protocol.py            request models, OpenAI error shape, usage (prefix-cache aware)
     chat.py                chat templates: the official DeepSeek-V4.1 encoding and our simple one; reasoning effort

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): `create_app(engine, ...)`, and `serve_in_thread` to run it on loopback.
 
 Endpoints: POST /v1/chat/completions (`serving_chat`), POST /v1/completions (`serving_completion`), GET /v1/models
-(`serving_models`), GET /health, GET /metrics.
+and /v1/models/{id} (the one model this server serves; its aliases answer too), GET /health, GET /metrics.
 
 One engine loop thread (`EngineRunner`) owns the engine; each HTTP request becomes one engine request per choice
 (`n` choices, and for completions one per prompt of a batch), whose events come back on an asyncio queue
@@ -29,8 +29,8 @@ from dsv41.server.protocol import APIError, error_body
 from dsv41.server.runner import EngineRunner
 from dsv41.server.serving_chat import ServingChat
 from dsv41.server.serving_completion import ServingCompletion
-from dsv41.server.serving_models import list_models, retrieve_model
 from dsv41.server.state import ServerSettings, ServerState
+from dsv41.server.validation import check_model
 
 log = logging.getLogger("dsv41.server")
 
@@ -69,8 +69,19 @@ def create_app(engine, settings: ServerSettings | None = None, metrics: ServerMe
     async def prom():
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    app.get("/v1/models")(list_models)
-    app.get("/v1/models/{model_id:path}")(retrieve_model)
+    def model_card() -> dict:
+        return {"id": settings.model_name, "object": "model", "created": state.created, "owned_by": "dsv41",
+                "root": settings.checkpoint, "max_model_len": engine.max_seq_len, "chat_template": state.template.name}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(settings, model_id)
+        return model_card()
+
     app.post("/v1/chat/completions")(ServingChat.handle)
     app.post("/v1/completions")(ServingCompletion.handle)
     return app

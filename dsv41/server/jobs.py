@@ -90,14 +90,9 @@ class Job:
                     raise ClientGone()
             if self._get is None:
                 self._get = asyncio.ensure_future(self.q.get())
-            if request is None:
-                ev = await self._get
-                self._get = None
-                return ev
-            done, _ = await asyncio.wait({self._get}, timeout=poll)
+            done, _ = await asyncio.wait({self._get}, timeout=None if request is None else poll)
             if done:
-                ev = self._get.result()
-                self._get = None
+                ev, self._get = self._get.result(), None
                 return ev
 
     async def events(self, request: Request | None):

@@ -10,7 +10,6 @@ Every error body has OpenAI's shape: {"error": {"message", "type", "param", "cod
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -52,6 +51,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param, code)
 
 
+def refuse(param: str, used, message: str | None = None, code: str | None = "unsupported_parameter") -> None:
+    """A 400 naming `param` when `used`: by default a field this server cannot honour."""
+    if used:
+        raise bad_request(message or f"{param} is not supported by this server", param, code)
+
+
 def validation_error(e: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the offending field (dotted path, list indices included)."""
     errs = e.errors(include_url=False)
@@ -76,13 +81,7 @@ def _is_union_tag(x) -> bool:
 # ------------------------------------------------------------------------------------------------ requests
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-def _finite(v):
-    if v is not None and isinstance(v, float) and not math.isfinite(v):
-        raise ValueError("must be a finite number")
-    return v
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -128,8 +127,6 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None                     # extension (vLLM)
     return_prompt: bool = False                                 # extension: echo the rendered prompt back
 
-    _finite_t = field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty")(_finite)
-
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
@@ -157,13 +154,10 @@ class _Sampling(_Strict):
 
     def check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported by this server (use 0 or leave it out)", name,
-                                  "unsupported_parameter")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
-        if self.stream_options is not None and not self.stream:
-            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+            refuse(name, getattr(self, name), f"{name} is not supported by this server (use 0 or leave it out)")
+        refuse("logit_bias", self.logit_bias)
+        refuse("stream_options", self.stream_options is not None and not self.stream,
+               "stream_options is only allowed when stream is true", None)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -181,24 +175,17 @@ class ChatCompletionRequest(_Sampling):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise bad_request("tools are not supported by this server", "tools", "unsupported_parameter")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported by this server", "tool_choice", "unsupported_parameter")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
-                              "unsupported_parameter")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        refuse("tools", self.tools, "tools are not supported by this server")
+        refuse("tool_choice", self.tool_choice not in (None, "none", "auto"))
+        refuse("response_format", self.response_format and self.response_format.get("type", "text") != "text",
+               "only response_format {\"type\": \"text\"} is supported")
+        refuse("top_logprobs", self.top_logprobs is not None and not self.logprobs,
+               "top_logprobs requires logprobs to be true", None)
         for i, m in enumerate(self.messages):
-            if m.tool_calls:
-                raise bad_request("assistant tool_calls are not supported by this server",
-                                  f"messages.{i}.tool_calls", "unsupported_parameter")
+            refuse(f"messages.{i}.tool_calls", m.tool_calls, "assistant tool_calls are not supported by this server")
 
     def max_new_tokens(self) -> int | None:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
 
 class CompletionRequest(_Sampling):
@@ -212,14 +199,11 @@ class CompletionRequest(_Sampling):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.suffix:
-            raise bad_request("suffix is not supported by this server", "suffix", "unsupported_parameter")
-        if self.best_of is not None and self.best_of != self.n:
-            raise bad_request("best_of other than n is not supported by this server", "best_of",
-                              "unsupported_parameter")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo together with logprobs (prompt log-probabilities) is not supported",
-                              "echo", "unsupported_parameter")
+        refuse("suffix", self.suffix)
+        refuse("best_of", self.best_of is not None and self.best_of != self.n,
+               "best_of other than n is not supported by this server")
+        refuse("echo", self.echo and self.logprobs is not None,
+               "echo together with logprobs (prompt log-probabilities) is not supported")
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, a list of strings, a list of token ids, or a list of such lists."""
@@ -249,15 +233,12 @@ def parse(model: type[_Strict], body: Any) -> _Strict:
 def usage_from_stats(stats: dict, prompt_tokens: int | None = None, completion_tokens: int | None = None) -> dict:
     """OpenAI `usage` for one sequence from the engine's `Completion.stats`.
 
-    The prefix-cache figures are read from the stats when the engine reports them (issue 6): `cached_tokens` (int),
-    `cache_path` ("cold" / "swa-hit" / "replay") and the tokens per tier, either as a dict `cached_tokens_by_tier`
-    (or `cached_by_tier`) or as flat keys `cached_<tier>_tokens`. Until then they read 0 / "cold"."""
+    The prefix-cache figures are read from the stats when present: `cached_tokens` (int), `cache_path` ("cold" /
+    "swa-hit" / "replay") and the tokens per tier, either as the dict `cached_tokens_by_tier` (the engine's) or as
+    flat keys `cached_<tier>_tokens`. Absent, they read 0 / "cold"."""
     p = int(stats.get("prompt_tokens", 0) if prompt_tokens is None else prompt_tokens)
     c = int(stats.get("generated_tokens", 0) if completion_tokens is None else completion_tokens)
-    tiers: dict[str, int] = {}
-    for key in ("cached_tokens_by_tier", "cached_by_tier"):
-        if isinstance(stats.get(key), dict):
-            tiers.update({str(k): int(v) for k, v in stats[key].items()})
+    tiers = {str(k): int(v) for k, v in (stats.get("cached_tokens_by_tier") or {}).items()}
     for k, v in stats.items():
         if k.startswith("cached_") and k.endswith("_tokens") and k != "cached_tokens" and isinstance(v, int):
             tiers.setdefault(k[len("cached_"):-len("_tokens")], int(v))
@@ -266,16 +247,7 @@ def usage_from_stats(stats: dict, prompt_tokens: int | None = None, completion_t
     path = stats.get("cache_path") or ("cold" if cached == 0 else "hit")
     spec = stats.get("speculative") or {}
     drafted, accepted = int(spec.get("drafted_tokens", 0)), int(spec.get("accepted_tokens", 0))
-    return {
-        "prompt_tokens": p,
-        "completion_tokens": c,
-        "total_tokens": p + c,
-        "prompt_tokens_details": {"cached_tokens": min(cached, p), "cached_tokens_by_tier": tiers,
-                                  "cache_path": str(path)},
-        # speculative decoding (OpenAI's predicted-output fields): drafts the target accepted / rejected
-        "completion_tokens_details": {"accepted_prediction_tokens": accepted,
-                                      "rejected_prediction_tokens": drafted - accepted},
-    }
+    return _usage(p, c, min(cached, p), tiers, str(path), accepted, drafted - accepted)
 
 
 def merge_usage(per_choice: list[dict], prompt_tokens_once: list[int]) -> dict:
@@ -283,26 +255,28 @@ def merge_usage(per_choice: list[dict], prompt_tokens_once: list[int]) -> dict:
     for n > 1), completion tokens add up; cached tokens: the best-served choice of each prompt."""
     if not per_choice:
         return usage_from_stats({}, 0, 0)
-    p = sum(prompt_tokens_once)
-    c = sum(u["completion_tokens"] for u in per_choice)
-    by_prompt: dict[int, dict] = {}
+    best: dict[int, dict] = {}                                  # prompt index -> its best-served prompt details
     for u in per_choice:
-        k = u.get("_prompt_index", 0)
-        if k not in by_prompt or u["prompt_tokens_details"]["cached_tokens"] > \
-                by_prompt[k]["prompt_tokens_details"]["cached_tokens"]:
-            by_prompt[k] = u
-    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in by_prompt.values())
+        d, k = u["prompt_tokens_details"], u.get("_prompt_index", 0)
+        if k not in best or d["cached_tokens"] > best[k]["cached_tokens"]:
+            best[k] = d
     tiers: dict[str, int] = {}
-    for u in by_prompt.values():
-        for t, v in u["prompt_tokens_details"]["cached_tokens_by_tier"].items():
+    for d in best.values():
+        for t, v in d["cached_tokens_by_tier"].items():
             tiers[t] = tiers.get(t, 0) + v
     paths = sorted({u["prompt_tokens_details"]["cache_path"] for u in per_choice})
-    details = {k: sum(u.get("completion_tokens_details", {}).get(k, 0) for u in per_choice)
-               for k in ("accepted_prediction_tokens", "rejected_prediction_tokens")}
+    spec = [sum(u["completion_tokens_details"][k] for u in per_choice)
+            for k in ("accepted_prediction_tokens", "rejected_prediction_tokens")]
+    return _usage(sum(prompt_tokens_once), sum(u["completion_tokens"] for u in per_choice),
+                  sum(d["cached_tokens"] for d in best.values()), tiers, ",".join(paths), *spec)
+
+
+def _usage(p: int, c: int, cached: int, tiers: dict[str, int], path: str, accepted: int, rejected: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": cached, "cached_tokens_by_tier": tiers,
-                                      "cache_path": paths[0] if len(paths) == 1 else ",".join(paths)},
-            "completion_tokens_details": details}
+            "prompt_tokens_details": {"cached_tokens": cached, "cached_tokens_by_tier": tiers, "cache_path": path},
+            # speculative decoding (OpenAI's predicted-output fields): drafts the target accepted / rejected
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": rejected}}
 
 
 def public_usage(u: dict) -> dict:

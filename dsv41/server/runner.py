@@ -7,7 +7,7 @@ which typically does `loop.call_soon_threadsafe(queue.put_nowait, event)` onto a
 
 Events a sink receives, in order:
     Accepted(request_id)                         the engine took the request (add_request succeeded)
-    Delta(request_id, token_ids, text, logprobs) every step that produced something for it
+    Delta(request_id, text, logprobs)            every step that produced something for it
     Done(request_id, completion)                 it finished (the engine's Completion, stats included)
 or a single Failed(request_id, status, message) instead (bad input rejected by the engine: 400; anything else: 500).
 
@@ -36,7 +36,6 @@ class Accepted:
 @dataclass
 class Delta:
     request_id: str
-    token_ids: list[int]
     text: str
     logprobs: list[dict]
 
@@ -55,7 +54,7 @@ class Failed:
 
 
 class EngineRunner:
-    def __init__(self, engine, metrics=None, idle_poll_s: float = 0.05, kv_refresh_s: float = 0.25):
+    def __init__(self, engine, metrics, idle_poll_s: float = 0.05, kv_refresh_s: float = 0.25):
         self.engine = engine
         self.metrics = metrics
         self.idle_poll_s, self.kv_refresh_s = idle_poll_s, kv_refresh_s
@@ -107,13 +106,7 @@ class EngineRunner:
                 log.error("engine loop error:\n%s", traceback.format_exc())
                 time.sleep(0.01)
         self._fail_all(503, "the server is shutting down")
-        while True:                                             # answer whatever is still queued
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                break
-            if cmd[0] == "add":
-                self._send(cmd[4], Failed(cmd[3], 503, "the server is shutting down"))
+        self._drain(block=False)                                # answer whatever is still queued
 
     def _drain(self, block: bool) -> None:
         """Run the queued commands; with `block`, wait up to `idle_poll_s` for the first."""
@@ -129,6 +122,9 @@ class EngineRunner:
                 self._abort(cmd[1])
 
     def _add(self, prompt, params, rid: str, sink) -> None:
+        if self._stop.is_set():
+            self._send(sink, Failed(rid, 503, "the server is shutting down"))
+            return
         try:
             self.engine.add_request(prompt, params, request_id=rid)
         except ValueError as e:
@@ -147,8 +143,7 @@ class EngineRunner:
             self.engine.abort(rid)
             self._sinks.pop(rid, None)
             self.n_aborted += 1
-            if self.metrics is not None:
-                self.metrics.aborted.inc()
+            self.metrics.aborted.inc()
         self.engine.finished.pop(rid, None)
 
     def _fail_all(self, status: int, message: str) -> None:
@@ -171,8 +166,7 @@ class EngineRunner:
             self._fail_all(500, f"internal engine error: {type(e).__name__}: {e}")
             return
         self.n_steps += 1
-        if self.metrics is not None:
-            self.metrics.observe_step(len(self.engine.running) + sum(1 for o in outs if o.finished))
+        self.metrics.observe_step(len(self.engine.running) + sum(1 for o in outs if o.finished))
         for o in outs:
             rid = o.request_id
             sink = self._sinks.get(rid)
@@ -180,7 +174,7 @@ class EngineRunner:
                 if o.finished:
                     self.engine.finished.pop(rid, None)
                 continue
-            ok = self._send(sink, Delta(rid, list(o.new_token_ids), o.new_text, list(o.new_logprobs)))
+            ok = self._send(sink, Delta(rid, o.new_text, list(o.new_logprobs)))
             if o.finished:
                 self._finish(rid, sink)
             elif not ok:
@@ -197,15 +191,12 @@ class EngineRunner:
         if comp is None:
             self._send(sink, Failed(rid, 500, "internal error while finishing the request"))
             return
-        if self.metrics is not None:
-            self.metrics.observe_completion(comp)
+        self.metrics.observe_completion(comp)
         self._send(sink, Done(rid, comp))
 
     def _gauges(self) -> None:
         self.n_running = len(self.engine.running)
         self.n_waiting = len(self.engine.waiting)
-        if self.metrics is None:
-            return
         now = time.monotonic()
         if now - self._last_kv < self.kv_refresh_s and self.engine.has_unfinished():
             return

@@ -6,28 +6,65 @@ Extensions beyond OpenAI's fields: request `top_k`, `ignore_eos`, `stop_token_id
 then carries the rendered `prompt`); response `engine_stats` (per choice: prefill mode, timings, KV bytes, cache
 path); `usage.prompt_tokens_details` carries `cached_tokens_by_tier` and `cache_path` next to OpenAI's
 `cached_tokens`.
+
+Streams are server-sent events (`sse`): one `data:` line per chunk, `data: [DONE]` last; a failure once the
+headers are gone is an OpenAI error event.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dsv41.engine.sampling import SamplingParams
 from dsv41.server.jobs import Choice, ClientGone, Job
-from dsv41.server.protocol import APIError, merge_usage, parse, public_usage, usage_from_stats
+from dsv41.server.protocol import APIError, bad_request, merge_usage, parse, public_usage, usage_from_stats
 from dsv41.server.runner import Delta, Done, Failed
-from dsv41.server.sampling import sampling_params
-from dsv41.server.sse import DONE, SSEResponse, error_sse, sse
 from dsv41.server.state import ServerState
 from dsv41.server.validation import check_model, read_json, resolve_max_tokens
 
 log = logging.getLogger("dsv41.server")
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def error_sse(message: str, status: int) -> str:
+    """A failure inside a stream (the headers are gone), as an OpenAI error event."""
+    return sse(APIError(status, message).body())
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that calls `on_close` when it is done, whatever happened."""
+
+    def __init__(self, body, on_close):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def derive_seed(seed: int | None, index: int) -> int | None:
+    """Choice 0 uses the request's seed itself (so n=1 and the first of n choices agree); choice i > 0 a seed
+    derived from (seed, i) by SHA-256."""
+    if seed is None or index == 0:
+        return seed
+    h = hashlib.sha256(f"dsv41-choice:{seed}:{index}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & (2 ** 63 - 1)
 
 
 def engine_stats(c: Choice, comp) -> dict:
@@ -39,9 +76,15 @@ def engine_stats(c: Choice, comp) -> dict:
 
 
 class OpenAIServing:
-    """One request to a generation endpoint. A subclass sets the class attributes, builds `choices` and
-    `prompt_lens` in `prepare` and shapes each choice (`full_choice`, `stream_head`, `delta_choice`,
-    `finish_choice`)."""
+    """One request to a generation endpoint. A subclass sets the class attributes and provides:
+
+        prepare()               build `choices`, `prompt_lens` and `prompt` (what `return_prompt` puts in the
+                                response's "prompt")
+        full_choice(c, comp)    a choice of the whole JSON body
+        stream_head()           chunks a stream opens with, before any engine event (default: none)
+        delta_choice(c, ev)     the chunk choice for new text / logprobs (None: nothing worth a chunk)
+        finish_choice(c, comp)  the chunk choice that ends a choice
+    """
 
     endpoint: str                # the metrics label
     request_model: type          # the pydantic request model
@@ -73,35 +116,27 @@ class OpenAIServing:
             return JSONResponse(e.body(), status_code=e.status)
         return await serving.respond(request, t0)
 
-    # ---------------------------------------------------------------- the endpoint's part
-    def prepare(self) -> None:
-        raise NotImplementedError
-
-    def full_choice(self, c: Choice, comp) -> dict:
-        raise NotImplementedError
-
-    def prompt_field(self) -> Any:
-        """What `return_prompt` puts in the response's "prompt"."""
-        raise NotImplementedError
-
+    # ---------------------------------------------------------------- shared pieces
     def stream_head(self) -> Iterator[str]:
-        """Chunks a stream opens with, before any engine event."""
         return iter(())
 
-    def delta_choice(self, c: Choice, ev: Delta) -> dict | None:
-        """The chunk choice for new text / logprobs (None: nothing worth a chunk)."""
-        raise NotImplementedError
-
-    def finish_choice(self, c: Choice, comp) -> dict:
-        raise NotImplementedError
-
-    # ---------------------------------------------------------------- shared pieces
     def max_tokens(self, requested: int | None, n_prompt: int, param: str, prompt_param: str) -> int:
         return resolve_max_tokens(requested, n_prompt, self.state.engine.max_seq_len,
                                   self.state.settings.default_max_tokens, param, prompt_param)
 
     def params(self, max_new: int, index: int, logprobs: int | None) -> SamplingParams:
-        return sampling_params(self.req, max_new, index, logprobs, self.state.engine.cfg.vocab_size)
+        """The engine's sampling parameters for choice `index` (OpenAI's defaults where a field is null)."""
+        req = self.req
+        p = SamplingParams(max_tokens=max_new, temperature=1.0 if req.temperature is None else float(req.temperature),
+                           top_k=0 if req.top_k in (None, -1) else req.top_k,
+                           top_p=1.0 if req.top_p is None else float(req.top_p), seed=derive_seed(req.seed, index),
+                           stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []),
+                           ignore_eos=req.ignore_eos, logprobs=logprobs)
+        try:
+            p.validate(self.state.engine.cfg.vocab_size)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        return p
 
     def usage(self, c: Choice, comp) -> dict:
         u = usage_from_stats(comp.stats, len(c.prompt_ids), len(comp.output_ids))
@@ -125,7 +160,7 @@ class OpenAIServing:
                                                   self.prompt_lens)),
                 "engine_stats": [engine_stats(c, r) for c, r in zip(self.choices, comps)]}
         if self.req.return_prompt:
-            body["prompt"] = self.prompt_field()
+            body["prompt"] = self.prompt
         return body
 
     async def stream_body(self, job: Job, request: Request) -> AsyncIterator[str]:

@@ -11,8 +11,7 @@ from dsv41.server.jobs import Choice
 from dsv41.server.logprobs import chat_logprobs
 from dsv41.server.protocol import ChatCompletionRequest, bad_request
 from dsv41.server.runner import Delta
-from dsv41.server.serving import OpenAIServing
-from dsv41.server.sse import sse
+from dsv41.server.serving import OpenAIServing, sse
 from dsv41.server.validation import check_ids, encode
 
 
@@ -65,9 +64,6 @@ class ServingChat(OpenAIServing):
             msg = {"role": "assistant", "content": a, "reasoning_content": r}
         return {"index": c.index, "message": msg, "finish_reason": comp.finish_reason,
                 "logprobs": self._logprobs(comp.logprobs)}
-
-    def prompt_field(self) -> str:
-        return self.prompt
 
     def stream_head(self) -> Iterator[str]:
         if self.req.return_prompt:

@@ -26,32 +26,29 @@ class ServingCompletion(OpenAIServing):
         prompts = req.prompts()
         if len(prompts) * req.n > MAX_SEQUENCES_PER_REQUEST:
             raise bad_request(f"at most {MAX_SEQUENCES_PER_REQUEST} sequences (prompts x n) per request", "n")
-        self.encoded: list[tuple[str, list[int]]] = []          # (text to echo, token ids) per prompt
+        self.prompt, encoded = [], []                           # per prompt: the text to echo, the token ids
         for k, p in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt.{k}"
             if p == "":
                 raise bad_request(f"{param}: the prompt is empty", param)
             ids = encode(st.tokenizer, p, param) if isinstance(p, str) else list(p)
             check_ids(ids, st.engine.cfg.vocab_size, param)
-            text = p if isinstance(p, str) else st.tokenizer.decode(ids) if req.echo else ""
-            self.encoded.append((text, ids))
-        self.prompt_lens = [len(ids) for _, ids in self.encoded]
+            self.prompt.append(p if isinstance(p, str) else st.tokenizer.decode(ids) if req.echo else "")
+            encoded.append(ids)
+        self.prompt_lens = [len(ids) for ids in encoded]
         max_new = self.max_tokens(req.max_tokens, max(self.prompt_lens), "max_tokens", "prompt")
         self.choices = [Choice(i, k, f"{self.rid}-{i}", ids, self.params(max_new, i, req.logprobs))
-                        for k, (_, ids) in enumerate(self.encoded)
+                        for k, ids in enumerate(encoded)
                         for i in range(k * req.n, (k + 1) * req.n)]
         self.offsets = {c.rid: 0 for c in self.choices}         # text streamed so far (logprobs' text_offset)
 
     def _echo(self, c: Choice) -> str:
-        return self.encoded[c.prompt_index][0] if self.req.echo else ""
+        return self.prompt[c.prompt_index] if self.req.echo else ""
 
     def full_choice(self, c: Choice, comp) -> dict:
         lps = None if self.req.logprobs is None else completion_logprobs(comp.logprobs, self.state.token_text.text)
         return {"index": c.index, "text": self._echo(c) + comp.text, "finish_reason": comp.finish_reason,
                 "logprobs": lps}
-
-    def prompt_field(self) -> list[str]:
-        return [t for t, _ in self.encoded]
 
     def stream_head(self) -> Iterator[str]:
         if self.req.echo:
