@@ -37,9 +37,7 @@ VISION_NORM_EPS = 1e-6     # the tower's RMSNorms: the model's, with an fp32 wei
 def _rope_table_cpu(n_h: int, n_w: int, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     warm_up_transcendentals()
     inv = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))  # [rope_dim/2]
-    rows = torch.arange(n_h).unsqueeze(1).expand(n_h, n_w)
-    cols = torch.arange(n_w).unsqueeze(0).expand(n_h, n_w)
-    pos = torch.stack([rows, cols], dim=-1).reshape(-1, 2, 1).to(torch.float32)  # [N, 2, 1]
+    pos = torch.cartesian_prod(torch.arange(n_h), torch.arange(n_w)).reshape(-1, 2, 1).to(torch.float32)  # [N, 2, 1]
     ang = (pos * inv).flatten(1)  # [N, rope_dim]: rope_dim/2 row angles, then rope_dim/2 column angles
     return ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
 
