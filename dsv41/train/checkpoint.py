@@ -21,22 +21,17 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dsv41.model.loading import save_checkpoint
-from dsv41.train.parallel import full_tensor, local_rows, local_tensor
+from dsv41.train.parallel import local_rows, local_tensor
 
 TRAIN_STATE = "train_state.pt"
 MODEL_FILE = "model.safetensors"
 PROVENANCE = "tokenizer_provenance.json"
 
 
-def unwrap_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A full (unsharded) CPU state dict, also for FSDP2 models (DTensor parameters)."""
-    return {k: full_tensor(v).detach().cpu() for k, v in model.state_dict().items()}
-
-
 def save_training_checkpoint(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg,
                              tokenizer_json: str | Path | None, train_state: dict, step: int, extra_meta: dict,
                              provenance: dict | None = None) -> None:
-    """Write the checkpoint of the module docstring; `state_dict` is `unwrap_state_dict(model)`."""
+    """Write the checkpoint of the module docstring; `state_dict`: the full (unsharded) CPU tensors."""
     out = Path(out_dir)
     tmp = out / ".partial"
     shutil.rmtree(tmp, ignore_errors=True)

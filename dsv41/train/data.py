@@ -103,8 +103,13 @@ def _jsonl_documents(path: Path, name: str) -> list[Document]:
     return docs
 
 
-def _cut_documents(text: str, name: str) -> list[Document]:
-    lines = text.splitlines(keepends=True)
+def _file_documents(p: Path, name: str, cut: bool) -> list[Document]:
+    """A JSONL file's records, or the file's text as one document (`cut`: as pieces of LINES_PER_DOC lines)."""
+    if p.suffix == ".jsonl":
+        return _jsonl_documents(p, name)
+    if not cut:
+        return [Document(name, _read_text(p))]
+    lines = _read_text(p).splitlines(keepends=True)
     return [Document(f"{name}:{k // LINES_PER_DOC}", "".join(lines[k:k + LINES_PER_DOC]))
             for k in range(0, max(len(lines), 1), LINES_PER_DOC)]
 
@@ -113,21 +118,12 @@ def path_documents(path: str | Path) -> list[Document]:
     """Documents of a user's `--data PATH` (see the module docstring)."""
     path = Path(path)
     if path.is_file():
-        if path.suffix == ".jsonl":
-            return _jsonl_documents(path, path.name)
-        return _cut_documents(_read_text(path), path.name)
+        return _file_documents(path, path.name, cut=True)
     if not path.is_dir():
         raise ValueError(f"--data {str(path)!r}: no such file or directory")
-    docs = []
-    for p in sorted(path.rglob("*")):
-        rel = p.relative_to(path)
-        if any(part.startswith(".") for part in rel.parts) or not p.is_file() or p.suffix not in TEXT_SUFFIXES:
-            continue
-        if p.suffix == ".jsonl":
-            docs.extend(_jsonl_documents(p, rel.as_posix()))
-        else:
-            docs.append(Document(rel.as_posix(), _read_text(p)))
-    return docs
+    rels = [p.relative_to(path) for p in sorted(path.rglob("*")) if p.is_file() and p.suffix in TEXT_SUFFIXES]
+    return [d for r in rels if not any(part.startswith(".") for part in r.parts)
+            for d in _file_documents(path / r, r.as_posix(), cut=False)]
 
 
 def load_corpus(data: str | Path | None = None, val_fraction: float = DEFAULT_VAL_FRACTION) -> Corpus:

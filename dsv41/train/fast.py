@@ -54,8 +54,7 @@ def dense_sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx
 
     q [B,T,H,D], kv [B,N,D] (K = V, one KV head), sink [H], idx [B,T,K] int (-1 = nothing, no duplicates:
     window lists and top-k are both duplicate-free) -> [B,T,H,D] in q's dtype."""
-    B, T, H, D = q.shape
-    N = kv.size(1)
+    (B, T, H, D), N = q.shape, kv.size(1)
     with _no_autocast(q.device):
         col = torch.where(idx >= 0, idx.long(), N)                                 # -1 -> a dummy column N
         mask = torch.zeros(B, T, N + 1, dtype=torch.bool, device=q.device).scatter_(-1, col, True)[..., :N]

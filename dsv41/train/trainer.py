@@ -34,12 +34,11 @@ import torch
 from dsv41.model.common import set_quantization
 from dsv41.train import data as D
 from dsv41.train.balance import LoadBalancer
-from dsv41.train.checkpoint import (load_training_checkpoint, read_train_state, save_training_checkpoint,
-                                    unwrap_state_dict)
+from dsv41.train.checkpoint import load_training_checkpoint, read_train_state, save_training_checkpoint
 from dsv41.train.config import DEFAULT_MINUTES, TrainConfig
 from dsv41.train.dspark_stage import DSparkStage
 from dsv41.train.optim.routing import build_optimizers, format_routing, route_parameters
-from dsv41.train.parallel import parallelize, setup_distributed
+from dsv41.train.parallel import full_tensor, parallelize, setup_distributed
 from dsv41.train.pretrain import PretrainStage
 from dsv41.train.report import format_eval, format_summary, plot_history
 from dsv41.train.schedule import default_warmup, lr_factor
@@ -187,7 +186,7 @@ class Trainer:
     def save(self) -> None:
         """Rank 0 writes the checkpoint. Under FSDP2 every rank takes part in gathering the full weights and
         writes its own optimizer state (AdamW's moments are sharded) to optimizer.rank{r}.pt."""
-        weights = unwrap_state_dict(self.model)            # a collective under FSDP2
+        weights = {k: full_tensor(v).detach().cpu() for k, v in self.model.state_dict().items()}  # FSDP2: collective
         state = {"config": dataclasses.asdict(self.cfg), "optimizer": self.opt.state_dict(),
                  "loader": self.loader.state_dict(), "history": self.history, "total_steps": self.total_steps,
                  "rng": torch.get_rng_state(), "model_config": self.model_cfg.to_dict()}

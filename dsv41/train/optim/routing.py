@@ -56,43 +56,38 @@ class Route:
     heads: int = 1
     lr_mult: float = 1.0
     decay: bool = False
-    why: str = ""
 
 
-def route_parameter(name: str, p: torch.Tensor, cfg, optimizer: str = "muon", frozen: str | None = None) -> Route:
-    """The route of one parameter by the rules of the module docstring; `frozen`: why it may not train (None: it
-    may)."""
+def route_parameter(name: str, p: torch.Tensor, cfg, optimizer: str = "muon", frozen: bool = False) -> Route:
+    """The route of one parameter by the rules of the module docstring; `frozen`: it may not train (outside the
+    stage's trainable set, or without a gradient path)."""
     shape = tuple(p.shape)
-    if EXCLUDED.search(name):
-        return Route(name, "excluded", shape, why="selection-only bias (aux-loss-free balancing)")
+    if EXCLUDED.search(name):                               # a selection-only bias (aux-loss-free balancing)
+        return Route(name, "excluded", shape)
     if frozen:
-        return Route(name, "frozen", shape, why=frozen)
+        return Route(name, "frozen", shape)
     if optimizer == "adamw":
-        return Route(name, "adamw", shape, decay=p.ndim >= 2, why="--optimizer adamw")
+        return Route(name, "adamw", shape, decay=p.ndim >= 2)
     for pat, heads in HEADWISE:
         if pat.search(name):
-            h = getattr(cfg, heads) if isinstance(heads, str) else heads
-            return Route(name, "muon_headwise", shape, heads=h, decay=True, why=f"{h} head block(s)")
+            return Route(name, "muon_headwise", shape, heads=getattr(cfg, heads) if isinstance(heads, str) else heads,
+                         decay=True)
     for pat, mult in SINKHORN:
         if pat.search(name):
-            return Route(name, "sinkhorn", shape, lr_mult=mult, why="vocabulary-sized table")
+            return Route(name, "sinkhorn", shape, lr_mult=mult)         # a vocabulary-sized table
     if ADAMW_MATRICES.search(name):
-        return Route(name, "adamw", shape, decay=True, why="mixing / gate-scale matrix")
+        return Route(name, "adamw", shape, decay=True)                  # a mixing / gate-scale matrix
     if p.ndim == 2 and min(shape) > 1:
-        return Route(name, "muon", shape, decay=True, why="hidden matrix")
-    return Route(name, "adamw", shape, decay=False, why="vector / norm / scalar")
+        return Route(name, "muon", shape, decay=True)                   # a hidden matrix
+    return Route(name, "adamw", shape)                                   # a vector, norm or scalar
 
 
 def route_parameters(model: torch.nn.Module, cfg, optimizer: str = "muon", trainable: set[str] | None = None,
                      no_grad_path: set[str] | frozenset = frozenset()) -> list[Route]:
     """Routes of every named parameter. `trainable` (None: all) limits what may train; `no_grad_path` names
     parameters that a probe backward found without gradient."""
-    def frozen(name: str) -> str | None:
-        if trainable is not None and name not in trainable:
-            return "not trained in this stage"
-        return "no gradient path" if name in no_grad_path else None
-
-    return [route_parameter(name, p, cfg, optimizer, frozen(name)) for name, p in model.named_parameters()]
+    return [route_parameter(name, p, cfg, optimizer, (trainable is not None and name not in trainable)
+                            or name in no_grad_path) for name, p in model.named_parameters()]
 
 
 def format_routing(routes: list[Route]) -> str:
