@@ -79,7 +79,14 @@ class BatchView:
         for s in self.seqs:
             s.index_k_publisher = layer
 
-    # ---------------------------------------------------------------- checks
+    # ---------------------------------------------------------------- checks and memos
+    def _memoized(self, name, key, build):
+        """build() memoised per view under `name` while `key` stays the same."""
+        hit = self._memo.get(name)
+        if hit is None or hit[0] != key:
+            hit = self._memo[name] = (key, build())
+        return hit[1]
+
     def _verify(self, kind: str, records: torch.Tensor, x: torch.Tensor) -> None:
         if self.pool.strict and not torch.equal(_UNPACK[kind](records), x.float()):
             raise ValueError(f"packed {kind} store: written values are not representable in the packed format "
@@ -105,12 +112,9 @@ class BatchView:
         start = torch.as_tensor(start, dtype=torch.long).cpu()
         key = (W, first, T, tuple(start.view(-1).tolist()), None if count is None else
                tuple(torch.as_tensor(count).view(-1).tolist()))
-        hit = self._memo.get("window-write")              # every layer of a step writes the same ring rows
-        if hit is None or hit[0] != key:
-            slot_pos = h2d((start.view(-1, 1) + torch.arange(first, T)) % W, self.device)
-            keep = None if count is None else h2d(window_write_mask(count, first, T, W), self.device)
-            hit = self._memo["window-write"] = (key, slot_pos, keep)
-        slot_pos, keep = hit[1], hit[2]
+        slot_pos, keep = self._memoized("window-write", key, lambda: (       # every layer of a step: the same rows
+            h2d((start.view(-1, 1) + torch.arange(first, T)) % W, self.device),
+            None if count is None else h2d(window_write_mask(count, first, T, W), self.device)))
         slots = self.slots.view(-1, 1).expand(-1, slot_pos.size(1))
         if keep is None:
             ring[slots, slot_pos] = records.to(self.device)
@@ -132,16 +136,13 @@ class BatchView:
             return (torch.zeros(1, 1, width, dtype=torch.uint8, device=self.device),
                     torch.zeros(self.batch, 1, dtype=torch.int32, device=self.device))
         pl = self.pool.global_layers[layer]
-        key = (layer, "table")
         tables = [s.pages[layer] for s in self.seqs]
         # the table changes only when a row gains or loses pages (every P entries), not on every record write:
         # between two releases a page list only grows at its tail
         shape = (pl.page_epoch, tuple((id(t), len(t)) for t in tables))
-        hit = self._memo.get(key)
-        if hit is None or hit[0] != shape:
-            table = page_table(tables, max(1, max(len(t) for t in tables)), torch.int32)
-            hit = self._memo[key] = (shape, h2d(table, self.device))
-        return pl.data[kind], hit[1]
+        table = self._memoized((layer, "table"), shape, lambda: h2d(
+            page_table(tables, max(1, max(len(t) for t in tables)), torch.int32), self.device))
+        return pl.data[kind], table
 
     # ---------------------------------------------------------------- speculative rollback (dsv41.engine.speculative)
     def ring_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
@@ -222,16 +223,12 @@ class BatchView:
         return data.view(-1, data.size(2))[flat], valid
 
     def _read(self, layer: int, kind: str, n) -> torch.Tensor:
-        key = (layer, kind)
+        def unpacked() -> torch.Tensor:
+            records, valid = self.read_records(layer, kind, n)
+            return _UNPACK[kind](records).masked_fill(~h2d(valid, self.device).unsqueeze(-1), 0.0).to(self.dtype)
+
         n_key = tuple(int(v) for v in torch.as_tensor(n).expand(self.batch).tolist())
-        version = self.pool.global_layers[layer].version
-        hit = self._memo.get(key)
-        if hit is not None and hit[0] == version and hit[1] == n_key:
-            return hit[2]
-        records, valid = self.read_records(layer, kind, n)
-        vals = _UNPACK[kind](records).masked_fill(~h2d(valid, self.device).unsqueeze(-1), 0.0).to(self.dtype)
-        self._memo[key] = (version, n_key, vals)
-        return vals
+        return self._memoized((layer, kind), (self.pool.global_layers[layer].version, n_key), unpacked)
 
     def compressed(self, layer: int, n: torch.Tensor) -> torch.Tensor:
         """[B, max n, C]; entries past a row's n are zeros (never selected)."""

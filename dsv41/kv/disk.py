@@ -196,10 +196,12 @@ class DiskStore(Counted):
             self._remove(key, "corrupt_removed", bad.ino)
 
     # ---------------------------------------------------------------- scanning
-    def refresh(self, full: bool = True) -> list[tuple[str, bytes]]:
+    def refresh(self, full: bool = True, repair: bool | None = None) -> list[tuple[str, bytes]]:
         """Sync the index with the directory (pick up other processes' entries): new entries' headers read
         (corrupt ones removed), vanished ones dropped, stale temp files removed, and (full=True) every entry's size
-        and recency refreshed from a stat. Returns [(key, meta)] of entries new to this index."""
+        and recency refreshed from a stat. `repair` overrides the store's. Returns [(key, meta)] of entries new to
+        this index."""
+        repair = self.repair if repair is None else repair
         new: list[tuple[str, bytes]] = []
         seen: set[str] = set()
         try:
@@ -211,7 +213,7 @@ class DiskStore(Counted):
             name = de.name
             try:
                 if name.startswith(TMP_PREFIX):
-                    if (self.repair and name not in self._own_tmp
+                    if (repair and name not in self._own_tmp
                             and is_stale_tmp(name, de.stat().st_mtime, self.stale_tmp_s)):
                         os.unlink(de.path)
                         self._count("stale_tmp_removed")
@@ -236,7 +238,7 @@ class DiskStore(Counted):
             try:
                 info = self._read_info(key)
             except BadEntry as bad:
-                if self.repair and bad.ino is not None:
+                if repair and bad.ino is not None:
                     self._drop_bad(key, bad)
                 continue
             if info is not None:
@@ -455,15 +457,8 @@ class DiskStore(Counted):
             report["ok"] += 1
             report["ok_bytes"] += len(data)
         if remove:
-            self._rescan_repairing()
+            self.refresh(repair=True)
         return report
-
-    def _rescan_repairing(self) -> None:
-        old, self.repair = self.repair, True
-        try:
-            self.refresh()
-        finally:
-            self.repair = old
 
     def clear(self) -> dict:
         """Remove every entry file, valid or not (and stale temp files; those of live writers are left to them)."""
@@ -480,5 +475,5 @@ class DiskStore(Counted):
         with self._mu:
             self._index.clear()
             self._total = 0
-        self._rescan_repairing()
+        self.refresh(repair=True)
         return {"removed": removed, "bytes": freed}
