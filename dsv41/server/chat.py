@@ -89,27 +89,19 @@ class SimpleTemplate:
 
     def render(self, messages: list[dict], effort: int | None = None, thinking: bool | None = None) -> str:
         _check(messages)
-        head = []
-        if effort is not None:
-            head.append(effort_line(effort) + "\n")
-        parts = []
+        head = [] if effort is None else [effort_line(effort) + "\n"]
         rest = messages
         if messages[0]["role"] in ("system", "developer"):
             head.append((messages[0].get("content") or "") + "\n")
             rest = messages[1:]
-        if head:
-            parts.append("".join(head))
+        parts = ["".join(head)] if head else []
         for i, m in enumerate(rest):
-            content = m.get("content") or ""
-            role = m["role"]
-            last = i == len(rest) - 1
-            if role == "assistant":
+            content, last = m.get("content") or "", i == len(rest) - 1
+            if m["role"] == "assistant":
                 parts.append("Assistant:" + (" " + content if content else "") + ("" if last else "\n"))
-                continue
-            label = {"user": "User", "tool": "Tool", "system": "System", "developer": "System"}[role]
-            parts.append(f"{label}: {content}\n")
-            if last:
-                parts.append("Assistant:")
+            else:
+                label = {"user": "User", "tool": "Tool"}.get(m["role"], "System")
+                parts.append(f"{label}: {content}\n" + ("\nAssistant:" if last else ""))
         return "\n".join(parts)
 
 
@@ -171,15 +163,13 @@ def _merge_tools(messages: list[dict]) -> list[dict]:
 
 def pick_template(tokenizer, which: str = "auto"):
     """`official` / `simple` / `auto` (official when the tokenizer knows the V4.1 chat special tokens)."""
-    if which == "official":
-        return OfficialTemplate()
-    if which == "simple":
-        return SimpleTemplate()
-    if which != "auto":
+    if which not in ("auto", "official", "simple"):
         raise ValueError(f"unknown chat template {which!r}: use auto, official or simple")
-    knows = isinstance(tokenizer, HFTokenizer) and all(tokenizer.tok.token_to_id(t) is not None
-                                                       for t in (USER, ASSISTANT))
-    return OfficialTemplate() if knows else SimpleTemplate()
+    if which == "auto":
+        knows = isinstance(tokenizer, HFTokenizer) and all(tokenizer.tok.token_to_id(t) is not None
+                                                           for t in (USER, ASSISTANT))
+        which = "official" if knows else "simple"
+    return OfficialTemplate() if which == "official" else SimpleTemplate()
 
 
 class ReasoningSplitter:

@@ -55,13 +55,6 @@ def has_model(ckpt: Path) -> bool:
     return (ckpt / "config.json").is_file() and any(ckpt.glob("*.safetensors"))
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 def train_available() -> bool:
     """Whether this build ships `dsv41 train` (it runs in a subprocess: `train_tiny`)."""
     return importlib.util.find_spec("dsv41.train.cli") is not None
@@ -71,8 +64,10 @@ def train_tiny(ckpt: Path, minutes: float) -> bool:
     cmd = [sys.executable, "-m", "dsv41.cli", "train", "--preset", "tiny", "--minutes", f"{minutes:g}",
            "--out", str(ckpt)]
     _p(f"training the tiny model for {minutes:g} min: {' '.join(cmd[1:])}")
+    root = str(Path(__file__).resolve().parents[2])                  # the trainer imports this checkout
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     try:
-        rc = subprocess.call(cmd, env=_env())
+        rc = subprocess.call(cmd, env=env)
     except OSError as e:
         _p(f"could not start the trainer: {e}")
         return False

@@ -4,6 +4,7 @@ and the text and raw bytes of a token id that both formats show."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from dsv41.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -68,19 +69,16 @@ def chat_logprobs(entries: list[dict], tt: TokenText) -> dict:
 
 def completion_logprobs(entries: list[dict], token_str, text_offset0: int = 0) -> dict:
     """The legacy completions logprobs block: tokens, token_logprobs, top_logprobs (dict per position), text_offset."""
-    tokens, lps, tops, offs = [], [], [], []
-    off = text_offset0
+    tokens = [token_str(e["token"]) for e in entries]
+    tops = []
     for e in entries:
-        s = token_str(e["token"])
-        tokens.append(s)
-        lps.append(_clean(e["logprob"]))
-        top: dict[str, float] = {}
+        top: dict[str, float] = {}                      # the first of several ids with one text wins
         for i, lp in e["top"]:
             top.setdefault(token_str(i), _clean(lp))
         tops.append(top)
-        offs.append(off)
-        off += len(s)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+    offsets = list(itertools.accumulate([len(t) for t in tokens], initial=text_offset0))[:-1]
+    return {"tokens": tokens, "token_logprobs": [_clean(e["logprob"]) for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def _clean(x: float) -> float:

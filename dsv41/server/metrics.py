@@ -37,35 +37,32 @@ class ServerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
-        self.requests = Counter("dsv41_requests", "HTTP API requests", ["endpoint", "status"], registry=r)
-        self.latency = Histogram("dsv41_request_latency_seconds", "End-to-end request latency", ["endpoint"],
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("dsv41_time_to_first_token_seconds", "Engine arrival to first token per sequence",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("dsv41_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("dsv41_generation_tokens", "Tokens generated", registry=r)
-        self.batch_size = Histogram("dsv41_batch_size", "Sequences per engine step", buckets=BATCH_BUCKETS,
-                                    registry=r)
-        self.running = Gauge("dsv41_running_sequences", "Sequences in the running batch", registry=r)
-        self.waiting = Gauge("dsv41_waiting_sequences", "Sequences waiting for admission", registry=r)
-        self.finished = Counter("dsv41_finished_sequences", "Finished sequences by reason", ["reason"], registry=r)
-        self.aborted = Counter("dsv41_aborted_sequences", "Sequences aborted because their client went away",
-                               registry=r)
-        self.cache_queries = Counter("dsv41_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                     registry=r)
-        self.cache_hits = Counter("dsv41_prefix_cache_hits", "Prompt tokens served from the prefix cache by tier",
-                                  ["tier"], registry=r)
-        self.cache_paths = Counter("dsv41_prefix_cache_requests", "Sequences by prefix-cache path", ["path"],
-                                   registry=r)
-        self.replays = Counter("dsv41_prefix_cache_replays", "Sequences that took Encoder SWA Bounded Replay",
-                               registry=r)
-        self.kv_bytes = Gauge("dsv41_kv_bytes_in_use", "KV bytes held by live sequences", ["kind"], registry=r)
-        self.kv_peak = Gauge("dsv41_kv_bytes_peak", "Highest KV bytes in use seen since start", ["kind"],
-                             registry=r)
+
+        def metric(kind, name: str, doc: str, labels=(), **kw):
+            return kind(name, doc, labels, registry=r, **kw)
+        self.requests = metric(Counter, "dsv41_requests", "HTTP API requests", ["endpoint", "status"])
+        self.latency = metric(Histogram, "dsv41_request_latency_seconds", "End-to-end request latency", ["endpoint"],
+                              buckets=LATENCY_BUCKETS)
+        self.ttft = metric(Histogram, "dsv41_time_to_first_token_seconds", "Engine arrival to first token per "
+                           "sequence", buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = metric(Counter, "dsv41_prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = metric(Counter, "dsv41_generation_tokens", "Tokens generated")
+        self.batch_size = metric(Histogram, "dsv41_batch_size", "Sequences per engine step", buckets=BATCH_BUCKETS)
+        self.running = metric(Gauge, "dsv41_running_sequences", "Sequences in the running batch")
+        self.waiting = metric(Gauge, "dsv41_waiting_sequences", "Sequences waiting for admission")
+        self.finished = metric(Counter, "dsv41_finished_sequences", "Finished sequences by reason", ["reason"])
+        self.aborted = metric(Counter, "dsv41_aborted_sequences", "Sequences aborted because their client went away")
+        self.cache_queries = metric(Counter, "dsv41_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                    "cache")
+        self.cache_hits = metric(Counter, "dsv41_prefix_cache_hits", "Prompt tokens served from the prefix cache by "
+                                 "tier", ["tier"])
+        self.cache_paths = metric(Counter, "dsv41_prefix_cache_requests", "Sequences by prefix-cache path", ["path"])
+        self.replays = metric(Counter, "dsv41_prefix_cache_replays", "Sequences that took Encoder SWA Bounded Replay")
+        self.kv_bytes = metric(Gauge, "dsv41_kv_bytes_in_use", "KV bytes held by live sequences", ["kind"])
+        self.kv_peak = metric(Gauge, "dsv41_kv_bytes_peak", "Highest KV bytes in use seen since start", ["kind"])
+        self.prefix_store = metric(Gauge, "dsv41_prefix_store", "Prefix-cache store counters (the engine's prefix_"
+                                   "cache.metrics(): disk and SWA-pool hits, misses, bytes, evictions)", ["name"])
         self._peak: dict[str, int] = {}
-        self.prefix_store = Gauge("dsv41_prefix_store", "Prefix-cache store counters (the engine's "
-                                  "prefix_cache.metrics(): disk and SWA-pool hits, misses, bytes, evictions)",
-                                  ["name"], registry=r)
         for kind in ("global", "swa", "pending"):
             self.kv_bytes.labels(kind).set(0)
             self.kv_peak.labels(kind).set(0)
