@@ -5,7 +5,6 @@ analytic figure for every preset (890 for v41-flash and v41-geometry)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from fractions import Fraction
 
@@ -317,17 +316,14 @@ def test_pages_per_sequence_free_fork_and_growth():
 
 
 def test_bench_kv_cli():
-    from dsv41.kv.cli import register
+    from dsv41 import cli
 
-    parser = argparse.ArgumentParser(prog="dsv41")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", "kv", "--config", "v41-geometry", "--tokens", "4K", "--json"])
     import contextlib
     import io
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert args.func(args) == 0
+        assert cli.main(["bench", "kv", "--config", "v41-geometry", "--tokens", "4K", "--json"]) == 0
     r = json.loads(buf.getvalue())
     assert r["tokens"] == 4096 and r["config"] == "v41-geometry"
     assert r["measured_global_bytes_per_token"] == r["analytic_global_bytes_per_token"] == 890

@@ -63,23 +63,15 @@ def kv_bytes_report(pool: PackedKVPool, sid: int) -> dict[str, Any]:
                  "main_record_bytes": pl.record_bytes["main"], "index_record_bytes": pl.record_bytes["index"],
                  "bytes": sum(s.rows[(L, k)] * pl.record_bytes[k] for k in KINDS), "pages": len(s.pages[L])}
                 for L, pl in pool.global_layers.items()]
-    return {
-        "tokens": n,
-        "global_bytes": b["global_entries_bytes"],
-        "global_main_bytes": b["global_main_bytes"],
-        "global_index_bytes": b["global_index_bytes"],
-        "allocated_global_bytes": b["global_allocated_bytes"],
-        "global_pages": b["global_pages"],
-        "page_size": pool.page_size,
-        "measured_global_bytes_per_token": as_number(Fraction(b["global_entries_bytes"], n)) if n else None,
-        "analytic_global_bytes_per_token": as_number(analytic_global_bytes_per_token(cfg)),
-        "allocated_global_bytes_per_token": float(b["global_allocated_bytes"] / n) if n else None,
-        "swa_bytes": b["swa_bytes"],
-        "analytic_swa_bytes": as_number(analytic_swa_bytes(cfg)),
-        "pending_bytes": b["pending_bytes"],
-        "analytic_pending_bytes": analytic_pending_bytes(pool),
-        "by_layer": by_layer,
-    }
+    return {"tokens": n, "global_bytes": b["global_entries_bytes"], "global_main_bytes": b["global_main_bytes"],
+            "global_index_bytes": b["global_index_bytes"], "allocated_global_bytes": b["global_allocated_bytes"],
+            "global_pages": b["global_pages"], "page_size": pool.page_size,
+            "measured_global_bytes_per_token": as_number(Fraction(b["global_entries_bytes"], n)) if n else None,
+            "analytic_global_bytes_per_token": as_number(analytic_global_bytes_per_token(cfg)),
+            "allocated_global_bytes_per_token": float(b["global_allocated_bytes"] / n) if n else None,
+            "swa_bytes": b["swa_bytes"], "analytic_swa_bytes": analytic_swa_bytes(cfg),
+            "pending_bytes": b["pending_bytes"], "analytic_pending_bytes": analytic_pending_bytes(pool),
+            "by_layer": by_layer}
 
 
 @torch.no_grad()
@@ -149,17 +141,10 @@ def bench_kv(config: str | ModelConfig, tokens: int, page_size: int = 64, device
     pool = PackedKVPool(cfg, device=device, page_size=page_size)
     sid = pool.new_sequence()
     fill = fill_random(pool, sid, tokens, chunk=chunk, seed=seed)
-    out = {"config": config if isinstance(config, str) else "custom"}
-    out.update(kv_bytes_report(pool, sid))
-    pb = pool.pool_bytes()
-    out.update({
-        "pool_global_capacity_bytes": pb["global_capacity_bytes"],
-        "fill_seconds": round(fill["seconds"], 3),
-        "checked_entries": fill["checked_entries"],
-        "peak_rss_mb_before": round(rss0, 1),
-        "peak_rss_mb": round(_peak_rss_mb(), 1),
-        "device": str(pool.device),
-    })
+    out = {"config": config if isinstance(config, str) else "custom", **kv_bytes_report(pool, sid),
+           "pool_global_capacity_bytes": pool.pool_bytes()["global_capacity_bytes"],
+           "fill_seconds": round(fill["seconds"], 3), "checked_entries": fill["checked_entries"],
+           "peak_rss_mb_before": round(rss0, 1), "peak_rss_mb": round(_peak_rss_mb(), 1), "device": str(pool.device)}
     if pool.device.type == "cuda":
         out["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(pool.device) / 2**20, 1)
     return out

@@ -1,9 +1,8 @@
 """`dsv41 bench kv --config NAME --tokens N [--json]`: fill the engine's packed store for one sequence of N tokens
 (random entries, no model) and print the bytes it holds by kind, per token, beside the analytic figures.
 
-Wiring: the module owning the `bench` command group calls `register_bench(bench_subparsers)` on its sub-parser
-group; `register(subparsers)` makes a stand-alone `bench` group holding only `kv` (for tests, or until that
-group exists).
+Wiring: the module owning the `bench` command group (`dsv41.engine.cli`) calls `register_bench(bench_subparsers)`
+on its sub-parser group.
 """
 
 from __future__ import annotations
@@ -25,12 +24,6 @@ def register_bench(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench_kv)
     return p
-
-
-def register(subparsers) -> None:
-    """A `bench` command group holding `kv` only (the lead's `bench` group should call `register_bench`)."""
-    bench = subparsers.add_parser("bench", help="benchmarks")
-    register_bench(bench.add_subparsers(dest="bench_command", required=True))
 
 
 def _mb(x: float) -> str:

@@ -27,11 +27,9 @@ def tmp_name(key: str) -> str:
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    except PermissionError:                           # alive, another user's
         return True
-    except OSError:
+    except OSError:                                   # ProcessLookupError: gone
         return False
     return True
 
