@@ -26,8 +26,6 @@ from torch import nn
 from dsv41.model.moe import MoE
 from dsv41.train.parallel import full_tensor, local_rows, local_tensor
 
-DEFAULT_RATE = 1e-3
-
 
 def expert_load(indices: torch.Tensor, n_experts: int, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens routed to each expert: indices [..., K] (selected experts), mask [...] bool (tokens to count).
@@ -54,7 +52,7 @@ class LoadBalancer:
     optimizer step. `prefix` restricts it to MoEs whose module name starts with it (the DSpark stage balances
     only the drafter's MoEs; the frozen backbone's biases must not move)."""
 
-    def __init__(self, model: nn.Module, rate: float = DEFAULT_RATE, prefix: str = ""):
+    def __init__(self, model: nn.Module, rate: float = 1e-3, prefix: str = ""):     # DeepSeek-V3's u
         if rate < 0:
             raise ValueError(f"balance rate must be >= 0, got {rate}")
         self.rate = rate

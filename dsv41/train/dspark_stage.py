@@ -58,15 +58,12 @@ def _draft_attention(attn, u: torch.Tensor, main_x: torch.Tensor, anchors: torch
     G, H, dev = u.size(1), attn.n_heads, u.device
     p = anchors.to(dev)
     A = p.numel()
-    main_freqs = attn.rope.freqs(torch.arange(T).unsqueeze(0)).to(dev)                    # [1,T,R/2]
-    main_kv = attn.window_kv(main_x, main_freqs)                                            # [B,T,C]
+    mf = attn.window_kv(main_x, attn.rope.freqs(torch.arange(T).unsqueeze(0)).to(dev)).float()   # [B,T,C]
     freqs = attn.rope.freqs(slot_positions(T, G, anchors).repeat(B, 1)).to(dev)           # rows [B*A,G]
     _, q = attn.queries(u, freqs)                                                           # [B*A,G,H,C]
     kv = attn.window_kv(u, freqs)                                                           # [B*A,G,C]
-    C = kv.size(-1)
-    qf = q.float().view(B, A, G, H, C)
-    kvf = kv.float().view(B, A, G, C)
-    mf = main_kv.float()
+    qf = q.float().view(B, A, G, H, -1)
+    kvf = kv.float().view(B, A, G, -1)
     s_main = torch.einsum("baghc,btc->baght", qf, mf) * attn.softmax_scale                  # [B,A,G,H,T]
     t = torch.arange(T, device=dev)
     band = (t.view(1, T) <= p.view(A, 1)) & (t.view(1, T) > p.view(A, 1) - attn.window)     # [A,T]
@@ -76,7 +73,7 @@ def _draft_attention(attn, u: torch.Tensor, main_x: torch.Tensor, anchors: torch
     probs = torch.softmax(torch.cat([s_main, s_draft, sink], dim=-1), dim=-1)
     o = (torch.einsum("baght,btc->baghc", probs[..., :T], mf)
          + torch.einsum("baghk,bakc->baghc", probs[..., T:T + G], kvf))
-    return attn.output(o.reshape(B * A, G, H, C).to(q.dtype), freqs)
+    return attn.output(o.reshape(B * A, G, H, -1).to(q.dtype), freqs)
 
 
 def _stage(st, x: torch.Tensor, pre_mix: torch.Tensor, main_x: torch.Tensor, anchors: torch.Tensor):

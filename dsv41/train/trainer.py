@@ -108,8 +108,7 @@ class Trainer:
 
     def _autocast(self):
         """bf16 autocast on a GPU; on the CPU a context that changes nothing (fp32)."""
-        cuda = self.dist.device.type == "cuda"
-        return torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=cuda)
+        return torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.dist.device.type == "cuda")
 
     def _build_training(self) -> None:
         """The stage's module; the routes (what trains, by which optimizer); the module parallelized; the
