@@ -61,11 +61,15 @@ def cache_stats(cache_dir: str) -> dict:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    if args.cache_command == "stats":
+    cmd = args.cache_command
+    if cmd == "stats":
         r = cache_stats(args.cache_dir)
-        if args.json:
-            print(json.dumps(r, indent=2))
-            return 0
+    else:
+        store = _open(args.cache_dir)
+        r = store.verify(remove=not args.keep) if cmd == "verify" else store.clear()
+    if args.json:
+        print(json.dumps(r, indent=None if cmd == "clear" else 2))
+    elif cmd == "stats":
         print(f"prefix cache {r['cache_dir']}: {r['entries']:,} entries, {r['bytes']:,} B "
               f"({r['free_bytes']:,} B free on the file system)")
         for fp, d in sorted(r["fingerprints"].items()):
@@ -74,21 +78,11 @@ def cmd_cache(args: argparse.Namespace) -> int:
             print(f"  oldest entry {r['oldest_age_s'] / 3600:.2f} h, newest {r['newest_age_s'] / 3600:.2f} h")
         print(f"  temp files {r['temp_files']}; entries with an unreadable header {r['unreadable_entries']} "
               "(`dsv41 cache verify` removes them)")
-        return 0
-    store = _open(args.cache_dir)
-    if args.cache_command == "verify":
-        r = store.verify(remove=not args.keep)
-        if args.json:
-            print(json.dumps(r, indent=2))
-        else:
-            print(f"verified {r['checked']:,} entries: {r['ok']:,} ok ({r['ok_bytes']:,} B), {len(r['bad'])} bad, "
-                  f"{r['removed']} removed")
-            for b in r["bad"]:
-                print(f"  {b['key']}: {b['reason']}")
-        return 1 if r["bad"] else 0
-    r = store.clear()
-    if args.json:
-        print(json.dumps(r))
+    elif cmd == "verify":
+        print(f"verified {r['checked']:,} entries: {r['ok']:,} ok ({r['ok_bytes']:,} B), {len(r['bad'])} bad, "
+              f"{r['removed']} removed")
+        for b in r["bad"]:
+            print(f"  {b['key']}: {b['reason']}")
     else:
         print(f"removed {r['removed']:,} entries ({r['bytes']:,} B)")
-    return 0
+    return 1 if cmd == "verify" and r["bad"] else 0

@@ -75,18 +75,17 @@ def parse_header(head: bytes, key: str | None = None, file_size: int | None = No
         raise BadEntry(f"truncated header ({len(head)} of {HEADER_BYTES} bytes)")
     magic, version, _flags, m_len, fp, k, n_len, created, digest = _HEAD.unpack_from(head)
     crc, _ = _TAIL.unpack_from(head, _HEAD.size)
-    if magic != MAGIC:
-        raise BadEntry("bad magic")
-    if zlib.crc32(head[:_HEAD.size]) != crc:
-        raise BadEntry("header checksum mismatch")
-    if version != FORMAT_VERSION:
-        raise BadEntry(f"format version {version}, this reader knows {FORMAT_VERSION}")
-    if m_len > MAX_META:
-        raise BadEntry("meta too long")
-    if key is not None and k != bytes.fromhex(key):
-        raise BadEntry("header key differs from the file name")
-    if file_size is not None and file_size != HEADER_BYTES + m_len + n_len:
-        raise BadEntry(f"length mismatch (file {file_size} bytes, header says {HEADER_BYTES + m_len + n_len})")
+    size = HEADER_BYTES + m_len + n_len
+    for broken, reason in (                           # checked in this order
+            (magic != MAGIC, "bad magic"),
+            (zlib.crc32(head[:_HEAD.size]) != crc, "header checksum mismatch"),
+            (version != FORMAT_VERSION, f"format version {version}, this reader knows {FORMAT_VERSION}"),
+            (m_len > MAX_META, "meta too long"),
+            (key is not None and k != bytes.fromhex(key), "header key differs from the file name"),
+            (file_size is not None and file_size != size,
+             f"length mismatch (file {file_size} bytes, header says {size})")):
+        if broken:
+            raise BadEntry(reason)
     return Header(m_len, n_len, created, fp, digest)
 
 

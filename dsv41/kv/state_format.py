@@ -58,7 +58,7 @@ _S_HEAD = struct.Struct("<4sHHQII")
 _S_LAYER = struct.Struct("<IIII")
 _S_EXTRA = struct.Struct("<HBB")
 _U8, _F32, _I64 = np.dtype("u1"), np.dtype("<f4"), np.dtype("<i8")
-_EXTRA_DTYPES = {0: (torch.float32, _F32), 1: (torch.int64, _I64)}
+_EXTRA_DTYPES = {0: _F32, 1: _I64}                 # an extra's dtype code -> its element layout
 
 
 def carry_rows(ratio: int, upto: int) -> int:
@@ -234,14 +234,13 @@ class SwaState:
             parts += [_S_LAYER.pack(L, ring.size(0), ring.size(1), 0), _le_bytes(ring, _U8)]
         for name in sorted(self.extras):
             t = self.extras[name]
-            code = next((c for c, (td, _) in _EXTRA_DTYPES.items() if td == t.dtype), None)
-            if code is None:
-                t, code = t.float(), 0                # bf16 / fp16 values are exact in fp32
+            code = int(t.dtype == torch.int64)
+            t = t if code else t.float()              # fp32 as is; bf16 / fp16 values are exact in fp32
             raw = name.encode("utf-8")
             if len(raw) > 0xFFFF or t.dim() > 255:
                 raise ValueError(f"SWA extra {name!r}: name or rank too large")
             parts += [_S_EXTRA.pack(len(raw), code, t.dim()), raw,
-                      struct.pack(f"<{t.dim()}Q", *t.shape), _le_bytes(t, _EXTRA_DTYPES[code][1])]
+                      struct.pack(f"<{t.dim()}Q", *t.shape), _le_bytes(t, _EXTRA_DTYPES[code])]
         return b"".join(parts)
 
     @classmethod
@@ -259,6 +258,6 @@ class SwaState:
                 raise ValueError(f"SWA state: unknown extra dtype code {code}")
             name = bytes(rd.take(k)).decode("utf-8")
             shape = struct.unpack(f"<{d}Q", rd.take(8 * d))
-            extras[name] = rd.tensor(_EXTRA_DTYPES[code][1], tuple(shape))
+            extras[name] = rd.tensor(_EXTRA_DTYPES[code], tuple(shape))
         rd.done()
         return cls(pos, rings, extras)
