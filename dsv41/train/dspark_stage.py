@@ -192,8 +192,8 @@ class DSparkTrainModule(nn.Module):
         n = valid.sum().clamp(min=1)
         loss = (soft_cross_entropy(logits, tl) * valid).sum() / n
         match = (logits.argmax(-1) == tl.argmax(-1)) & valid
-        before = torch.cumprod(torch.cat([torch.ones_like(match[..., :1]), match[..., :-1]], -1).long(), -1)
-        w = before.bool() & valid
+        # the confidence target of slot i counts where slots < i all matched (where it is ever verified)
+        w = torch.cumprod(torch.cat([torch.ones_like(match[..., :1]), match[..., :-1]], -1).long(), -1).bool() & valid
         bce = F.binary_cross_entropy_with_logits(conf, match.float(), reduction="none")
         conf_loss = (bce * w).sum() / w.sum().clamp(min=1)
         metrics = {"draft_ce": float(loss.detach()), "conf_bce": float(conf_loss.detach()),

@@ -75,11 +75,9 @@ class Stage(ABC):
 def greedy_continue(model, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
     """Greedy continuation of prompts [B,P] by `n_new` tokens: one prefill, then one-token decode steps."""
     cache = TrainCache(model.cfg, prompts.size(0), model.dtype, prompts.device)
-    out = model(prompts, cache, 0, last_only=True)
-    seq = [prompts]
+    seq, logits = prompts, model(prompts, cache, 0, last_only=True).logits
     for k in range(n_new):
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        seq.append(nxt)
+        seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         if k + 1 < n_new:
-            out = model(nxt, cache)
-    return torch.cat(seq, dim=1)
+            logits = model(seq[:, -1:], cache).logits
+    return seq

@@ -45,12 +45,9 @@ def newton_schulz(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
     """Approximate orthogonal polar factor of every matrix in g [..., r, c] (`NS_STEPS`). The iteration runs in
     `dtype` (default: fp32 on CPU, bf16 on GPUs, where its matmuls are the whole cost; singular values then land
     within ~1e-2 of 1 instead of ~1e-3); the result is fp32."""
-    if dtype is None:
-        dtype = torch.bfloat16 if g.is_cuda else torch.float32
-    x = g.float()
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
+    dtype = dtype or (torch.bfloat16 if g.is_cuda else torch.float32)
+    tall = g.size(-2) > g.size(-1)
+    x = g.float().mT if tall else g.float()
     x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)).to(dtype)
     shape = x.shape
     x = x.reshape(-1, *shape[-2:])                                   # one batch axis: the fused GEMMs below
