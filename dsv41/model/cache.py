@@ -103,11 +103,9 @@ class DenseCache:
                 self.ckv[L] = torch.zeros(batch, 16, s.width, dtype=dtype, device=self.device)
                 self.kidx[L] = torch.zeros(batch, 16, s.index_width, dtype=dtype, device=self.device)
                 self.rows[L] = torch.zeros(batch, dtype=torch.long)
-            if s.pending_rows:
-                self.pending[L] = (
-                    torch.zeros(batch, s.pending_rows, s.width, dtype=torch.float32, device=self.device),
-                    torch.full((batch, s.pending_rows, s.width), -torch.inf, dtype=torch.float32,
-                               device=self.device))
+            if s.pending_rows:                                          # kv 0, score -inf
+                self.pending[L] = tuple(torch.full((batch, s.pending_rows, s.width), v, dtype=torch.float32,
+                                                   device=self.device) for v in (0.0, -torch.inf))
         self.engram_history: torch.Tensor | None = None
         self.index_k_publisher: int | None = None
 
@@ -154,10 +152,7 @@ class DenseCache:
             return
         new = max(rows, 2 * cur)
         for store in (self.ckv, self.kidx):
-            old = store[layer]
-            grown = torch.zeros(old.size(0), new, old.size(2), dtype=old.dtype, device=old.device)
-            grown[:, :cur] = old
-            store[layer] = grown
+            store[layer] = torch.nn.functional.pad(store[layer], (0, 0, 0, new - cur))      # zero rows appended
 
     def _append(self, store: dict, layer: int, row0: torch.Tensor, x: torch.Tensor, count: torch.Tensor) -> None:
         row0, count = row0.cpu(), count.cpu()
