@@ -10,10 +10,11 @@ Bad requests are rejected at `add_request` with a ValueError and never reach the
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -82,17 +83,13 @@ class Completion:
 class Engine:
     def __init__(self, model, tokenizer=None, prefill_mode: str = "ced-bounded", max_batch: int = 8,
                  max_seq_len: int = DEFAULT_MAX_SEQ_LEN, chunk_size: int | None = None, device=None,
-                 prefill_fallback: bool = True, cache_dir=None, swa_pool=None, cache_interval: int = 4096,
-                 weights_id: str | None = None, tokenizer_id: str | None = None, speculative="off",
-                 step_profile=None):
+                 cache_dir=None, swa_pool=None, cache_interval: int = 4096, speculative="off", step_profile=None):
         if prefill_mode not in MODES:
             raise ValueError(f"unknown prefill mode {prefill_mode!r}; choose one of {', '.join(MODES)}")
         if prefill_mode != "full":
             try:
                 check_ced(model.cfg)
             except ValueError:
-                if not prefill_fallback:
-                    raise
                 prefill_mode = "full"                    # this config has no CED skip: say so in stats
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -107,9 +104,8 @@ class Engine:
             if not self.pool.packed:
                 raise ValueError("prefix caching stores packed KV: it needs a quantized model (the packed store)")
             from dsv41.kv.manager import PrefixCache
-            weights_id = weights_id or weights_fingerprint(model)
-            tokenizer_id = tokenizer_id or tokenizer_fingerprint(self.tokenizer)
-            self.prefix_cache = PrefixCache.from_config(self.cfg, weights_id, tokenizer_id, cache_dir=cache_dir,
+            self.prefix_cache = PrefixCache.from_config(self.cfg, weights_fingerprint(model),
+                                                        tokenizer_fingerprint(self.tokenizer), cache_dir=cache_dir,
                                                         swa_pool=swa_pool, interval=cache_interval,
                                                         hasher=model.engram_hasher)
         self.speculation = Speculation.parse(speculative)
@@ -118,13 +114,13 @@ class Engine:
         # engine-wide speculative counters: per draft position k, rows that verified it with drafts < k accepted
         # ("reached") and rows that accepted it; target forwards and rows decoded
         self.spec_counts = {"reached": [0] * G, "accepted": [0] * G, "forwards": 0, "row_steps": 0, "tokens": 0}
-        # dspark:online: the scheduler's inputs corrected online by what this engine measures
-        online = self.speculation.mode == "dspark" and self.speculation.online and step_profile is not None
-        self.calibration = AcceptanceCalibration(G) if online else None
-        self.step_cost = MeasuredCost(step_profile) if online else step_profile
         if self.speculation.mode == "dspark" and step_profile is None:
             raise ValueError("the dspark scheduler needs the step latency profile T(n): run `dsv41 profile-step` "
                              "on the checkpoint, or choose --speculative fixed:N")
+        # dspark:online: the scheduler's inputs corrected online by what this engine measures
+        online = self.speculation.mode == "dspark" and self.speculation.online
+        self.calibration = AcceptanceCalibration(G) if online else None
+        self.step_cost = MeasuredCost(step_profile) if online else step_profile
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.finished: dict[str, Sequence] = {}
@@ -135,11 +131,9 @@ class Engine:
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
         params.validate(self.cfg.vocab_size)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        bos = self.tokenizer.bos_id
-        if isinstance(prompt, str) and bos is not None:
-            ids = [bos] + ids
-        if not ids or (isinstance(prompt, str) and not prompt):
+        text, bos = isinstance(prompt, str), self.tokenizer.bos_id
+        ids = ([] if bos is None else [bos]) + self.tokenizer.encode(prompt) if text else list(prompt)
+        if not ids or (text and not prompt):
             raise ValueError("empty prompt")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size for t in ids):
             raise ValueError(f"prompt holds token ids outside [0, {self.cfg.vocab_size})")
@@ -237,38 +231,43 @@ class Engine:
             self.prefix_cache._log_once("save", "prefix cache save skipped: %s", e)
 
     def _decode(self, seqs: list[Sequence], outs: list[StepOutput]) -> None:
+        """One batched decode step for the running rows, or one draft-verify step with speculative decoding."""
         live = [s for s in seqs if not s.finish_reason]
         if not live:
             return
-        if self.drafter is not None:
-            return self._decode_speculative(live, outs)
         t0 = time.perf_counter()
         sids = [s.sid for s in live]
         view = self.pool.bind(sids)
-        ids = torch.tensor([[s.pending] for s in live], device=self.device)
-        logits = self.model(ids, view, last_only=True).logits[:, -1]
+        if self.drafter is None:
+            n_tokens = len(live)
+            ids = torch.tensor([[s.pending] for s in live], device=self.device)
+            logits = self.model(ids, view, last_only=True).logits[:, -1]
+            for b, s in enumerate(live):
+                s.pending = sample_token(logits[b], s.params, s.gen)
+                outs.append(self._emit(s, [s.pending], self._logprobs(s, logits[b:b + 1], [s.pending])))
+        else:
+            n_tokens = self._verify(view, live, outs)
         self.pool.release(view, sids)
         dt = time.perf_counter() - t0
-        for b, s in enumerate(live):
+        if isinstance(self.step_cost, MeasuredCost):
+            self.step_cost.record(n_tokens, dt)
+        for s in live:
             s.decode_s += dt
             s.target_steps += 1
-            s.pending = sample_token(logits[b], s.params, s.gen)
-            outs.append(self._emit(s, [s.pending], self._logprobs(s, logits[b:b + 1], [s.pending])))
 
-    def _decode_speculative(self, live: list[Sequence], outs: list[StepOutput]) -> None:
-        """One draft-verify step for every running row (`dsv41.engine.speculative`)."""
-        t0 = time.perf_counter()
-        sids = [s.sid for s in live]
-        view = self.pool.bind(sids)
+    def _verify(self, view, live: list[Sequence], outs: list[StepOutput]) -> int:
+        """One draft-verify step for every row of `view` (`dsv41.engine.speculative`); -> tokens the forward ran."""
         pos = view.pos.clone()
-        pending = torch.tensor([s.pending for s in live])
         prop = self.drafter.propose(view, live, pos)
         caps = [max(0, s.params.max_tokens - len(s.output_ids) - 1) for s in live]   # drafts that could be emitted
-        V = self._verify_length(prop, caps)
-        ids = torch.cat([pending.view(-1, 1), prop.tokens[:, :V]], dim=1).to(self.device)
+        if self.speculation.mode == "fixed":
+            V = min(self.speculation.n, prop.tokens.size(1), max(caps))
+        else:
+            V = choose_verify_lengths(prop.survival(self.calibration), self.step_cost, caps, ragged=False)[0]
+        ids = torch.cat([torch.tensor([[s.pending] for s in live]), prop.tokens[:, :V]], dim=1).to(self.device)
         journal = VerifyJournal(self.model, view, pos, 1 + V)
         out = self.model(ids, view, opts=ForwardOptions(journal=journal.model_journal))
-        keep = []
+        keep, sc = [], self.spec_counts
         for b, s in enumerate(live):
             v = min(V, caps[b])
             q = None if prop.q[b] is None else prop.q[b][:v]
@@ -277,11 +276,7 @@ class Engine:
             before = len(s.output_ids)
             outs.append(self._emit(s, toks, self._logprobs(s, out.logits[b], toks)))
             keep.append(1 + min(n, len(s.output_ids) - before))      # fed tokens whose output was emitted
-            s.pending = nxt
-            s.drafted += v
-            s.accepted += n
-            s.target_steps += 1
-            sc = self.spec_counts
+            s.pending, s.drafted, s.accepted = nxt, s.drafted + v, s.accepted + n
             for k in range(min(v, n + 1)):
                 sc["reached"][k] += 1
                 sc["accepted"][k] += int(k < n)
@@ -289,23 +284,12 @@ class Engine:
                     self.calibration.update(k, float(prop.accept[b, k]), k < n)
             sc["row_steps"] += 1
             sc["tokens"] += len(s.output_ids) - before
-        self.spec_counts["forwards"] += 1
+        sc["forwards"] += 1
         keep_t = torch.tensor(keep)
         journal.rollback(self.model, view, ids, keep_t)
         if out.main_hidden is not None:
             self.drafter.seed(view, out.main_hidden, pos, keep_t)
-        self.pool.release(view, sids)
-        dt = time.perf_counter() - t0
-        if isinstance(self.step_cost, MeasuredCost):
-            self.step_cost.record(len(live) * (1 + V), dt)
-        for s in live:
-            s.decode_s += dt
-
-    def _verify_length(self, prop, caps: list[int]) -> int:
-        G = prop.tokens.size(1)
-        if self.speculation.mode == "fixed":
-            return min(self.speculation.n, G, max(caps))
-        return choose_verify_lengths(prop.survival(self.calibration), self.step_cost, caps, ragged=False)[0]
+        return len(live) * (1 + V)
 
     @staticmethod
     def _logprobs(seq: Sequence, logits: torch.Tensor, toks: list[int]) -> list[dict] | None:
@@ -370,9 +354,7 @@ class Engine:
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        rids = [self.add_request(p, None if sp is None else replace(sp, stop=list(sp.stop),
-                                                                     stop_token_ids=list(sp.stop_token_ids)))
-                for p, sp in zip(prompts, plist)]
+        rids = [self.add_request(p, copy.deepcopy(sp)) for p, sp in zip(prompts, plist)]
         while self.has_unfinished():
             self.step()
         return [self.completion(r) for r in rids]
