@@ -4,6 +4,7 @@ and the text and raw bytes of a token id that both formats show."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -32,12 +33,9 @@ class TokenText:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
-        self.cache: dict[int, tuple[str, list[int]]] = {}
+        self._get = functools.lru_cache(maxsize=200_000)(self._lookup)
 
-    def _get(self, i: int) -> tuple[str, list[int]]:
-        hit = self.cache.get(i)
-        if hit is not None:
-            return hit
+    def _lookup(self, i: int) -> tuple[str, list[int]]:
         raw = None
         if isinstance(self.tok, ByteTokenizer):
             raw = [i - 3] if 3 <= i < 259 else []
@@ -48,8 +46,6 @@ class TokenText:
         if raw is None:
             raw = list(self.tok.decode([i]).encode("utf-8"))
         text = bytes(raw).decode("utf-8", errors="replace") if raw else self.tok.decode([i])
-        if len(self.cache) < 200_000:
-            self.cache[i] = (text, raw)
         return text, raw
 
     def text(self, i: int) -> str:

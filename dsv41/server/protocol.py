@@ -250,14 +250,15 @@ def usage_from_stats(stats: dict, prompt_tokens: int | None = None, completion_t
     return _usage(p, c, min(cached, p), tiers, str(path), accepted, drafted - accepted)
 
 
-def merge_usage(per_choice: list[dict], prompt_tokens_once: list[int]) -> dict:
-    """Usage of a request with several choices (and prompts): each distinct prompt counts once (as OpenAI does
-    for n > 1), completion tokens add up; cached tokens: the best-served choice of each prompt."""
+def merge_usage(per_choice: list[dict], prompt_tokens_once: list[int], prompt_index: list[int] | None = None) -> dict:
+    """Usage of a request with several choices (and prompts; prompt_index: each choice's, default all 0): each
+    distinct prompt counts once (as OpenAI does for n > 1), completion tokens add up; cached tokens: the
+    best-served choice of each prompt."""
     if not per_choice:
         return usage_from_stats({}, 0, 0)
     best: dict[int, dict] = {}                                  # prompt index -> its best-served prompt details
-    for u in per_choice:
-        d, k = u["prompt_tokens_details"], u.get("_prompt_index", 0)
+    for u, k in zip(per_choice, prompt_index or [0] * len(per_choice)):
+        d = u["prompt_tokens_details"]
         if k not in best or d["cached_tokens"] > best[k]["cached_tokens"]:
             best[k] = d
     tiers: dict[str, int] = {}
@@ -278,6 +279,3 @@ def _usage(p: int, c: int, cached: int, tiers: dict[str, int], path: str, accept
             "completion_tokens_details": {"accepted_prediction_tokens": accepted,
                                           "rejected_prediction_tokens": rejected}}
 
-
-def public_usage(u: dict) -> dict:
-    return {k: v for k, v in u.items() if not k.startswith("_")}

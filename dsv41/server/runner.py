@@ -17,6 +17,7 @@ request in flight with a 500 and the loop carries on, so no request can stop the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -64,11 +65,7 @@ class EngineRunner:
         self._stop = threading.Event()
         self._last_kv = 0.0
         # read by other threads (plain ints: atomic enough for monitoring)
-        self.n_running = 0
-        self.n_waiting = 0
-        self.n_steps = 0
-        self.n_aborted = 0
-        self.n_step_failures = 0
+        self.n_running = self.n_waiting = self.n_steps = self.n_aborted = self.n_step_failures = 0
 
     # ---------------------------------------------------------------- any thread
     def start(self) -> "EngineRunner":
@@ -79,7 +76,7 @@ class EngineRunner:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._cmds.put(("wake",))
+        self._cmds.put((lambda: None,))                          # wake the loop
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -87,10 +84,10 @@ class EngineRunner:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     def submit(self, prompt, params, request_id: str, sink: Callable[[Any], None]) -> None:
-        self._cmds.put(("add", prompt, params, request_id, sink))
+        self._cmds.put((self._add, prompt, params, request_id, sink))
 
     def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
+        self._cmds.put((self._abort, request_id))
 
     # ---------------------------------------------------------------- loop thread
     def _loop(self) -> None:
@@ -109,17 +106,15 @@ class EngineRunner:
         self._drain(block=False)                                # answer whatever is still queued
 
     def _drain(self, block: bool) -> None:
-        """Run the queued commands; with `block`, wait up to `idle_poll_s` for the first."""
+        """Run the queued commands (a method of the loop thread and its arguments); with `block`, wait up to
+        `idle_poll_s` for the first."""
         while True:
             try:
                 cmd = self._cmds.get(timeout=self.idle_poll_s) if block else self._cmds.get_nowait()
             except queue.Empty:
                 return
             block = False
-            if cmd[0] == "add":
-                self._add(*cmd[1:])
-            elif cmd[0] == "abort":
-                self._abort(cmd[1])
+            cmd[0](*cmd[1:])
 
     def _add(self, prompt, params, rid: str, sink) -> None:
         if self._stop.is_set():
@@ -149,10 +144,8 @@ class EngineRunner:
     def _fail_all(self, status: int, message: str) -> None:
         """Every request in flight gets `Failed` (its engine request aborted)."""
         for rid, sink in self._sinks.items():
-            try:
+            with contextlib.suppress(Exception):
                 self.engine.abort(rid)
-            except Exception:
-                pass
             self.engine.finished.pop(rid, None)
             self._send(sink, Failed(rid, status, message))
         self._sinks.clear()

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dsv41.engine.sampling import SamplingParams
 from dsv41.server.jobs import Choice, ClientGone, Job
-from dsv41.server.protocol import APIError, bad_request, merge_usage, parse, public_usage, usage_from_stats
+from dsv41.server.protocol import APIError, bad_request, merge_usage, parse, usage_from_stats
 from dsv41.server.runner import Delta, Done, Failed
 from dsv41.server.state import ServerState
 from dsv41.server.validation import check_model, read_json, resolve_max_tokens
@@ -138,10 +138,10 @@ class OpenAIServing:
             raise bad_request(str(e)) from None
         return p
 
-    def usage(self, c: Choice, comp) -> dict:
-        u = usage_from_stats(comp.stats, len(c.prompt_ids), len(comp.output_ids))
-        u["_prompt_index"] = c.prompt_index
-        return u
+    def usage(self, done: list[tuple[Choice, Any]]) -> dict:
+        """The usage of the finished (choice, completion) pairs."""
+        return merge_usage([usage_from_stats(comp.stats, len(c.prompt_ids), len(comp.output_ids)) for c, comp in done],
+                           self.prompt_lens, [c.prompt_index for c, _ in done])
 
     def header(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.req.model,
@@ -154,11 +154,9 @@ class OpenAIServing:
         return sse(c)
 
     def full_body(self, results: dict[str, Any]) -> dict:
-        comps = [results[c.rid] for c in self.choices]
-        body = {**self.header(self.object), "choices": [self.full_choice(c, r) for c, r in zip(self.choices, comps)],
-                "usage": public_usage(merge_usage([self.usage(c, r) for c, r in zip(self.choices, comps)],
-                                                  self.prompt_lens)),
-                "engine_stats": [engine_stats(c, r) for c, r in zip(self.choices, comps)]}
+        done = [(c, results[c.rid]) for c in self.choices]
+        body = {**self.header(self.object), "choices": [self.full_choice(c, r) for c, r in done],
+                "usage": self.usage(done), "engine_stats": [engine_stats(c, r) for c, r in done]}
         if self.req.return_prompt:
             body["prompt"] = self.prompt
         return body
@@ -166,7 +164,7 @@ class OpenAIServing:
     async def stream_body(self, job: Job, request: Request) -> AsyncIterator[str]:
         for piece in self.stream_head():
             yield piece
-        usages = []
+        done = []
         async for ev in job.events(request):
             c = job.choices[ev.request_id]
             if isinstance(ev, Delta):
@@ -174,15 +172,14 @@ class OpenAIServing:
                 if choice is not None:
                     yield self.chunk([choice])
             elif isinstance(ev, Done):
-                usages.append(self.usage(c, ev.completion))
+                done.append((c, ev.completion))
                 yield self.chunk([self.finish_choice(c, ev.completion)])
             else:
                 yield error_sse(ev.message, ev.status)
                 job.abort()
                 break
         if self.include_usage:                                   # the final usage-only chunk
-            yield sse({**self.header(self.chunk_object), "choices": [],
-                       "usage": public_usage(merge_usage(usages, self.prompt_lens))})
+            yield sse({**self.header(self.chunk_object), "choices": [], "usage": self.usage(done)})
         yield DONE
 
     # ---------------------------------------------------------------- the job
