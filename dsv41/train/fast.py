@@ -183,8 +183,7 @@ def fast_forward(model, ids: torch.Tensor, cache, opts: ForwardOptions) -> torch
     """Logits [B,T,V] fp32 of `model(ids, cache, 0, opts)` (a training prefill at position 0; `opts` carries the
     replay floors) through the fast pieces of the module docstring; advances cache.pos like it."""
     start = cache.pos.clone()
-    if int(start.abs().max()) != 0:
-        raise ValueError("the fast training forward runs a prefill at position 0 only")
+    assert int(start.abs().max()) == 0, "the fast training forward runs a prefill at position 0 only"
     hashes = model.engram_hashes(ids, cache, None)
     ctx = StepContext(start, ids.size(1), cache, opts)
     h, pre_mix = model.run_layers(*model.streams_in(model.embed_tokens(ids)), ctx, model.layers, hashes,

@@ -23,7 +23,6 @@ from torch import nn
 class Dist:
     rank: int = 0
     world: int = 1
-    local_rank: int = 0
     device: torch.device = torch.device("cpu")
 
     @property
@@ -64,7 +63,7 @@ def setup_distributed(device: str) -> Dist:
         torch.cuda.set_device(local)
     if not tdist.is_initialized():
         tdist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return Dist(rank, world, local, torch.device(f"cuda:{local}" if use_cuda else "cpu"))
+    return Dist(rank, world, torch.device(f"cuda:{local}" if use_cuda else "cpu"))
 
 
 def parallelize(module: nn.Module, model: nn.Module, dist: Dist, fsdp: bool) -> nn.Module:
@@ -85,8 +84,8 @@ def parallelize(module: nn.Module, model: nn.Module, dist: Dist, fsdp: bool) -> 
         return module
     if dist.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        return DDP(module, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
-                   find_unused_parameters=True)
+        ids = [dist.device] if dist.device.type == "cuda" else None
+        return DDP(module, device_ids=ids, find_unused_parameters=True)
     return module
 
 
