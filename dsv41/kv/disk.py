@@ -412,12 +412,10 @@ class DiskStore(Counted):
             return list(self._index)
 
     def stats(self) -> dict:
+        free = self._free()
         with self._mu:
-            out = dict(self.counters)
-            out.update(entries=len(self._index), bytes=self._total, max_bytes=self.max_bytes,
-                       min_free_bytes=self.min_free_bytes, min_age_s=self.min_age_s)
-        out["free_bytes"] = self._free()
-        return out
+            return {**self.counters, "entries": len(self._index), "bytes": self._total, "max_bytes": self.max_bytes,
+                    "min_free_bytes": self.min_free_bytes, "min_age_s": self.min_age_s, "free_bytes": free}
 
     def entry_files(self) -> list[str]:
         """Keys of every `<key>.kv` file in the directory now (valid or not)."""

@@ -203,10 +203,8 @@ class RedisSwaPool(SwaPool):
         return bool(ok)
 
     def stats(self) -> dict:
-        out = super().stats()
-        out.update(urls=list(self.urls), shards_down=sum(self.clock() < t for t in self._down_until),
-                   ttl_s=self.ttl_s)
-        return out
+        return {**super().stats(), "urls": list(self.urls),
+                "shards_down": sum(self.clock() < t for t in self._down_until), "ttl_s": self.ttl_s}
 
     def close(self) -> None:
         for c in self._clients:
