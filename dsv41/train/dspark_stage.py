@@ -116,15 +116,14 @@ def draft_forward(model, main_hidden: torch.Tensor, markov_ids: torch.Tensor, an
     main_hidden [B,T,taps*D]: the target's taps of positions 0..T-1; markov_ids [B,A,G]: slot i's Markov input
     at each anchor (slot 0: the token at p+1, which is also the block's first input). Returns (logits
     [B,A,G,V] for the tokens at p+2..p+G+1, confidence logits [B,A,G])."""
-    cfg, stages = model.cfg, model.mtp
-    first, last = stages[0], stages[-1]
+    first, last = model.mtp[0], model.mtp[-1]
     B, A, G = markov_ids.shape
     anchors = torch.arange(A) if anchors is None else anchors
     main_x = first.main_norm(first.main_proj(main_hidden))                                  # [B,T,D]
-    block = torch.full((B * A, G), cfg.dspark_noise_token_id, dtype=torch.long, device=markov_ids.device)
+    block = torch.full((B * A, G), model.cfg.dspark_noise_token_id, dtype=torch.long, device=markov_ids.device)
     block[:, 0] = markov_ids[:, :, 0].reshape(-1)
     h, pre_mix = model.streams_in(model.embed(block))                                         # [B*A,G,S,D]
-    for st in stages:
+    for st in model.mtp:
         h, pre_mix = _stage(st, h, pre_mix, main_x, anchors)
     x = hc_pre(h, pre_mix)                                                                   # [B*A,G,D]
     logits = model.head(last.norm(x).float())                                                # [B*A,G,V]
@@ -216,22 +215,22 @@ def evaluate_drafter(model, windows: torch.Tensor, batch_size: int) -> dict:
 
 @torch.no_grad()
 def greedy_acceptance(model, prompts: torch.Tensor, n_new: int) -> dict:
-    """Acceptance on the backbone's own greedy continuations of `prompts` [B,P]: anchors whose drafted tokens
-    all lie in the generated part, target = the backbone's argmax on the whole sequence (what a verification
-    forward computes)."""
+    """Acceptance on the backbone's own greedy continuations of `prompts` [B,P] (`acceptance_rates`, its keys as
+    greedy_*): anchors whose drafted tokens all lie in the generated part, target = the backbone's argmax on the
+    whole sequence (what a verification forward computes)."""
     seq = greedy_continue(model, prompts, n_new)
     logits, _, tgt, valid, tl = drafts_and_targets(model, seq)
     A, P = seq.size(1) - 1, prompts.size(1)
     in_gen = (torch.arange(A) >= P - 1).view(1, A, 1).to(valid.device)
-    agree = float((tl[:, P - 1:-1].argmax(-1) == seq[:, P:]).float().mean())
-    return {**acceptance_rates(acceptance_counts(logits.argmax(-1), tgt.argmax(-1), valid & in_gen)),
-            "target_agrees_with_decode": agree}
+    rates = acceptance_rates(acceptance_counts(logits.argmax(-1), tgt.argmax(-1), valid & in_gen))
+    return {**{f"greedy_{k}": v for k, v in rates.items()},
+            "target_agrees_with_decode": float((tl[:, P - 1:-1].argmax(-1) == seq[:, P:]).float().mean())}
 
 
 class DSparkStage(Stage):
     """The drafter (`mtp.*`) trained on the frozen backbone of `--init`, with that checkpoint's tokenizer; only
     the drafter's MoEs are balanced."""
-    balance_prefix = "mtp."
+    prefix = "mtp."
 
     @property
     def source(self) -> str:
@@ -249,9 +248,6 @@ class DSparkStage(Stage):
         token map)."""
         return load_model(self.cfg.init)[0]
 
-    def trainable(self, model):
-        return {n for n, _ in model.named_parameters() if n.startswith("mtp.")}
-
     def train_module(self, model, say):
         return DSparkTrainModule(model, DEFAULT_ANCHORS)
 
@@ -262,6 +258,4 @@ class DSparkStage(Stage):
 
     def finish(self, model, val, corpus, tokenizer):
         """Acceptance on the backbone's own greedy continuations of validation prompts."""
-        res = greedy_acceptance(model, val.windows[:8, :32].to(val.dist.device), min(96, self.cfg.seq_len))
-        out = {f"greedy_{k}": res[k] for k in ("acceptance", "survival", "tokens_per_step", "anchors")}
-        return {**out, "target_agrees_with_decode": res["target_agrees_with_decode"]}
+        return greedy_acceptance(model, val.windows[:8, :32].to(val.dist.device), min(96, self.cfg.seq_len))

@@ -32,7 +32,8 @@ class Validation:
 
 
 class Stage(ABC):
-    balance_prefix = ""                    # the MoEs (by module name) whose gate biases the balancer moves
+    prefix = ""         # what the stage trains: the parameters, and the MoEs whose gate biases the balancer moves,
+                        # whose names start with it
 
     def __init__(self, cfg):
         self.cfg = cfg                     # the run's TrainConfig
@@ -49,10 +50,6 @@ class Stage(ABC):
     @abstractmethod
     def build_model(self, tokenizer) -> nn.Module:
         """The Transformer for `tokenizer` (fp32, on the CPU, its config as `.cfg`) with its weights filled."""
-
-    def trainable(self, model: nn.Module) -> set[str] | None:
-        """Names of the parameters this stage may train (None: all)."""
-        return None
 
     @abstractmethod
     def train_module(self, model: nn.Module, say) -> nn.Module:

@@ -116,9 +116,9 @@ class Trainer:
         sharded ones, or, as seen on CPU/gloo, nothing is clipped and grad_norm is wrong); the balancer."""
         cfg, model, dist = self.cfg, self.model, self.dist
         module = self.stage.train_module(model, self.say)
-        trainable = self.stage.trainable(model)
+        trainable = {name for name, _ in model.named_parameters() if name.startswith(self.stage.prefix)}
         for name, p in model.named_parameters():
-            p.requires_grad_(trainable is None or name in trainable)
+            p.requires_grad_(name in trainable)
         self.routes = route_parameters(model, self.model_cfg, cfg.optimizer, trainable, self._probe(module))
         kinds = {r.name: r.kind for r in self.routes}
         for name, p in model.named_parameters():
@@ -133,7 +133,7 @@ class Trainer:
         self.module = parallelize(module, model, dist, cfg.fsdp)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.opt = self._optimizers()
-        self.balancer = LoadBalancer(model, cfg.balance_rate, prefix=self.stage.balance_prefix)
+        self.balancer = LoadBalancer(model, cfg.balance_rate, prefix=self.stage.prefix)
 
     def _optimizers(self):
         return build_optimizers(self.model, self.routes, self.cfg.lr, self.cfg.weight_decay,
