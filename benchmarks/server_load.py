@@ -147,7 +147,7 @@ def start_local_server(checkpoint: str | None, preset: str, max_batch: int, max_
     from dsv41.model.common import set_quantization
     from dsv41.model.init import random_model
     from dsv41.model.loading import load_model, save_checkpoint
-    from dsv41.engine.options import engine_args, engine_from_args
+    from dsv41.engine.cli import engine_args, engine_from_args
     from dsv41.server.app import create_app, serve_in_thread
     from dsv41.server.state import ServerSettings
 

@@ -21,14 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash end to end")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        mod = importlib.import_module(name)
-        mod.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ValueError as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from dsv41.engine.options import engine_from_args
+from dsv41.engine.cli import engine_from_args
 from dsv41.server import cli, demo
 from dsv41.server.demo import RANDOM_MARKER, ensure_checkpoint, has_model
 

@@ -13,7 +13,7 @@ from dsv41.model.attention import set_tie_break
 from dsv41.model.common import set_quantization
 from dsv41.model.init import random_model
 from dsv41.model.loading import load_model, save_checkpoint
-from dsv41.engine.options import engine_args, engine_from_args
+from dsv41.engine.cli import engine_args, engine_from_args
 from dsv41.server.app import create_app, serve_in_thread
 from dsv41.server.state import ServerSettings
 

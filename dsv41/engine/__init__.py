@@ -6,6 +6,7 @@
     sampling.py     SamplingParams, greedy / temperature / top-k / top-p, per-request seeds
     store.py        the sequence pools the engine binds into the model (packed or dense) and their protocols
     tokenizer.py    the tokenizer protocol, a byte-level fallback and tokenizer.json tokenizers
-    options.py      the engine's command-line flags and the Engine they build (`generate`, `serve`, `demo`)
-    cli.py, bench.py  `dsv41 generate`, `dsv41 profile-step`, `dsv41 bench prefill|decode`
+    cli.py          the engine's command-line flags and the Engine they build (`generate`, `serve`, `demo`);
+                    `dsv41 generate`, `dsv41 profile-step`, `dsv41 bench`
+    bench.py        `dsv41 bench prefill|decode`
 """

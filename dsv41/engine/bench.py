@@ -118,24 +118,26 @@ def register(bsub) -> None:
 def _prefill_main(args) -> int:
     rows = bench_prefill(args.config, args.tokens, parse_dtype(args.dtype), args.device, args.repeats,
                          not args.no_quant, args.chunk_size)
-    if not args.json:
-        print(f"prefill, config {args.config}, {args.device}, {args.dtype}")
-        print(f"{'tokens':>8} {'full s':>9} {'exact s':>9} {'bounded s':>10} {'bounded/full':>13} "
-              f"{'exact/full':>11} {'analytic':>9}")
-        for r in rows:
-            print(f"{r['tokens']:>8} {r['full_s']:>9.3f} {r['ced_exact_s']:>9.3f} {r['ced_bounded_s']:>10.3f} "
-                  f"{r['ratio_bounded']:>13.3f} {r['ratio_exact']:>11.3f} {r['analytic_ratio']:>9.3f}")
-    print(json.dumps({"bench": "prefill", "config": args.config, "device": args.device, "rows": rows}))
-    return 0
+    return _report(args, "prefill", rows, f"{'tokens':>8} {'full s':>9} {'exact s':>9} {'bounded s':>10} "
+                   f"{'bounded/full':>13} {'exact/full':>11} {'analytic':>9}",
+                   lambda r: f"{r['tokens']:>8} {r['full_s']:>9.3f} {r['ced_exact_s']:>9.3f} "
+                             f"{r['ced_bounded_s']:>10.3f} {r['ratio_bounded']:>13.3f} {r['ratio_exact']:>11.3f} "
+                             f"{r['analytic_ratio']:>9.3f}")
 
 
 def _decode_main(args) -> int:
     rows = bench_decode(args.config, args.contexts, args.batches, args.steps, parse_dtype(args.dtype), args.device,
                         not args.no_quant)
+    return _report(args, "decode", rows, f"{'context':>8} {'batch':>6} {'step ms':>9} {'tokens/s':>9}",
+                   lambda r: f"{r['context']:>8} {r['batch']:>6} {r['step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.1f}")
+
+
+def _report(args, bench: str, rows: list[dict], header: str, line) -> int:
+    """The table (unless --json), then the rows as one JSON line."""
     if not args.json:
-        print(f"decode, config {args.config}, {args.device}, {args.dtype}")
-        print(f"{'context':>8} {'batch':>6} {'step ms':>9} {'tokens/s':>9}")
+        print(f"{bench}, config {args.config}, {args.device}, {args.dtype}")
+        print(header)
         for r in rows:
-            print(f"{r['context']:>8} {r['batch']:>6} {r['step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.1f}")
-    print(json.dumps({"bench": "decode", "config": args.config, "device": args.device, "rows": rows}))
+            print(line(r))
+    print(json.dumps({"bench": bench, "config": args.config, "device": args.device, "rows": rows}))
     return 0

@@ -2,8 +2,8 @@
 models, and a dense one (per-sequence `DenseCache`, stacked per step) for models whose quantize-dequantize
 steps are switched off (their values are not representable in the packed formats).
 
-`SequencePool` is what the engine asks of either; `PackedSequencePool` adds what prefix caching and the server's
-page gauge need, which only the packed bytes can give (the prefix cache stores them as they are)."""
+`SequencePool` is what the engine asks of either; the packed pool adds what prefix caching and the server's page
+gauge need, which only the packed bytes can give (the prefix cache stores them as they are)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from dsv41.kv import GlobalState, PackedKVPool, SwaState
+from dsv41.kv import PackedKVPool
 from dsv41.model.cache import DenseCache, KVStore
 from dsv41.model.common import QuantSite
 
@@ -21,7 +21,7 @@ class SequencePool(Protocol):
     """Sequences by id; `bind` hands the model one store over a batch of them for one forward, `release` ends
     that binding (a store that is a copy writes its rows back)."""
 
-    packed: bool                                  # True: a `PackedSequencePool`
+    packed: bool                                  # True: a `PackedPool`
 
     def new_sequence(self) -> int: ...
 
@@ -34,23 +34,11 @@ class SequencePool(Protocol):
     def seq_bytes(self, sid: int) -> dict: ...
 
 
-class PackedSequencePool(SequencePool, Protocol):
-    """A pool of packed bytes: sequences export and import their persistent (global) and SWA state, which is what
-    the prefix cache stores (SYSTEM.md 4), and the pool reports its page allocation."""
-
-    def export_global(self, sid: int, upto: int, start: int = 0) -> GlobalState: ...
-
-    def import_global(self, sid: int, state: GlobalState) -> None: ...
-
-    def export_swa(self, sid: int) -> SwaState: ...
-
-    def import_swa(self, sid: int, state: SwaState) -> None: ...
-
-    def pool_bytes(self) -> dict[str, int]: ...
-
-
-class PackedPool(PackedKVPool, PackedSequencePool):
-    """The packed store as the engine's pool."""
+class PackedPool(PackedKVPool, SequencePool):
+    """The packed store as the engine's pool. Beyond `SequencePool` it is what prefix caching and the server's page
+    gauge need, which only the packed bytes can give: sequences export and import their persistent (global) and
+    SWA state, which the prefix cache stores as they are (`export_global`, `import_global`, `export_swa`,
+    `import_swa`; SYSTEM.md 4), and the pool reports its page allocation (`pool_bytes`)."""
 
     packed = True
 

@@ -46,15 +46,9 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_file(str(path))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        self.bos_id = self._find(self.BOS)
-        self.eos_id = self._find(self.EOS)
-
-    def _find(self, names) -> int | None:
-        for n in names:
-            i = self.tok.token_to_id(n)
-            if i is not None:
-                return i
-        return None
+        ids = {n: self.tok.token_to_id(n) for n in self.BOS + self.EOS}
+        self.bos_id = next((ids[n] for n in self.BOS if ids[n] is not None), None)
+        self.eos_id = next((ids[n] for n in self.EOS if ids[n] is not None), None)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

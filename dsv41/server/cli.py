@@ -1,9 +1,9 @@
 """`dsv41 serve` (the OpenAI-compatible server) and `dsv41 demo` (the main job). The engine's flags are the
-engine's (`dsv41.engine.options`); these add the server's own."""
+engine's (`dsv41.engine.cli`); these add the server's own."""
 
 from __future__ import annotations
 
-from dsv41.engine.options import add_engine_args, engine_from_args
+from dsv41.engine.cli import add_engine_args, engine_from_args
 from dsv41.server import demo
 
 

@@ -168,8 +168,7 @@ def _ask(client, model: str, messages: list[dict], max_tokens: int, label: str, 
         _p(f"  prompt starts: {first!r}")
     _p(_show(r.choices[0].message.content or ""))
     _p("  " + _usage_line(r.usage))
-    for s in extra.get("engine_stats") or []:
-        stats_list.append((label, s))
+    stats_list.extend((label, s) for s in extra.get("engine_stats") or [])
     return r
 
 
@@ -227,7 +226,7 @@ def _metrics_excerpt(url: str) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
-    from dsv41.engine.options import engine_from_args
+    from dsv41.engine.cli import engine_from_args
     from dsv41.server.app import create_app, serve_in_thread
     from dsv41.server.state import ServerSettings
 

@@ -71,13 +71,12 @@ class Job:
                     failure = failure or ev
                 else:
                     self.early.append(ev)
+            if failure is not None:
+                raise APIError(failure.status, failure.message,
+                               code="invalid_request" if failure.status == 400 else None)
         except BaseException:
             self.abort()
             raise
-        if failure is not None:
-            self.abort()
-            raise APIError(failure.status, failure.message,
-                           code="invalid_request" if failure.status == 400 else None)
 
     async def _next(self, request: Request | None):
         """The next event; with a request, check every `disconnect_poll_s` (events flowing or not) whether the

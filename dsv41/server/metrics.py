@@ -105,8 +105,6 @@ class ServerMetrics:
         for tier, n in d["cached_tokens_by_tier"].items():
             if n:
                 self.cache_hits.labels(tier).inc(n)
-        if d["cached_tokens"] and not d["cached_tokens_by_tier"]:
-            self.cache_hits.labels("all").inc(d["cached_tokens"])
         self.cache_paths.labels(d["cache_path"]).inc()
         if d["cache_path"] == "replay":
             self.replays.inc()

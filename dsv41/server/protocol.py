@@ -60,8 +60,6 @@ def refuse(param: str, used, message: str | None = None, code: str | None = "uns
 def validation_error(e: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the offending field (dotted path, list indices included)."""
     errs = e.errors(include_url=False)
-    if not errs:
-        return bad_request("invalid request")
     first = errs[0]
     loc = [str(x) for x in first.get("loc", ()) if not _is_union_tag(x)]
     param = ".".join(loc) or None
@@ -243,7 +241,7 @@ def usage_from_stats(stats: dict, prompt_tokens: int | None = None, completion_t
         if k.startswith("cached_") and k.endswith("_tokens") and k != "cached_tokens" and isinstance(v, int):
             tiers.setdefault(k[len("cached_"):-len("_tokens")], int(v))
     cached = stats.get("cached_tokens")
-    cached = int(cached) if isinstance(cached, int) else sum(tiers.values()) if tiers else 0
+    cached = int(cached) if isinstance(cached, int) else sum(tiers.values())
     path = stats.get("cache_path") or ("cold" if cached == 0 else "hit")
     spec = stats.get("speculative") or {}
     drafted, accepted = int(spec.get("drafted_tokens", 0)), int(spec.get("accepted_tokens", 0))

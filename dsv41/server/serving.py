@@ -145,7 +145,7 @@ class OpenAIServing:
 
     def header(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.req.model,
-                "system_fingerprint": self.state.fingerprint}
+                "system_fingerprint": f"dsv41-{self.state.engine.prefill_mode}"}
 
     def chunk(self, choices: list[dict]) -> str:
         c = {**self.header(self.chunk_object), "choices": choices}

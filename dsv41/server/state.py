@@ -48,7 +48,3 @@ class ServerState:
     token_text: TokenText
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: int = 0                       # engine requests submitted and not yet released
-
-    @property
-    def fingerprint(self) -> str:
-        return f"dsv41-{self.engine.prefill_mode}"

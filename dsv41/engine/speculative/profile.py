@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import time
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
 
+from dsv41.engine.bench import timed
 from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.speculative.drafter import DSparkDrafter
 from dsv41.engine.speculative.rollback import VerifyJournal
@@ -59,13 +59,6 @@ class StepProfile:
         return cls(d["tokens"], d["seconds"], {k: v for k, v in d.items() if k not in ("tokens", "seconds")})
 
 
-@dataclass
-class _ProfileRow:
-    pending: int
-    params: SamplingParams
-    gen: torch.Generator
-
-
 @torch.no_grad()
 def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), max_v: int | None = None, context: int = 256,
                  repeats: int = 3, device="cpu", seed: int = 0, log=print) -> StepProfile:
@@ -76,8 +69,7 @@ def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), max_v: int | None
     gen = torch.Generator().manual_seed(seed)
     pool = make_pool(model, device)
     drafter = DSparkDrafter(model) if cfg.dspark_enabled and len(model.mtp) else None
-    tokens, seconds, rows = [], [], []
-    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    rows = []
     for B in batches:
         sids = []
         for _ in range(B):
@@ -94,29 +86,28 @@ def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), max_v: int | None
             times = []
             for _ in range(repeats):
                 view = pool.bind(sids)
-                pos = view.pos.clone()
                 pending = torch.randint(0, cfg.vocab_size, (B,), generator=gen)
-                sync()
-                t0 = time.perf_counter()
-                if drafter is not None:
-                    seqs = [_ProfileRow(int(t), SamplingParams(), gen) for t in pending]
-                    prop = drafter.propose(view, seqs, pos)
-                    drafts = prop.tokens[:, :V]
-                else:
-                    drafts = torch.randint(0, cfg.vocab_size, (B, V), generator=gen)
-                ids = torch.cat([pending.view(-1, 1), drafts], dim=1).to(device)
-                journal = VerifyJournal(model, view, pos, 1 + V)
-                model(ids, view, opts=ForwardOptions(journal=journal.model_journal))
-                journal.rollback(model, view, ids, torch.ones(B, dtype=torch.long))
-                sync()
-                times.append(time.perf_counter() - t0)
+                times.append(timed(lambda: _verify_step(model, drafter, view, pending, V, gen, device), device))
                 pool.release(view, sids)
             t = sorted(times)[len(times) // 2]
-            tokens.append(B * (1 + V))
-            seconds.append(t)
             rows.append({"batch": B, "verify": V, "tokens": B * (1 + V), "seconds": t})
             log(f"profile-step  batch {B:3d}  verify {V}  tokens {B * (1 + V):4d}  {t * 1e3:9.2f} ms")
         for sid in sids:
             pool.free(sid)
-    return StepProfile(tokens, seconds, {"context": context, "device": str(device), "points": rows,
-                                         "dtype": str(model.dtype).replace("torch.", "")})
+    return StepProfile([r["tokens"] for r in rows], [r["seconds"] for r in rows],
+                       {"context": context, "device": str(device), "points": rows,
+                        "dtype": str(model.dtype).replace("torch.", "")})
+
+
+def _verify_step(model, drafter, view, pending: torch.Tensor, V: int, gen: torch.Generator, device) -> None:
+    """One speculative step of V drafts per row (random drafts without a drafter), every row keeping one token."""
+    pos = view.pos.clone()
+    if drafter is not None:
+        rows = [SimpleNamespace(pending=int(t), params=SamplingParams(), gen=gen) for t in pending]
+        drafts = drafter.propose(view, rows, pos).tokens[:, :V]
+    else:
+        drafts = torch.randint(0, model.cfg.vocab_size, (len(pending), V), generator=gen)
+    ids = torch.cat([pending.view(-1, 1), drafts], dim=1).to(device)
+    journal = VerifyJournal(model, view, pos, 1 + V)
+    model(ids, view, opts=ForwardOptions(journal=journal.model_journal))
+    journal.rollback(model, view, ids, torch.ones(len(pending), dtype=torch.long))

@@ -45,22 +45,22 @@ class MeasuredCost:
     def __init__(self, profile: Callable[[int], float]):
         self.profile = profile
         self.seen: set[int] = set()
-        self.sums: dict[int, float] = {}
-        self.counts: dict[int, int] = {}
+        self.times: dict[int, list[float]] = {}                 # n -> measured seconds after the warm-up
 
     def record(self, n: int, seconds: float) -> None:
-        if n not in self.seen:
-            self.seen.add(n)
-            return
-        self.sums[n] = self.sums.get(n, 0.0) + seconds
-        self.counts[n] = self.counts.get(n, 0) + 1
+        if n in self.seen:
+            self.times.setdefault(n, []).append(seconds)
+        self.seen.add(n)
+
+    def mean(self, n: int) -> float:
+        return sum(self.times[n]) / len(self.times[n])
 
     def __call__(self, n: int) -> float:
-        if n in self.counts:
-            return self.sums[n] / self.counts[n]
-        if not self.counts:
+        if n in self.times:
+            return self.mean(n)
+        if not self.times:
             return self.profile(n)
-        scale = sum(self.sums[m] / self.counts[m] / self.profile(m) for m in self.counts) / len(self.counts)
+        scale = sum(self.mean(m) / self.profile(m) for m in self.times) / len(self.times)
         return self.profile(n) * scale
 
 
@@ -77,13 +77,11 @@ def choose_verify_lengths(S: torch.Tensor, cost: Callable[[int], float], max_v: 
     the same v."""
     S = torch.as_tensor(S, dtype=torch.float64).cpu()
     B, G = S.shape
-    caps = [min(G, int(c)) for c in (max_v if isinstance(max_v, Sequence) else [max_v] * B)]
-    caps = [max(0, c) for c in caps]
+    caps = [max(0, min(G, int(c))) for c in (max_v if isinstance(max_v, Sequence) else [max_v] * B)]
     if not ragged:
         best, best_v = -1.0, 0
         for V in range(max(caps) + 1):
-            num = sum(1.0 + float(S[r, :min(V, caps[r])].sum()) for r in range(B))
-            ratio = num / cost(B * (1 + V))
+            ratio = expected_tokens(S, [min(V, c) for c in caps]) / cost(B * (1 + V))
             if ratio > best + 1e-12 * abs(best):
                 best, best_v = ratio, V
         return [best_v] * B
