@@ -1,10 +1,8 @@
 """The OpenAI-compatible server (`dsv41 serve`) and the main job (`dsv41 demo`).
 
     app.py                 the FastAPI app (routes, error handlers, models, health, metrics) and an in-thread launcher
-    serving.py             what chat and completions share: request -> choices -> one job -> JSON body or stream
-                           (server-sent events), the engine's sampling parameters per choice
-    serving_chat.py        POST /v1/chat/completions
-    serving_completion.py  POST /v1/completions
+    serving.py             POST /v1/chat/completions and /v1/completions: request -> choices -> one job -> JSON
+                           body or stream (server-sent events), the engine's sampling parameters per choice
     jobs.py                the engine requests of one HTTP request, and the client watched while they run
     runner.py              the engine loop thread (the only code that touches the engine)
     validation.py          body, model name, prompt and context-length checks

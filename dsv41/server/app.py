@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI): `create_app(engine, ...)`, and `serve_in_thread` to run it on loopback.
 
-Endpoints: POST /v1/chat/completions (`serving_chat`), POST /v1/completions (`serving_completion`), GET /v1/models
+Endpoints: POST /v1/chat/completions and POST /v1/completions (`serving`), GET /v1/models
 and /v1/models/{id} (the one model this server serves; its aliases answer too), GET /health, GET /metrics.
 
 One engine loop thread (`EngineRunner`) owns the engine; each HTTP request becomes one engine request per choice
@@ -27,8 +27,7 @@ from dsv41.server.logprobs import TokenText
 from dsv41.server.metrics import ServerMetrics
 from dsv41.server.protocol import APIError, error_body
 from dsv41.server.runner import EngineRunner
-from dsv41.server.serving_chat import ServingChat
-from dsv41.server.serving_completion import ServingCompletion
+from dsv41.server.serving import ServingChat, ServingCompletion
 from dsv41.server.state import ServerSettings, ServerState
 from dsv41.server.validation import check_model
 

@@ -15,14 +15,8 @@ def _byte_decoder() -> dict[str, int]:
     """Inverse of the byte-level BPE alphabet (printable bytes stand for themselves, the others are shifted to
     code points from 256 up, in byte order)."""
     keep = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
+    shifted = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + k): b for k, b in enumerate(shifted)}}
 
 
 BYTE_DECODER = _byte_decoder()

@@ -7,7 +7,7 @@ which typically does `loop.call_soon_threadsafe(queue.put_nowait, event)` onto a
 
 Events a sink receives, in order:
     Accepted(request_id)                         the engine took the request (add_request succeeded)
-    Delta(request_id, text, logprobs)            every step that produced something for it
+    StepOutput                                   the engine's output of every step that produced something for it
     Done(request_id, completion)                 it finished (the engine's Completion, stats included)
 or a single Failed(request_id, status, message) instead (bad input rejected by the engine: 400; anything else: 500).
 
@@ -32,13 +32,6 @@ log = logging.getLogger("dsv41.server")
 @dataclass
 class Accepted:
     request_id: str
-
-
-@dataclass
-class Delta:
-    request_id: str
-    text: str
-    logprobs: list[dict]
 
 
 @dataclass
@@ -134,9 +127,8 @@ class EngineRunner:
             self._abort(rid)
 
     def _abort(self, rid: str) -> None:
-        if rid in self._sinks:
+        if self._sinks.pop(rid, None) is not None:
             self.engine.abort(rid)
-            self._sinks.pop(rid, None)
             self.n_aborted += 1
             self.metrics.aborted.inc()
         self.engine.finished.pop(rid, None)
@@ -167,7 +159,7 @@ class EngineRunner:
                 if o.finished:
                     self.engine.finished.pop(rid, None)
                 continue
-            ok = self._send(sink, Delta(rid, o.new_text, list(o.new_logprobs)))
+            ok = self._send(sink, o)
             if o.finished:
                 self._finish(rid, sink)
             elif not ok:
@@ -210,9 +202,7 @@ def kv_in_use(engine) -> dict[str, int]:
     pool's allocated global pages."""
     out = {"global": 0, "swa": 0, "pending": 0}
     pool = engine.pool
-    for s in engine.running:
-        if s.sid is None:
-            continue
+    for s in engine.running:                            # running sequences hold a pool sequence
         b = pool.seq_bytes(s.sid)
         out["global"] += int(b.get("global_entries_bytes", b.get("global_bytes", 0)))
         out["swa"] += int(b.get("swa_bytes", 0))

@@ -1,6 +1,7 @@
-"""What the two generation endpoints (chat and completions) share: a request parsed and validated into engine
-requests (`Choice`s), run as one `Job`, answered as one JSON body or streamed as server-sent events. The
-endpoints (`serving_chat`, `serving_completion`) say how a request becomes choices and how a choice looks.
+"""The two generation endpoints, POST /v1/chat/completions (`ServingChat`) and POST /v1/completions
+(`ServingCompletion`), and what they share (`OpenAIServing`): a request parsed and validated into engine requests
+(`Choice`s), run as one `Job`, answered as one JSON body or streamed as server-sent events. Each endpoint says how
+a request becomes choices and how a choice looks.
 
 Extensions beyond OpenAI's fields: request `top_k`, `ignore_eos`, `stop_token_ids`, `return_prompt` (the response
 then carries the rendered `prompt`); response `engine_stats` (per choice: prefill mode, timings, KV bytes, cache
@@ -23,14 +24,19 @@ from typing import Any, AsyncIterator, Iterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from dsv41.engine.engine import StepOutput
 from dsv41.engine.sampling import SamplingParams
+from dsv41.server.chat import ReasoningSplitter, effort_budget
 from dsv41.server.jobs import Choice, ClientGone, Job
-from dsv41.server.protocol import APIError, bad_request, merge_usage, parse, usage_from_stats
-from dsv41.server.runner import Delta, Done, Failed
+from dsv41.server.logprobs import chat_logprobs, completion_logprobs
+from dsv41.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, merge_usage, parse,
+                                   usage_from_stats)
+from dsv41.server.runner import Done, Failed
 from dsv41.server.state import ServerState
-from dsv41.server.validation import check_model, read_json, resolve_max_tokens
+from dsv41.server.validation import check_ids, check_model, encode, read_json, resolve_max_tokens
 
 log = logging.getLogger("dsv41.server")
+MAX_SEQUENCES_PER_REQUEST = 64                  # completions: prompts x n
 DONE = "data: [DONE]\n\n"
 
 
@@ -167,7 +173,7 @@ class OpenAIServing:
         done = []
         async for ev in job.events(request):
             c = job.choices[ev.request_id]
-            if isinstance(ev, Delta):
+            if isinstance(ev, StepOutput):
                 choice = self.delta_choice(c, ev)
                 if choice is not None:
                     yield self.chunk([choice])
@@ -243,3 +249,134 @@ class OpenAIServing:
         status = e.status if isinstance(e, APIError) else 499
         self.state.metrics.observe_request(self.endpoint, status)
         return JSONResponse(e.body(), status_code=status) if isinstance(e, APIError) else Response(status_code=499)
+
+# ------------------------------------------------------------------------------------------------ chat
+
+class ServingChat(OpenAIServing):
+    """POST /v1/chat/completions: messages rendered by the chat template (reasoning effort, `chat_template_kwargs`
+    {"thinking": bool}), `n` choices of one prompt, the answer split into `reasoning_content` and `content` when
+    the model thinks."""
+
+    endpoint = "chat"
+    request_model = ChatCompletionRequest
+    id_prefix = "chatcmpl"
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def prepare(self) -> None:
+        req, st = self.req, self.state
+        try:
+            effort = effort_budget(req.reasoning_effort)
+        except ValueError as e:
+            raise bad_request(str(e), "reasoning_effort", "invalid_reasoning_effort") from None
+        thinking = (req.chat_template_kwargs or {}).get("thinking")
+        if thinking is not None and not isinstance(thinking, bool):
+            raise bad_request("chat_template_kwargs.thinking must be a boolean", "chat_template_kwargs")
+        messages = [{"role": m.role, "content": m.text(), "reasoning_content": m.reasoning_content}
+                    for m in req.messages]
+        try:
+            self.prompt = st.template.render(messages, effort, thinking)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        ids = encode(st.tokenizer, self.prompt, "messages")
+        check_ids(ids, st.engine.cfg.vocab_size, "messages")
+        max_new = self.max_tokens(req.max_new_tokens(), len(ids),
+                                  "max_completion_tokens" if req.max_completion_tokens else "max_tokens", "messages")
+        self.lp = (req.top_logprobs or 0) if req.logprobs else None
+        self.choices = [Choice(i, 0, f"{self.rid}-{i}", ids, self.params(max_new, i, self.lp)) for i in range(req.n)]
+        self.prompt_lens = [len(ids)]
+        self.split = st.template.name != "simple" and (thinking if thinking is not None else effort is not None)
+        self.splitters: dict[str, ReasoningSplitter] = {}
+
+    def _delta(self, c: Choice, text: str, final: bool = False) -> dict:
+        """New answer text as a delta: reasoning and answer apart when the model thinks."""
+        if not self.split:
+            return {"content": text} if text else {}
+        r, a = self.splitters.setdefault(c.rid, ReasoningSplitter(True)).feed(text, final=final)
+        return {k: v for k, v in (("reasoning_content", r), ("content", a)) if v}
+
+    def _logprobs(self, entries: list[dict]) -> dict | None:
+        return None if self.lp is None else chat_logprobs(entries, self.state.token_text)
+
+    def full_choice(self, c: Choice, comp) -> dict:
+        msg = {"role": "assistant", "content": comp.text}
+        if self.split:
+            r, a = ReasoningSplitter(True).feed(comp.text, final=True)
+            msg = {"role": "assistant", "content": a, "reasoning_content": r}
+        return {"index": c.index, "message": msg, "finish_reason": comp.finish_reason,
+                "logprobs": self._logprobs(comp.logprobs)}
+
+    def stream_head(self) -> Iterator[str]:
+        if self.req.return_prompt:
+            yield sse({"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.req.model,
+                       "choices": [], "prompt": self.prompt})
+        for c in self.choices:
+            yield self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}])
+
+    def delta_choice(self, c: Choice, ev: StepOutput) -> dict | None:
+        delta = self._delta(c, ev.new_text)
+        if not (delta or ev.new_logprobs):
+            return None
+        return {"index": c.index, "delta": delta, "finish_reason": None, "logprobs": self._logprobs(ev.new_logprobs)}
+
+    def finish_choice(self, c: Choice, comp) -> dict:
+        return {"index": c.index, "delta": self._delta(c, "", final=True), "logprobs": None,
+                "finish_reason": comp.finish_reason}
+
+# ------------------------------------------------------------------------------------------------ completions
+
+class ServingCompletion(OpenAIServing):
+    """POST /v1/completions: a prompt or a batch of them (text or token ids), `n` choices each, `echo`, legacy
+    logprobs."""
+
+    endpoint = "completions"
+    request_model = CompletionRequest
+    id_prefix = "cmpl"
+    object = chunk_object = "text_completion"
+
+    def prepare(self) -> None:
+        req, st = self.req, self.state
+        prompts = req.prompts()
+        if len(prompts) * req.n > MAX_SEQUENCES_PER_REQUEST:
+            raise bad_request(f"at most {MAX_SEQUENCES_PER_REQUEST} sequences (prompts x n) per request", "n")
+        self.prompt, encoded = [], []                           # per prompt: the text to echo, the token ids
+        for k, p in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt.{k}"
+            if p == "":
+                raise bad_request(f"{param}: the prompt is empty", param)
+            ids = encode(st.tokenizer, p, param) if isinstance(p, str) else list(p)
+            check_ids(ids, st.engine.cfg.vocab_size, param)
+            self.prompt.append(p if isinstance(p, str) else st.tokenizer.decode(ids) if req.echo else "")
+            encoded.append(ids)
+        self.prompt_lens = [len(ids) for ids in encoded]
+        max_new = self.max_tokens(req.max_tokens, max(self.prompt_lens), "max_tokens", "prompt")
+        self.choices = [Choice(i, k, f"{self.rid}-{i}", ids, self.params(max_new, i, req.logprobs))
+                        for k, ids in enumerate(encoded)
+                        for i in range(k * req.n, (k + 1) * req.n)]
+        self.offsets = {c.rid: 0 for c in self.choices}         # text streamed so far (logprobs' text_offset)
+
+    def _echo(self, c: Choice) -> str:
+        return self.prompt[c.prompt_index] if self.req.echo else ""
+
+    def full_choice(self, c: Choice, comp) -> dict:
+        lps = None if self.req.logprobs is None else completion_logprobs(comp.logprobs, self.state.token_text.text)
+        return {"index": c.index, "text": self._echo(c) + comp.text, "finish_reason": comp.finish_reason,
+                "logprobs": lps}
+
+    def stream_head(self) -> Iterator[str]:
+        if self.req.echo:
+            for c in self.choices:
+                yield self.chunk([{"index": c.index, "text": self._echo(c), "logprobs": None, "finish_reason": None}])
+
+    def delta_choice(self, c: Choice, ev: StepOutput) -> dict | None:
+        if not (ev.new_text or ev.new_logprobs):
+            return None
+        lps = None
+        if self.req.logprobs is not None:
+            lps = completion_logprobs(ev.new_logprobs, self.state.token_text.text, self.offsets[c.rid])
+        self.offsets[c.rid] += len(ev.new_text)
+        return {"index": c.index, "text": ev.new_text, "logprobs": lps, "finish_reason": None}
+
+    def finish_choice(self, c: Choice, comp) -> dict:
+        return {"index": c.index, "text": "", "logprobs": None, "finish_reason": comp.finish_reason}
