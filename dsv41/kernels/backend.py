@@ -27,12 +27,6 @@ log = logging.getLogger("dsv41.kernels")
 _state: dict = {"backend": None, "triton": None, "triton_error": None, "logged": set()}
 
 
-def _check(name: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
-    return name
-
-
 def triton_available() -> bool:
     """True when `triton` imports (tried once; the import error is kept for the messages)."""
     if _state["triton"] is None:
@@ -46,7 +40,8 @@ def triton_available() -> bool:
 
 def set_backend(name: str) -> None:
     """Select the kernel backend for every op: "auto", "torch" or "triton" (RuntimeError if Triton is missing)."""
-    _check(name)
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
     if name == "triton" and not triton_available():
         raise RuntimeError(f"kernel backend 'triton' requested but triton does not import ({_state['triton_error']})")
     _state["backend"] = name
@@ -55,7 +50,7 @@ def set_backend(name: str) -> None:
 
 def get_backend() -> str:
     if _state["backend"] is None:
-        set_backend(_check(os.environ.get("DSV41_KERNELS", "auto")))
+        set_backend(os.environ.get("DSV41_KERNELS", "auto"))
     return _state["backend"]
 
 
@@ -73,33 +68,21 @@ def resolve(op: str, tensors: list[torch.Tensor], bf16: torch.Tensor | None = No
     backend = get_backend()
     if backend == "torch":
         return "torch"
-    cuda = all(t.is_cuda for t in tensors)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    dtype_ok = bf16 is None or bf16.dtype == torch.bfloat16
-    if backend == "triton":
-        if not triton_available():
-            raise RuntimeError(f"kernel backend 'triton': triton does not import ({_state['triton_error']})")
-        if not cuda:
-            raise ValueError(f"kernel backend 'triton': {op} needs CUDA tensors, got devices "
-                             f"{sorted({str(t.device) for t in tensors})}")
-        if grad:
-            raise ValueError(f"kernel backend 'triton': {op} has no backward; call it under torch.no_grad() "
-                             "or use the 'torch' backend for training")
-        if not dtype_ok:
-            raise ValueError(f"kernel backend 'triton': {op} takes bfloat16 activations, got {bf16.dtype}")
-        _log_once(op, "triton", "requested")
+    # each check: why auto takes the reference, and the error of an explicit 'triton'
+    if not all(t.is_cuda for t in tensors):
+        why_auto, error = "CPU tensors", f"needs CUDA tensors, got devices {sorted({str(t.device) for t in tensors})}"
+    elif not triton_available():                 # (never with an explicit 'triton': set_backend checked it)
+        why_auto, error = f"triton unavailable ({_state['triton_error']})", "needs triton"
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        why_auto, error = ("gradient needed, the Triton kernel has no backward",
+                           "has no backward; call it under torch.no_grad() or use the 'torch' backend for training")
+    elif bf16 is not None and bf16.dtype != torch.bfloat16:
+        why_auto = f"{bf16.dtype} activations, the Triton kernel is bf16-only"
+        error = f"takes bfloat16 activations, got {bf16.dtype}"
+    else:
+        _log_once(op, "triton", "requested" if backend == "triton" else "auto: CUDA tensors and triton available")
         return "triton"
-    if not cuda:
-        _log_once(op, "torch", "auto: CPU tensors")
-        return "torch"
-    if not triton_available():
-        _log_once(op, "torch", f"auto: triton unavailable ({_state['triton_error']})")
-        return "torch"
-    if grad:
-        _log_once(op, "torch", "auto: gradient needed, the Triton kernel has no backward")
-        return "torch"
-    if not dtype_ok:
-        _log_once(op, "torch", f"auto: {bf16.dtype} activations, the Triton kernel is bf16-only")
-        return "torch"
-    _log_once(op, "triton", "auto: CUDA tensors and triton available")
-    return "triton"
+    if backend == "triton":
+        raise ValueError(f"kernel backend 'triton': {op} {error}")
+    _log_once(op, "torch", f"auto: {why_auto}")
+    return "torch"

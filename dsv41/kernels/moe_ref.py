@@ -49,13 +49,9 @@ def moe_combine(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, n
     order = torch.argsort(flat, stable=True)              # (token, slot) pairs grouped by expert, tokens ascending
     rows_of, w_of = order // indices.size(1), weights.flatten()[order].unsqueeze(-1)
     counts = torch.bincount(flat, minlength=n_experts).tolist()
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows, w = rows_of[start:start + n], w_of[start:start + n]
-        start += n
-        y = y.index_add(0, rows, expert(e, x[rows], w).float())
+    for e, (rows, w) in enumerate(zip(rows_of.split(counts), w_of.split(counts))):
+        if len(rows):
+            y = y.index_add(0, rows, expert(e, x[rows], w).float())
     y = y + shared(x).float()
     return y.type_as(x)
 

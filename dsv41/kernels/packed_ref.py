@@ -21,22 +21,11 @@ from __future__ import annotations
 import torch
 
 from dsv41.codecs import unpack_index_k, unpack_main_kv, unpack_swa_kv
-from dsv41.devices import h2d
 from dsv41.kernels.ref import sparse_attn_ref
 
-__all__ = [
-    "decode_window_rows",
-    "page_table_of",
-    "gather_records",
-    "sparse_attn_packed_ref",
-    "indexer_scores_packed_ref",
-    "pool_entries",
-    "candidate_pool",
-    "indexer_select",
-    "indexer_topk_with",
-    "indexer_topk_packed_ref",
-    "topk_indices",
-]
+__all__ = ["decode_window_rows", "gather_records", "sparse_attn_packed_ref", "indexer_scores_packed_ref",
+           "pool_entries", "top_blocks", "candidate_pool", "indexer_select", "indexer_topk_with",
+           "indexer_topk_packed_ref", "topk_indices"]
 
 _LAST = torch.iinfo(torch.int32).max
 
@@ -51,18 +40,6 @@ def decode_window_rows(pos: torch.Tensor, W: int, floor: torch.Tensor | None = N
     p = pos.view(-1, 1).long() - W + 1 + torch.arange(W, device=pos.device)
     lo = torch.zeros_like(p) if floor is None else floor.view(-1, 1).long().to(pos.device).expand_as(p)
     return torch.where(p < lo.clamp_min(0), -1, p % W).int()
-
-
-def page_table_of(view, layer: int) -> torch.Tensor:
-    """[B, MP] int32 page table of `layer` for a bound `BatchView` (rows padded with page 0, never read since
-    selections stay below each row's entry count)."""
-    tables = [s.pages[layer] for s in view.seqs]
-    mp = max(1, max(len(t) for t in tables))
-    out = torch.zeros(len(tables), mp, dtype=torch.int32)
-    for b, t in enumerate(tables):
-        if t:
-            out[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    return h2d(out, view.device)
 
 
 def gather_records(pages: torch.Tensor, page_table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
@@ -145,17 +122,27 @@ def _ascending_tail(ids: torch.Tensor) -> torch.Tensor:
     return torch.where(s == _LAST, -1, s).int()
 
 
+def top_blocks(scores: torch.Tensor, n_vis: torch.Tensor, n_blocks: int, block_size: int,
+               ties: str = "official") -> tuple[torch.Tensor, torch.Tensor]:
+    """Level one of the hierarchical indexer (MODEL.md 3.7), shared by the model's `select_candidate_blocks` and
+    `candidate_pool`: block score = max over `block_size` entries, the block holding the newest visible entry
+    pinned to +inf, then the top min(n_blocks, nb) blocks. scores [..., N] (invisible = -inf), n_vis visible
+    counts broadcastable to [..., 1] -> (block scores [..., nb], top block ids [..., min(n_blocks, nb)])."""
+    N = scores.size(-1)
+    padded = torch.nn.functional.pad(scores, (0, -N % block_size), value=-torch.inf)
+    blocks = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)                       # [..., nb]
+    nb = blocks.size(-1)
+    last = torch.div(n_vis - 1, block_size, rounding_mode="floor")
+    blocks = blocks.masked_fill(torch.arange(nb, device=scores.device) == last, torch.inf)
+    return blocks, topk_indices(blocks, min(n_blocks, nb), ties)
+
+
 def candidate_pool(scores: torch.Tensor, n_vis: torch.Tensor, pool_blocks: int, block_size: int,
                    ties: str = "official") -> torch.Tensor:
     """`select_candidate_blocks` (MODEL.md 3.7) as block ids: [B, min(pool_blocks, nb)] int32, ascending, -1 for
     slots whose block score is -inf. scores [B,N] over entries 0..N-1 (invisible = -inf)."""
-    N = scores.size(-1)
-    padded = torch.nn.functional.pad(scores, (0, -N % block_size), value=-torch.inf)
-    blocks = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)                       # [B,nb]
-    nb = blocks.size(-1)
-    last = torch.div(n_vis.view(-1, 1).long().to(scores.device) - 1, block_size, rounding_mode="floor")
-    blocks = blocks.masked_fill(torch.arange(nb, device=scores.device) == last, torch.inf)
-    top = topk_indices(blocks, min(pool_blocks, nb), ties)
+    n_vis = n_vis.view(-1, 1).long().to(scores.device)
+    blocks, top = top_blocks(scores, n_vis, pool_blocks, block_size, ties)
     keep = blocks.gather(-1, top) > -torch.inf
     return _ascending_tail(torch.where(keep, top, -1))
 
@@ -168,12 +155,9 @@ def indexer_select(scores: torch.Tensor, entries: torch.Tensor | None, n_vis: to
     model's k is min(topk, n_max)). Selected ids outside 0..n_vis-1 become -1, as the model's. A restricted
     list narrower than k (possible only when topk > pool) is padded with -1."""
     k = min(topk, n_max)
-    if scores.size(-1) < k:
+    if scores.size(-1) < k:                          # only a restricted list (entries given) can be narrower
         pad = k - scores.size(-1)
         scores = torch.nn.functional.pad(scores, (0, pad), value=-torch.inf)
-        if entries is None:
-            entries = torch.arange(scores.size(-1) - pad, device=scores.device, dtype=torch.int32).expand(
-                scores.size(0), -1)
         entries = torch.nn.functional.pad(entries, (0, pad), value=-1)
     pos = topk_indices(scores, k, ties)
     ids = pos if entries is None else entries.long().gather(-1, pos)

@@ -24,7 +24,7 @@ from dsv41.codecs import qdq_index_k, qdq_main_kv
 from dsv41.config import LayerRole, ModelConfig
 from dsv41.devices import h2d
 from dsv41.kernels import qdq_fp8, sparse_attn
-from dsv41.kernels.packed_ref import topk_indices
+from dsv41.kernels.packed_ref import top_blocks, topk_indices
 from dsv41.model import packed_decode
 from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope, lin_kind
 from dsv41.model.step import StepContext
@@ -80,15 +80,9 @@ def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, to
     """Level one of the hierarchical indexer (MODEL.md 3.7): block score = max over `block_size` entries, the
     block holding the newest visible entry pinned to +inf, keep the top `topk_blocks` blocks with a finite
     score. score [B,T,N] (invisible = -inf), compress_lens [T,1] -> bool mask [B,T,N]."""
-    N = score.size(-1)
-    padded = torch.nn.functional.pad(score, (0, -N % block_size), value=-torch.inf)
-    blocks = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
-    nb = blocks.size(-1)
-    last = torch.div(compress_lens - 1, block_size, rounding_mode="floor")
-    blocks = blocks.masked_fill(torch.arange(nb, device=score.device) == last, torch.inf)
-    top = topk_indices(blocks, min(topk_blocks, nb), ties)
+    blocks, top = top_blocks(score, compress_lens, topk_blocks, block_size, ties)
     keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top, blocks.gather(-1, top) > -torch.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :N]
+    return keep.repeat_interleave(block_size, dim=-1)[..., :score.size(-1)]
 
 
 def carry_after(seq_kv: torch.Tensor, seq_sc: torch.Tensor, length: torch.Tensor, m: int):
