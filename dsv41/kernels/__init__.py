@@ -53,25 +53,18 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _pick_triton(op: str, tensors: list, bf16: torch.Tensor | None, fp8: bool) -> bool:
-    """The switch's choice for one call. fp8: the twin converts to E4M3 in hardware, which needs sm_89+ (an
-    explicit Triton backend on an older GPU is an error, auto takes the reference)."""
-    if resolve(op, tensors, bf16=bf16) != "triton":
-        return False
-    if not fp8 or _capability(tensors[0].device.index) >= (8, 9):       # a CUDA tensor's device has an index
-        return True
-    if get_backend() == "triton":
-        raise ValueError(f"kernel backend 'triton': {op} needs a GPU of compute capability 8.9 or newer")
-    return False
-
-
 def _dispatch(op: str, ref, args: tuple, tensors: list, bf16: torch.Tensor | None = None, fp8: bool = False,
               fits: bool = True):
     """ref(*args), or its Triton twin `dsv41.kernels.triton.<op>_triton` (same arguments) when the inputs fit the
-    kernel's shapes and the switch picks Triton for `tensors` (bf16: the activation it needs in bfloat16)."""
-    if fits and _pick_triton(op, tensors, bf16, fp8):
-        from dsv41.kernels import triton as twins
-        return getattr(twins, f"{op}_triton")(*args)
+    kernel's shapes and the switch picks Triton for `tensors` (bf16: the activation it needs in bfloat16). fp8: the
+    twin converts to E4M3 in hardware, which needs sm_89+ (an explicit Triton backend on an older GPU is an
+    error, auto takes the reference)."""
+    if fits and resolve(op, tensors, bf16=bf16) == "triton":
+        if not fp8 or _capability(tensors[0].device.index) >= (8, 9):     # a CUDA tensor's device has an index
+            from dsv41.kernels import triton as twins
+            return getattr(twins, f"{op}_triton")(*args)
+        if get_backend() == "triton":
+            raise ValueError(f"kernel backend 'triton': {op} needs a GPU of compute capability 8.9 or newer")
     return ref(*args)
 
 

@@ -24,8 +24,8 @@ from dsv41.codecs import unpack_index_k, unpack_main_kv, unpack_swa_kv
 from dsv41.kernels.ref import sparse_attn_ref
 
 __all__ = ["decode_window_rows", "gather_records", "sparse_attn_packed_ref", "indexer_scores_packed_ref",
-           "pool_entries", "top_blocks", "candidate_pool", "indexer_select", "indexer_topk_with",
-           "indexer_topk_packed_ref", "topk_indices"]
+           "pool_entries", "top_blocks", "candidate_pool", "indexer_select", "indexer_topk_packed_ref",
+           "topk_indices"]
 
 _LAST = torch.iinfo(torch.int32).max
 
@@ -66,7 +66,6 @@ def sparse_attn_packed_ref(q: torch.Tensor, swa_ring: torch.Tensor, ring_slots: 
     Computes `sparse_attn_ref` over KV = [the row's ring rows || the K selected entries] with the index list
     [win_idx || W + k for each selected k]: the model's decode list (window oldest first, then the top-k),
     so the blocks of 64 and the bf16 rounding of the probabilities are the model's."""
-    B, H, D = q.shape
     W, K = swa_ring.size(1), topk_idx.size(1)
     ring = unpack_swa_kv(swa_ring[ring_slots.long()])                                  # [B,W,D]
     comp = unpack_main_kv(gather_records(main_pages, page_table, topk_idx))            # [B,K,D]
@@ -165,9 +164,19 @@ def indexer_select(scores: torch.Tensor, entries: torch.Tensor | None, n_vis: to
     return _ascending_tail(torch.where(ok, ids, -1))
 
 
-def indexer_topk_with(score_fn, q, w, index_pages, page_table, n_vis, topk, cand_blocks, pool_blocks, block_size,
-                      ties, n_max=None):
-    """`indexer_topk_packed_ref` with the scores of `score_fn`: the reference and the Triton path differ only there."""
+def indexer_topk_packed_ref(q: torch.Tensor, w: torch.Tensor, index_pages: torch.Tensor, page_table: torch.Tensor,
+                            n_vis: torch.Tensor, topk: int, cand_blocks: torch.Tensor | None = None,
+                            pool_blocks: int = 0, block_size: int = 8, ties: str = "official",
+                            n_max: int | None = None, *, score_fn=indexer_scores_packed_ref):
+    """Decode indexer over packed MXFP4 keys -> (top-k entry ids [B, min(topk, max n_vis)] int32, pool or None).
+
+    Full layer: scores every visible entry. Candidate source (pool_blocks > 0): also returns its candidate pool
+    as block ids [B, min(pool_blocks, nb)] (ascending, -1 tail), its own top-k from the unmasked scores.
+    Reindex layer (cand_blocks given): scores only the pool's entries, which selects what the model's
+    mask-then-top-k selects (the same set; with ties='recent' the same ids, since the pool lists entries in
+    ascending order). Shapes as `indexer_scores_packed_ref`. n_max: max(n_vis) when the caller knows it (the
+    engine does), which saves a host sync. score_fn: the scores (the Triton twin passes its kernel's: the
+    reference and the Triton path differ only there)."""
     B = q.size(0)
     n_max = int(n_vis.max()) if n_max is None else n_max
     if n_max == 0:                                   # the model skips the indexer: empty selection, no pool
@@ -182,19 +191,3 @@ def indexer_topk_with(score_fn, q, w, index_pages, page_table, n_vis, topk, cand
     scores = score_fn(q, w, index_pages, page_table, n_vis, None, n_max)
     pool = candidate_pool(scores, n_vis, pool_blocks, block_size, ties) if pool_blocks else None
     return indexer_select(scores, None, n_vis, topk, n_max, ties), pool
-
-
-def indexer_topk_packed_ref(q: torch.Tensor, w: torch.Tensor, index_pages: torch.Tensor, page_table: torch.Tensor,
-                            n_vis: torch.Tensor, topk: int, cand_blocks: torch.Tensor | None = None,
-                            pool_blocks: int = 0, block_size: int = 8, ties: str = "official",
-                            n_max: int | None = None):
-    """Decode indexer over packed MXFP4 keys -> (top-k entry ids [B, min(topk, max n_vis)] int32, pool or None).
-
-    Full layer: scores every visible entry. Candidate source (pool_blocks > 0): also returns its candidate pool
-    as block ids [B, min(pool_blocks, nb)] (ascending, -1 tail), its own top-k from the unmasked scores.
-    Reindex layer (cand_blocks given): scores only the pool's entries, which selects what the model's
-    mask-then-top-k selects (the same set; with ties='recent' the same ids, since the pool lists entries in
-    ascending order). Shapes as `indexer_scores_packed_ref`. n_max: max(n_vis) when the caller knows it (the
-    engine does), which saves a host sync."""
-    return indexer_topk_with(indexer_scores_packed_ref, q, w, index_pages, page_table, n_vis, topk, cand_blocks,
-                             pool_blocks, block_size, ties, n_max)

@@ -1,4 +1,5 @@
-"""What every Triton launcher shares: the interpreter switches, the last compiled kernel per launcher, the SM count.
+"""What every Triton launcher shares: the interpreter switches, the last compiled kernel per launcher, the SM count,
+libdevice (the accurate math functions).
 
 Triton's interpreter (TRITON_INTERPRET=1, CPU debugging) gets bf16 dot products wrong: there the operands are
 upcast to fp32 before the dot (the same products: bf16 values are exact in fp32). It runs no inline PTX either:
@@ -7,11 +8,17 @@ there the decoders take their arithmetic path (the same values) and libdevice ca
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-__all__ = ["INTERPRET", "DOT_BF16", "ASM", "LAST", "sm_count"]
+try:                                                     # the accurate expf (Triton 3.x; older: tl.math.exp)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover
+    from triton.language import math as libdevice
+
+__all__ = ["INTERPRET", "DOT_BF16", "ASM", "LAST", "sm_count", "libdevice"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DOT_BF16 = not INTERPRET
@@ -19,14 +26,14 @@ ASM = not INTERPRET
 
 LAST: dict = {}          # the last compiled kernel per launcher (n_regs / n_spills for the benchmark's report)
 
-_SM_COUNT: dict[int, int] = {}
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device (8 elsewhere: the interpreter)."""
     if device.type != "cuda":
         return 8
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNT[i]
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())

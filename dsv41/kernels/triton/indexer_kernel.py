@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.packed_ref import indexer_topk_with
+from dsv41.kernels.packed_ref import indexer_topk_packed_ref
 from dsv41.kernels.triton.common import ASM, DOT_BF16, LAST, sm_count
 from dsv41.kernels.triton.decoders import e2m1_f16, e2m1_to_f32, ue8m0_to_f32, word_f16
 
@@ -443,5 +443,5 @@ def indexer_topk_packed_triton(q: torch.Tensor, w: torch.Tensor, index_pages: to
                                pool_blocks: int = 0, block_size: int = 8, ties: str = "official",
                                n_max: int | None = None):
     """Triton twin of `indexer_topk_packed_ref`: the Triton scores, then the reference's torch selection."""
-    return indexer_topk_with(indexer_scores_packed_triton, q, w, index_pages, page_table, n_vis, topk, cand_blocks,
-                             pool_blocks, block_size, ties, n_max)
+    return indexer_topk_packed_ref(q, w, index_pages, page_table, n_vis, topk, cand_blocks, pool_blocks, block_size,
+                                   ties, n_max, score_fn=indexer_scores_packed_triton)

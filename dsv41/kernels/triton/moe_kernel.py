@@ -27,14 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-try:                                                     # the accurate expf (Triton 3.x; older: tl.math.exp)
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover
-    from triton.language import math as libdevice
-
 from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
 from dsv41.kernels.triton.quant_kernel import _fp8_groups, qdq_fp8_triton
-from dsv41.kernels.triton.common import DOT_BF16, INTERPRET, LAST
+from dsv41.kernels.triton.common import DOT_BF16, INTERPRET, LAST, libdevice
 
 __all__ = ["moe_experts_triton", "CONFIG"]
 

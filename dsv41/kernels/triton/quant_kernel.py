@@ -23,12 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-try:                                                     # the accurate expf (Triton 3.x; older: tl.math.exp)
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover
-    from triton.language import math as libdevice
-
 from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
+from dsv41.kernels.triton.common import libdevice
 
 __all__ = ["qdq_fp8_triton", "pack_swa_kv_triton", "expert_act_triton"]
 
