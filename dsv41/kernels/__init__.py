@@ -48,9 +48,7 @@ __all__ = [
 ]
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+_capability = functools.cache(torch.cuda.get_device_capability)         # (major, minor) of a CUDA device index
 
 
 def _dispatch(op: str, ref, args: tuple, tensors: list, bf16: torch.Tensor | None = None, fp8: bool = False,

@@ -27,13 +27,11 @@ ASM = not INTERPRET
 LAST: dict = {}          # the last compiled kernel per launcher (n_regs / n_spills for the benchmark's report)
 
 
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+_properties = functools.cache(torch.cuda.get_device_properties)         # of a CUDA device index
 
 
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device (8 elsewhere: the interpreter)."""
     if device.type != "cuda":
         return 8
-    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return _properties(device.index if device.index is not None else torch.cuda.current_device()).multi_processor_count

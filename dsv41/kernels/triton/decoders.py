@@ -73,8 +73,9 @@ or.b32 {r}, {r}, t;"""
 
 # The E2M1 nibbles of a 32-bit word {x} as E4M3 bytes (the 3 magnitude bits under the E4M3 exponent / mantissa: the
 # value * 2^-6, exact; the sign to bit 7): A = the low nibbles (channels 2k), B = the high ones (2k+1), byte k of
-# each. Needs .reg .b32 t1, t2, A, B.
-_E2M1_TO_E4M3 = """
+# each; then as f16x2 by the hardware conversion: {r0} {r1} = the low nibbles' bytes 0-1 and 2-3, {r2} {r3} the high
+# ones'. Needs .reg .b16 a0, a1, b0, b1 and .reg .b32 t1, t2, A, B.
+_E2M1_TO_F16X2 = """
 shl.b32 t1, {x}, 2;
 and.b32 t1, t1, 0x1C1C1C1C;
 shl.b32 t2, {x}, 4;
@@ -83,7 +84,13 @@ or.b32 A, t1, t2;
 shr.b32 t1, {x}, 2;
 and.b32 t1, t1, 0x1C1C1C1C;
 and.b32 t2, {x}, 0x80808080;
-or.b32 B, t1, t2;"""
+or.b32 B, t1, t2;
+mov.b32 {{a0, a1}}, A;
+mov.b32 {{b0, b1}}, B;
+cvt.rn.f16x2.e4m3x2 {r0}, a0;
+cvt.rn.f16x2.e4m3x2 {r1}, a1;
+cvt.rn.f16x2.e4m3x2 {r2}, b0;
+cvt.rn.f16x2.e4m3x2 {r3}, b1;"""
 
 # uint16 element i = channels (2i, 2i+1) as E4M3 bytes (low, high); pack 2: $2 = two elements, $3 = their two bf16
 # scales; $0 = even channels (2i), $1 = odd channels (2i+1) as bf16x2.
@@ -105,13 +112,8 @@ fma.rn.bf16x2 $1, o, $3, z;
 _E2M1_ASM = tl.constexpr("""{
 .reg .b16 a0, a1, b0, b1;
 .reg .b32 t1, t2, A, B, e0, e1, o0, o1, t, z;
-""" + _E2M1_TO_E4M3.format(x="$4") + """
-mov.b32 {a0, a1}, A;
-mov.b32 {b0, b1}, B;
-cvt.rn.f16x2.e4m3x2 e0, a0;
-cvt.rn.f16x2.e4m3x2 e1, a1;
-cvt.rn.f16x2.e4m3x2 o0, b0;
-cvt.rn.f16x2.e4m3x2 o1, b1;""" + "".join(_F16_TO_BF16.format(r=r) for r in ("e0", "e1", "o0", "o1")) + """
+""" + _E2M1_TO_F16X2.format(x="$4", r0="e0", r1="e1", r2="o0", r3="o1") + "".join(
+    _F16_TO_BF16.format(r=r) for r in ("e0", "e1", "o0", "o1")) + """
 mov.b32 z, 0x80008000;
 fma.rn.bf16x2 $0, e0, $5, z;
 fma.rn.bf16x2 $1, e1, $6, z;
@@ -158,13 +160,7 @@ def e2m1_split(byt, sc, ASM: tl.constexpr):
 _E2M1_F16_ASM = tl.constexpr("""{
 .reg .b16 a0, a1, b0, b1;
 .reg .b32 t1, t2, A, B;
-""" + _E2M1_TO_E4M3.format(x="$4") + """
-mov.b32 {a0, a1}, A;
-mov.b32 {b0, b1}, B;
-cvt.rn.f16x2.e4m3x2 $0, a0;
-cvt.rn.f16x2.e4m3x2 $1, a1;
-cvt.rn.f16x2.e4m3x2 $2, b0;
-cvt.rn.f16x2.e4m3x2 $3, b1;
+""" + _E2M1_TO_F16X2.format(x="$4", r0="$0", r1="$1", r2="$2", r3="$3") + """
 }""")
 
 
@@ -186,13 +182,7 @@ def e2m1_f16(byt, ASM: tl.constexpr):
 _WORD_F16_ASM = tl.constexpr("""{
 .reg .b16 a0, a1, b0, b1;
 .reg .b32 t1, t2, A, B, r0, r1, r2, r3;
-""" + _E2M1_TO_E4M3.format(x="$8") + """
-mov.b32 {a0, a1}, A;
-mov.b32 {b0, b1}, B;
-cvt.rn.f16x2.e4m3x2 r0, a0;
-cvt.rn.f16x2.e4m3x2 r1, a1;
-cvt.rn.f16x2.e4m3x2 r2, b0;
-cvt.rn.f16x2.e4m3x2 r3, b1;
+""" + _E2M1_TO_F16X2.format(x="$8", r0="r0", r1="r1", r2="r2", r3="r3") + """
 mul.rn.f16x2 r0, r0, $9;
 mul.rn.f16x2 r1, r1, $9;
 mul.rn.f16x2 r2, r2, $9;

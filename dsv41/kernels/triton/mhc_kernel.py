@@ -305,7 +305,6 @@ def mhc_fused_triton(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor
         raise ValueError(f"mhc_fused (triton): f and residual must be bfloat16, got {f.dtype}, {residual.dtype}")
     if fn.shape != (M, S * D):
         raise ValueError(f"mhc_fused (triton): fn must be [{M}, {S * D}], got {tuple(fn.shape)}")
-    cfg = CONFIG
     lead = residual.shape[:-2]
     N = residual[..., 0, 0].numel()
     y = torch.empty(*lead, S, D, dtype=torch.bfloat16, device=f.device)
@@ -314,25 +313,25 @@ def mhc_fused_triton(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor
     if N:
         streams = (f.contiguous(), residual.contiguous(), post.float().contiguous(), comb.float().contiguous(),
                    pre_lag.float().contiguous())
-        if N <= cfg["split_max_tokens"]:
-            BD = cfg["split_block_d"]
+        if N <= CONFIG["split_max_tokens"]:
+            BD = CONFIG["split_block_d"]
             NC = triton.cdiv(D, BD)
             ws = torch.empty(N, NC, MP, dtype=torch.float32, device=f.device)
             LAST['mhc'] = LAST['mhc_split'] = _mhc_split_partial_kernel[(N, NC)](
                 *streams, fn.float().contiguous(), y, h, ws, D, NC, M=M, BLOCK_D=BD, num_warps=4,
                 enable_fp_fusion=False)
         else:
-            BT, BD = cfg["tiles_block_t"], cfg["tiles_block_d"]
-            chunk = triton.cdiv(cfg["tiles_chunk"], BD) * BD                # channels per program, whole tiles
+            BT, BD = CONFIG["tiles_block_t"], CONFIG["tiles_block_d"]
+            chunk = triton.cdiv(CONFIG["tiles_chunk"], BD) * BD                # channels per program, whole tiles
             NC = triton.cdiv(D, chunk)
             ws = torch.empty(N, NC, MP, dtype=torch.float32, device=f.device)
             LAST['mhc'] = LAST['mhc_tiles'] = _mhc_tiles_kernel[(triton.cdiv(N, BT) * NC,)](
-                *streams, _fn_by_channel(fn), y, h, ws, N, D, M=M, NSPLIT=cfg["nsplit"], NC=NC, BLOCK_T=BT,
-                BLOCK_D=BD, CHUNK=chunk, STAGES=cfg["tiles_num_stages"], DOT_BF16=DOT_BF16,
-                num_warps=cfg["tiles_num_warps"], enable_fp_fusion=False)
-        BT = cfg["finish_block_t"]
+                *streams, _fn_by_channel(fn), y, h, ws, N, D, M=M, NSPLIT=CONFIG["nsplit"], NC=NC, BLOCK_T=BT,
+                BLOCK_D=BD, CHUNK=chunk, STAGES=CONFIG["tiles_num_stages"], DOT_BF16=DOT_BF16,
+                num_warps=CONFIG["tiles_num_warps"], enable_fp_fusion=False)
+        BT = CONFIG["finish_block_t"]
         _mhc_split_finish_kernel[(triton.cdiv(N, BT),)](
             ws, scale.float().contiguous(), base.float().contiguous(), norm_weight.contiguous(), h, coef, N, D,
             float(eps), float(norm_eps), float(rms_eps), M=M, ITERS=int(iters), NC=NC, BLOCK_T=BT,
-            BLOCK_D=cfg["finish_block_d"], num_warps=4, enable_fp_fusion=False)
+            BLOCK_D=CONFIG["finish_block_d"], num_warps=4, enable_fp_fusion=False)
     return y, h, coef[..., :S], coef[..., S:2 * S], coef[..., 2 * S:].unflatten(-1, (S, S))

@@ -152,26 +152,20 @@ def _address_table(ws: Sequence[torch.Tensor], device: torch.device) -> torch.Te
     return t
 
 
-def _check(ws: Sequence[torch.Tensor], shape: tuple, dtype: torch.dtype, what: str) -> None:
-    for w in ws:
-        if tuple(w.shape) != shape or w.dtype != dtype or not w.is_contiguous():
-            raise ValueError(f"moe_experts (triton): every {what} must be a contiguous {dtype} {list(shape)}, got "
-                             f"{w.dtype} {list(w.shape)} contiguous={w.is_contiguous()}")
-
-
 def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w1: Sequence[torch.Tensor],
                        w3: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], limit: float, quant_in: bool,
                        quant_mid: bool, **over) -> torch.Tensor:
     """Triton twin of `moe_experts_ref` (same arguments; keyword overrides of CONFIG) -> [N, D] in x's dtype."""
     cfg = {**CONFIG, **over}
     N, D = x.shape
-    K = indices.size(1)
     E = len(w1) - 1
     F = w1[0].size(0)
     dt = x.dtype
-    _check(w1, (F, D), dt, "w1")
-    _check(w3, (F, D), dt, "w3")
-    _check(w2, (D, F), dt, "w2")
+    for what, ws, shape in (("w1", w1, (F, D)), ("w3", w3, (F, D)), ("w2", w2, (D, F))):
+        for w in ws:
+            if tuple(w.shape) != shape or w.dtype != dt or not w.is_contiguous():
+                raise ValueError(f"moe_experts (triton): every {what} must be a contiguous {dt} {list(shape)}, got "
+                                 f"{w.dtype} {list(w.shape)} contiguous={w.is_contiguous()}")
     if F % FP8_GROUP:
         raise ValueError(f"moe_experts (triton): the hidden width must be a multiple of {FP8_GROUP}, got {F}")
     BF = cfg["up_block_f"]
@@ -182,7 +176,7 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     if N == 0:
         return y
     xq = qdq_fp8_triton(x) if quant_in else x.contiguous()
-    KP = K + 1
+    KP = indices.size(1) + 1                                                # pairs per token: K routed + shared
     sidx, perm = indices.sort(dim=1)                                        # each token's experts ascending
     pe = torch.cat([sidx, torch.full((N, 1), E, dtype=sidx.dtype, device=dev)], 1).flatten()
     pw = torch.cat([weights.float().gather(1, perm), torch.ones(N, 1, device=dev)], 1).flatten()

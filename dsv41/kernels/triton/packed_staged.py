@@ -131,9 +131,7 @@ def sparse_attn_packed_triton(q: torch.Tensor, swa_ring: torch.Tensor, ring_slot
     """Triton twin of `sparse_attn_packed_ref` (same arguments) -> [B,H,D] bf16: `stage_packed_rows`, then
     `sparse_attn_triton` over the rows. The keywords override the dense kernel's launch parameters in CONFIG."""
     B, H, D = q.shape
-    check_head_dim(D, "sparse_attn_packed")
-    if q.dtype != torch.bfloat16:
-        raise ValueError(f"sparse_attn_packed (triton): q must be bfloat16, got {q.dtype}")
+    check_head_dim(D, "sparse_attn_packed")                  # (q's dtype: checked by sparse_attn_triton)
     for name, t, nbytes in (("swa_ring", swa_ring, D + D // 32), ("main_pages", main_pages, D // 2 + D // 16)):
         if t.dtype != torch.uint8 or t.dim() != 3 or t.size(2) != nbytes:
             raise ValueError(f"sparse_attn_packed (triton): {name} must be uint8 [*, *, {nbytes}] for D={D}, got "
