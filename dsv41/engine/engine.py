@@ -323,11 +323,9 @@ class Engine:
                 break
         emitted_lps = lps[:len(emitted)] if lps else []
         seq.logprobs.extend(emitted_lps)
-        hold = 0
-        if not seq.finish_reason:                              # a partial stop string may still complete
-            hold = max([int(seq.text.endswith("\ufffd"))] + [partial_suffix(seq.text, st) for st in p.stop])
-        upto = len(seq.text) - hold
-        delta = seq.text[seq.emitted:upto] if upto > seq.emitted else ""
+        tails = [int(seq.text.endswith("\ufffd"))] + [partial_suffix(seq.text, st) for st in p.stop]
+        upto = len(seq.text) - (0 if seq.finish_reason else max(tails))     # a partial stop string may complete
+        delta = seq.text[seq.emitted:upto]
         seq.emitted = max(seq.emitted, upto)
         return StepOutput(seq.request_id, emitted, delta, seq.finish_reason is not None, seq.finish_reason,
                           emitted_lps)
@@ -384,8 +382,7 @@ def weights_fingerprint(model) -> str:
     for name, p in sorted(model.state_dict().items()):
         flat = p.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // 4096)][:4096].float().cpu().contiguous()
-        h.update(name.encode())
-        h.update(sample.numpy().tobytes())
+        h.update(name.encode() + sample.numpy().tobytes())
     return h.hexdigest()[:32]
 
 

@@ -76,7 +76,7 @@ def prefill(model, input_ids: torch.Tensor, cache, mode: str = "ced-bounded", ch
     cache.pos - replay ..): re-run for window KV only, with every window truncated at their start."""
     if mode not in MODES:
         raise ValueError(f"unknown prefill mode {mode!r}; choose one of {', '.join(MODES)}")
-    B, N = input_ids.shape
+    N = input_ids.size(1)
     if N == 0:
         raise ValueError("empty prompt")
     chunk = chunk_size or N
@@ -89,28 +89,24 @@ def prefill(model, input_ids: torch.Tensor, cache, mode: str = "ced-bounded", ch
         cache.pos = cache.pos - replay
         floor = cache.pos.clone()
     rings_valid = replay == 0 and int(cache.pos.min()) > 0
+    pieces = _chunks(N, chunk, replay, official_decode_artifact, floor)
     if mode == "full":
-        return _prefill_full(model, input_ids, cache, chunk, official_decode_artifact, replay, floor)
-    return _prefill_ced(model, input_ids, cache, mode, chunk, official_decode_artifact, replay, floor, rings_valid)
+        return _prefill_full(model, input_ids, cache, pieces)
+    return _prefill_ced(model, input_ids, cache, mode, pieces, official_decode_artifact, floor, rings_valid)
 
 
-def _chunks(N: int, chunk: int, replay: int) -> list[tuple[int, int, bool]]:
-    """(lo, hi, produce_kv) pieces: replayed rows never produce global KV, so they form their own chunks."""
-    out = []
-    for a, b, produce in ((0, replay, False), (replay, N, True)):
-        for lo in range(a, b, chunk):
-            out.append((lo, min(b, lo + chunk), produce))
-    return out
+def _chunks(N: int, chunk: int, replay: int, artifact: bool, floor) -> list[tuple[int, int, ForwardOptions]]:
+    """(lo, hi, options) pieces: replayed rows never produce global KV, so they form their own chunks."""
+    return [(lo, min(b, lo + chunk), ForwardOptions(official_decode_artifact=artifact, window_floor=floor,
+                                                    produce_kv=produce))
+            for a, b, produce in ((0, replay, False), (replay, N, True)) for lo in range(a, b, chunk)]
 
 
-def _prefill_full(model, ids, cache, chunk, artifact, replay=0, floor=None) -> PrefillOut:
-    cfg = model.cfg
-    N = ids.size(1)
+def _prefill_full(model, ids, cache, pieces) -> PrefillOut:
+    N, W = ids.size(1), model.cfg.window_size
     taps, tap_start, out = [], None, None
-    W = cfg.window_size
-    for lo, hi, produce in _chunks(N, chunk, replay):
+    for lo, hi, opts in pieces:
         start = cache.pos.clone()
-        opts = ForwardOptions(official_decode_artifact=artifact, window_floor=floor, produce_kv=produce)
         out = model(ids[:, lo:hi], cache, opts=opts, last_only=True)
         if out.main_hidden is not None:
             taps.append(out.main_hidden)
@@ -119,16 +115,15 @@ def _prefill_full(model, ids, cache, chunk, artifact, replay=0, floor=None) -> P
     if main_hidden is not None and main_hidden.size(1) > W:                 # the drafter's ring holds W rows
         tap_start = tap_start + main_hidden.size(1) - W
         main_hidden = main_hidden[:, -W:]
-    rows = {L: N for L in range(cfg.n_layers)}
-    return PrefillOut(out.logits[:, -1], main_hidden, tap_start, rows)
+    return PrefillOut(out.logits[:, -1], main_hidden, tap_start, {L: N for L in range(model.cfg.n_layers)})
 
 
-def _prefill_ced(model, ids, cache, mode, chunk, artifact, replay=0, floor=None, rings_valid=False) -> PrefillOut:
+def _prefill_ced(model, ids, cache, mode, pieces, artifact, floor, rings_valid) -> PrefillOut:
     cfg = model.cfg
     split = check_ced(cfg)
     N = ids.size(1)
     seg_rows = decoder_rows(cfg, mode, N)
-    tail, enc_taps = _encode(model, ids, cache, split, seg_rows[0], chunk, artifact, replay, floor)
+    tail, enc_taps = _encode(model, ids, cache, split, seg_rows[0], pieces)
     x = torch.cat(tail["x"], 1)
     pre = torch.cat(tail["pre"], 1)
     hashes = torch.cat(tail["hash"], 1) if tail["hash"] else None
@@ -157,7 +152,7 @@ def _prefill_ced(model, ids, cache, mode, chunk, artifact, replay=0, floor=None,
     return PrefillOut(logits[:, -1], main_hidden, tap_start, rows)
 
 
-def _encode(model, ids, cache, split, R0, chunk, artifact, replay, floor):
+def _encode(model, ids, cache, split, R0, pieces):
     """The encoder chunk by chunk: layers below the split on every prompt row, then the split layer's block input
     (its Engram and tap) and its global-KV production. Returns the tail rows the decoder needs ({"x", "pre",
     "hash"}: lists of chunk pieces) and the encoder-side drafter taps (layer -> list of chunk pieces)."""
@@ -166,12 +161,11 @@ def _encode(model, ids, cache, split, R0, chunk, artifact, replay, floor):
     tail: dict[str, list[torch.Tensor]] = {"x": [], "pre": [], "hash": []}
     enc_taps: dict[int, list[torch.Tensor]] = {}
     below, at = model.layers[:split], model.layers[split]
-    for lo, hi, produce in _chunks(N, chunk, replay):
+    for lo, hi, opts in pieces:
         part = ids[:, lo:hi]
         T = part.size(1)
         start = cache.pos.clone()
         hashes = model.engram_hashes(part, cache, None)
-        opts = ForwardOptions(official_decode_artifact=artifact, window_floor=floor, produce_kv=produce)
         ctx = StepContext(start, T, cache, opts)
         chunk_taps = {} if cfg.dspark_enabled else None
         h, pre = model.run_layers(*model.streams_in(model.embed_tokens(part)), ctx, below, hashes, chunk_taps,
@@ -179,7 +173,7 @@ def _encode(model, ids, cache, split, R0, chunk, artifact, replay, floor):
         # the split layer's block input on every prompt row, then its global-KV production from that input and
         # the lagged pre
         h = model.block_input(at, h, ctx, hashes, chunk_taps)
-        if produce:
+        if opts.produce_kv:
             at.attn.produce_global_kv(at.attn_norm(hc_pre(h, pre)), ctx)
         cache.pos = start + T
         keep = min(T, max(0, R0 - (N - lo - T)))                             # rows of this chunk the decoder needs

@@ -246,9 +246,8 @@ def run_demo(args: argparse.Namespace) -> int:
     engine = engine_from_args(args)
     cfg = engine.cfg
     app = create_app(engine, ServerSettings.from_args(args))
-    tpl = app.state.dsv41.template.name
     _p(f"model: {cfg.n_layers} layers, dim {cfg.dim}, vocab {cfg.vocab_size}; prefill {engine.prefill_mode}; "
-       f"chat template {tpl}; KV store {'packed' if engine.pool.packed else 'dense'}")
+       f"chat template {app.state.dsv41.template.name}; KV store {'packed' if engine.pool.packed else 'dense'}")
 
     stats_list: list[tuple[str, dict]] = []
     with serve_in_thread(app, "127.0.0.1", 0) as handle:

@@ -33,7 +33,7 @@ from dsv41.server.protocol import (APIError, ChatCompletionRequest, CompletionRe
                                    usage_from_stats)
 from dsv41.server.runner import Done, Failed
 from dsv41.server.state import ServerState
-from dsv41.server.validation import check_ids, check_model, encode, read_json, resolve_max_tokens
+from dsv41.server.validation import check_ids, check_model, encode, read_json
 
 log = logging.getLogger("dsv41.server")
 MAX_SEQUENCES_PER_REQUEST = 64                  # completions: prompts x n
@@ -127,8 +127,19 @@ class OpenAIServing:
         return iter(())
 
     def max_tokens(self, requested: int | None, n_prompt: int, param: str, prompt_param: str) -> int:
-        return resolve_max_tokens(requested, n_prompt, self.state.engine.max_seq_len,
-                                  self.state.settings.default_max_tokens, param, prompt_param)
+        """The completion length: `requested`, or the default capped by the context left; a 400 when the prompt
+        leaves no room or prompt + requested exceeds the context."""
+        max_len = self.state.engine.max_seq_len
+        if n_prompt >= max_len:
+            raise bad_request(f"This model's maximum context length is {max_len} tokens; the prompt has {n_prompt}"
+                              f" tokens, leaving no room to generate", prompt_param, "context_length_exceeded")
+        if requested is None:
+            return min(self.state.settings.default_max_tokens, max_len - n_prompt)
+        if n_prompt + requested > max_len:
+            raise bad_request(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                              f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} for the "
+                              f"completion)", param, "context_length_exceeded")
+        return requested
 
     def params(self, max_new: int, index: int, logprobs: int | None) -> SamplingParams:
         """The engine's sampling parameters for choice `index` (OpenAI's defaults where a field is null)."""
@@ -191,15 +202,13 @@ class OpenAIServing:
     # ---------------------------------------------------------------- the job
     async def respond(self, request: Request, t0: float) -> Response:
         """Run the choices as one job; answer with the whole body, or stream it."""
-        metrics, endpoint = self.state.metrics, self.endpoint
         job = Job(self.state, self.choices)
         try:
             await job.start(request)
-        except (ClientGone, APIError) as e:
+        except BaseException as e:
             job.release()
-            return self._failed(e)
-        except BaseException:
-            job.release()
+            if isinstance(e, (ClientGone, APIError)):
+                return self._failed(e)
             raise
         if not self.req.stream:
             return await self._whole(job, request, t0)
@@ -225,7 +234,7 @@ class OpenAIServing:
             # headers went out): the job's sequences are aborted and counted out exactly once
             job.release()
             st = outcome["status"]
-            metrics.observe_request(endpoint, st, time.perf_counter() - t0 if st == 200 else None)
+            self.state.metrics.observe_request(self.endpoint, st, time.perf_counter() - t0 if st == 200 else None)
         return SSEResponse(body(), closed)
 
     async def _whole(self, job: Job, request: Request, t0: float) -> Response:

@@ -1,6 +1,6 @@
 """Checks every generation request goes through before it reaches the engine: the body (size, JSON), the model
-name, the prompt's text and token ids, and the completion length the context leaves. Each failure is an
-`APIError` naming the offending field."""
+name, the prompt's text and token ids (the completion length the context leaves is `OpenAIServing.max_tokens`).
+Each failure is an `APIError` naming the offending field."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from dsv41.server.state import ServerSettings
 async def read_json(request: Request, max_bytes: int) -> Any:
     """The request body as JSON, refusing bodies over `max_bytes` before reading them whole."""
     too_large = APIError(413, f"request body over {max_bytes} bytes", code="body_too_large")
-    cl = request.headers.get("content-length")
-    if cl is not None and cl.isdigit() and int(cl) > max_bytes:
+    cl = request.headers.get("content-length", "")
+    if cl.isdigit() and int(cl) > max_bytes:
         raise too_large
     chunks, size = [], 0
     try:
@@ -66,18 +66,3 @@ def check_ids(ids: list[int], vocab: int, param: str) -> None:
     if any(not 0 <= t < vocab for t in ids):
         raise bad_request(f"{param}: token ids must be in [0, {vocab})", param, "invalid_token_id")
 
-
-def resolve_max_tokens(requested: int | None, n_prompt: int, max_len: int, default: int, param: str,
-                       prompt_param: str) -> int:
-    """The completion length: `requested`, or `default` capped by the context left; a 400 when the prompt
-    leaves no room or prompt + requested exceeds the context."""
-    if n_prompt >= max_len:
-        raise bad_request(f"This model's maximum context length is {max_len} tokens; the prompt has {n_prompt}"
-                          f" tokens, leaving no room to generate", prompt_param, "context_length_exceeded")
-    if requested is None:
-        return min(default, max_len - n_prompt)
-    if n_prompt + requested > max_len:
-        raise bad_request(f"This model's maximum context length is {max_len} tokens. However, you requested "
-                          f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} for the "
-                          f"completion)", param, "context_length_exceeded")
-    return requested
