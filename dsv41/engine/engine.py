@@ -166,7 +166,7 @@ class Engine:
             seq = self.waiting.pop(0)
             logits = self._prefill(seq)
             self.running.append(seq)
-            outs.append(self._emit(seq, [seq.pending], self._logprobs(seq, logits.view(1, -1), [seq.pending])))
+            outs.append(self._emit(seq, [seq.pending], logits.view(1, -1)))
         if decoding:
             self._decode(decoding, outs)
         for s in [s for s in self.running if s.finish_reason]:
@@ -244,7 +244,7 @@ class Engine:
             logits = self.model(ids, view, last_only=True).logits[:, -1]
             for b, s in enumerate(live):
                 s.pending = sample_token(logits[b], s.params, s.gen)
-                outs.append(self._emit(s, [s.pending], self._logprobs(s, logits[b:b + 1], [s.pending])))
+                outs.append(self._emit(s, [s.pending], logits[b:b + 1]))
         else:
             n_tokens = self._verify(view, live, outs)
         self.pool.release(view, sids)
@@ -274,7 +274,7 @@ class Engine:
             n, nxt = accept_drafts(out.logits[b, :v + 1], prop.tokens[b, :v].tolist(), q, s.params, s.gen)
             toks = prop.tokens[b, :n].tolist() + [nxt]
             before = len(s.output_ids)
-            outs.append(self._emit(s, toks, self._logprobs(s, out.logits[b], toks)))
+            outs.append(self._emit(s, toks, out.logits[b]))
             keep.append(1 + min(n, len(s.output_ids) - before))      # fed tokens whose output was emitted
             s.pending, s.drafted, s.accepted = nxt, s.drafted + v, s.accepted + n
             for k in range(min(v, n + 1)):
@@ -291,16 +291,11 @@ class Engine:
             self.drafter.seed(view, out.main_hidden, pos, keep_t)
         return len(live) * (1 + V)
 
-    @staticmethod
-    def _logprobs(seq: Sequence, logits: torch.Tensor, toks: list[int]) -> list[dict] | None:
-        """Top log-probabilities of toks[k] under logits[k] (when the request asked for them)."""
-        n = seq.params.logprobs
-        return None if n is None else [top_logprobs(logits[k], t, n) for k, t in enumerate(toks)]
-
-    def _emit(self, seq: Sequence, new_ids: list[int], lps: list[dict] | None = None) -> StepOutput:
+    def _emit(self, seq: Sequence, new_ids: list[int], logits: torch.Tensor) -> StepOutput:
         """Account the tokens of this step in order, applying stop conditions (tokens after a stop are dropped),
         and return the new text (held back while it ends in an incomplete UTF-8 sequence or could still become
-        a stop string)."""
+        a stop string); logits[k] is the distribution new_ids[k] was drawn from (for the top log-probabilities
+        when the request asked for them)."""
         p = seq.params
         eos = self.tokenizer.eos_id
         stop_ids = set(p.stop_token_ids) | ({eos} if eos is not None and not p.ignore_eos else set())
@@ -321,7 +316,8 @@ class Engine:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 break
-        emitted_lps = lps[:len(emitted)] if lps else []
+        n = p.logprobs
+        emitted_lps = [] if n is None else [top_logprobs(logits[k], t, n) for k, t in enumerate(emitted)]
         seq.logprobs.extend(emitted_lps)
         tails = [int(seq.text.endswith("\ufffd"))] + [partial_suffix(seq.text, st) for st in p.stop]
         upto = len(seq.text) - (0 if seq.finish_reason else max(tails))     # a partial stop string may complete

@@ -2,8 +2,8 @@
 
     app.py                 the FastAPI app (routes, error handlers, models, health, metrics) and an in-thread launcher
     serving.py             POST /v1/chat/completions and /v1/completions: request -> choices -> one job -> JSON
-                           body or stream (server-sent events), the engine's sampling parameters per choice
-    jobs.py                the engine requests of one HTTP request, and the client watched while they run
+                           body or stream (server-sent events); a job: the engine requests of one HTTP request,
+                           and the client watched while they run
     runner.py              the engine loop thread (the only code that touches the engine)
     validation.py          body, model name, prompt and context-length checks
     logprobs.py            log-probabilities in OpenAI's chat and legacy formats

@@ -34,11 +34,9 @@ from dsv41.server.validation import check_model
 log = logging.getLogger("dsv41.server")
 
 
-def create_app(engine, settings: ServerSettings | None = None, metrics: ServerMetrics | None = None,
-               tokenizer=None) -> FastAPI:
+def create_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
-    metrics = metrics or ServerMetrics()
-    tokenizer = tokenizer or engine.tokenizer
+    metrics, tokenizer = ServerMetrics(), engine.tokenizer
     runner = EngineRunner(engine, metrics)
     state = ServerState(engine, tokenizer, runner, metrics, settings, pick_template(tokenizer, settings.chat_template),
                         TokenText(tokenizer))
