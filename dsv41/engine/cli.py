@@ -41,13 +41,13 @@ def add_engine_args(p: argparse.ArgumentParser, checkpoint_required: bool = True
                         "(deterministic: greedy outputs then do not depend on which requests share a batch)")
 
 
-def engine_args(argv: list[str] | None = None, **overrides) -> argparse.Namespace:
-    """The engine flags as parsed from `argv` (defaults for the rest), with `overrides` set on top: for callers
-    that build an engine without a command line (tests, benchmarks)."""
+def engine_args(**overrides) -> argparse.Namespace:
+    """The engine flags' defaults with `overrides` set on top: for callers that build an engine without a command
+    line (tests, benchmarks)."""
     p = argparse.ArgumentParser()
     add_engine_args(p, checkpoint_required=False)
     p.add_argument("--checkpoint", default=None)
-    args = p.parse_args(argv or [])
+    args = p.parse_args([])
     for k, v in overrides.items():
         if not hasattr(args, k):
             raise ValueError(f"engine_args: unknown flag {k!r}")

@@ -69,7 +69,7 @@ def decoder_rows(cfg, mode: str, n_prompt: int) -> list[int]:
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, cache, mode: str = "ced-bounded", chunk_size: int | None = None,
-            official_decode_artifact: bool = False, replay: int = 0) -> PrefillOut:
+            replay: int = 0) -> PrefillOut:
     """Prefill `input_ids` [B,N] from where `cache` stands, in `mode`, optionally in chunks.
 
     replay > 0: the first `replay` tokens of input_ids are the last tokens of the restored prefix (positions
@@ -89,16 +89,15 @@ def prefill(model, input_ids: torch.Tensor, cache, mode: str = "ced-bounded", ch
         cache.pos = cache.pos - replay
         floor = cache.pos.clone()
     rings_valid = replay == 0 and int(cache.pos.min()) > 0
-    pieces = _chunks(N, chunk, replay, official_decode_artifact, floor)
+    pieces = _chunks(N, chunk, replay, floor)
     if mode == "full":
         return _prefill_full(model, input_ids, cache, pieces)
-    return _prefill_ced(model, input_ids, cache, mode, pieces, official_decode_artifact, floor, rings_valid)
+    return _prefill_ced(model, input_ids, cache, mode, pieces, rings_valid)
 
 
-def _chunks(N: int, chunk: int, replay: int, artifact: bool, floor) -> list[tuple[int, int, ForwardOptions]]:
+def _chunks(N: int, chunk: int, replay: int, floor) -> list[tuple[int, int, ForwardOptions]]:
     """(lo, hi, options) pieces: replayed rows never produce global KV, so they form their own chunks."""
-    return [(lo, min(b, lo + chunk), ForwardOptions(official_decode_artifact=artifact, window_floor=floor,
-                                                    produce_kv=produce))
+    return [(lo, min(b, lo + chunk), ForwardOptions(window_floor=floor, produce_kv=produce))
             for a, b, produce in ((0, replay, False), (replay, N, True)) for lo in range(a, b, chunk)]
 
 
@@ -118,7 +117,7 @@ def _prefill_full(model, ids, cache, pieces) -> PrefillOut:
     return PrefillOut(out.logits[:, -1], main_hidden, tap_start, {L: N for L in range(model.cfg.n_layers)})
 
 
-def _prefill_ced(model, ids, cache, mode, pieces, artifact, floor, rings_valid) -> PrefillOut:
+def _prefill_ced(model, ids, cache, mode, pieces, rings_valid) -> PrefillOut:
     cfg = model.cfg
     split = check_ced(cfg)
     N = ids.size(1)
@@ -137,7 +136,7 @@ def _prefill_ced(model, ids, cache, mode, pieces, artifact, floor, rings_valid) 
         seg_start = end - R
         # earlier positions' windows are valid only on an exact continuation whose rows all run here
         seg_floor = None if (rings_valid and R == N) else seg_start
-        opts = ForwardOptions(official_decode_artifact=artifact, window_floor=seg_floor, produce_kv=False)
+        opts = ForwardOptions(window_floor=seg_floor, produce_kv=False)
         ctx = StepContext(seg_start, R, cache, opts, published=published)
         # the split layer's input was completed by the encoder (its Engram and tap included)
         x, pre = model.run_layers(x, pre, ctx, model.layers[L:L + 1], None if hashes is None else hashes[:, -R:],

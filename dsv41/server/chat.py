@@ -190,9 +190,6 @@ class ReasoningSplitter:
             reasoning, content = self.buf[:i], self.buf[i + len(THINK_END):]
             self.buf, self.in_reasoning = "", False
             return reasoning, content
-        if final:
-            out, self.buf = self.buf, ""
-            return out, ""
-        hold = partial_suffix(self.buf, THINK_END)
+        hold = 0 if final else partial_suffix(self.buf, THINK_END)
         out, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
         return out, ""

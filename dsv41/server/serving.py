@@ -118,11 +118,10 @@ class Job:
         try:
             while pending:
                 ev = await self._next(request)
+                pending.discard(ev.request_id)      # a request's first event is Accepted or Failed
                 if isinstance(ev, Accepted):
-                    pending.discard(ev.request_id)
                     self.open.add(ev.request_id)
                 elif isinstance(ev, Failed):
-                    pending.discard(ev.request_id)
                     failure = failure or ev
                 else:
                     self.early.append(ev)
@@ -187,11 +186,8 @@ def derive_seed(seed: int | None, index: int) -> int | None:
 
 
 def engine_stats(c: Choice, comp) -> dict:
-    st = comp.stats
-    d = usage_from_stats(st)["prompt_tokens_details"]
-    return {"index": c.index, "prefill_mode": st.get("prefill_mode"), "prefill_s": st.get("prefill_s"),
-            "decode_s": st.get("decode_s"), "ttft_s": st.get("ttft_s"), "kv_bytes": st.get("kv_bytes"),
-            "cache_path": d["cache_path"], "cached_tokens": d["cached_tokens"], "speculative": st.get("speculative")}
+    keys = ("prefill_mode", "prefill_s", "decode_s", "ttft_s", "kv_bytes", "cache_path", "cached_tokens", "speculative")
+    return {"index": c.index, **{k: comp.stats.get(k) for k in keys}}
 
 
 class OpenAIServing:
@@ -278,10 +274,8 @@ class OpenAIServing:
                 "system_fingerprint": f"dsv41-{self.state.engine.prefill_mode}"}
 
     def chunk(self, choices: list[dict]) -> str:
-        c = {**self.header(self.chunk_object), "choices": choices}
-        if self.include_usage:
-            c["usage"] = None
-        return sse(c)
+        usage = {"usage": None} if self.include_usage else {}       # the usage comes in a chunk of its own
+        return sse({**self.header(self.chunk_object), "choices": choices, **usage})
 
     def full_body(self, results: dict[str, Any]) -> dict:
         done = [(c, results[c.rid]) for c in self.choices]
@@ -372,6 +366,7 @@ class OpenAIServing:
         self.state.metrics.observe_request(self.endpoint, status)
         return JSONResponse(e.body(), status_code=status) if isinstance(e, APIError) else Response(status_code=499)
 
+
 # ------------------------------------------------------------------------------------------------ chat
 
 class ServingChat(OpenAIServing):
@@ -446,6 +441,7 @@ class ServingChat(OpenAIServing):
         return {"index": c.index, "delta": self._delta(c, "", final=True), "logprobs": None,
                 "finish_reason": comp.finish_reason}
 
+
 # ------------------------------------------------------------------------------------------------ completions
 
 class ServingCompletion(OpenAIServing):
@@ -481,10 +477,12 @@ class ServingCompletion(OpenAIServing):
     def _echo(self, c: Choice) -> str:
         return self.prompt[c.prompt_index] if self.req.echo else ""
 
+    def _logprobs(self, entries: list[dict], offset: int = 0) -> dict | None:
+        return None if self.req.logprobs is None else completion_logprobs(entries, self.state.token_text.text, offset)
+
     def full_choice(self, c: Choice, comp) -> dict:
-        lps = None if self.req.logprobs is None else completion_logprobs(comp.logprobs, self.state.token_text.text)
         return {"index": c.index, "text": self._echo(c) + comp.text, "finish_reason": comp.finish_reason,
-                "logprobs": lps}
+                "logprobs": self._logprobs(comp.logprobs)}
 
     def stream_head(self) -> Iterator[str]:
         if self.req.echo:
@@ -494,9 +492,7 @@ class ServingCompletion(OpenAIServing):
     def delta_choice(self, c: Choice, ev: StepOutput) -> dict | None:
         if not (ev.new_text or ev.new_logprobs):
             return None
-        lps = None
-        if self.req.logprobs is not None:
-            lps = completion_logprobs(ev.new_logprobs, self.state.token_text.text, self.offsets[c.rid])
+        lps = self._logprobs(ev.new_logprobs, self.offsets[c.rid])
         self.offsets[c.rid] += len(ev.new_text)
         return {"index": c.index, "text": ev.new_text, "logprobs": lps, "finish_reason": None}
 

@@ -60,13 +60,13 @@ class StepProfile:
 
 
 @torch.no_grad()
-def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), max_v: int | None = None, context: int = 256,
-                 repeats: int = 3, device="cpu", seed: int = 0, log=print) -> StepProfile:
+def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), context: int = 256, repeats: int = 3, device="cpu",
+                 log=print) -> StepProfile:
     """Measure the speculative step (drafter proposal + verify forward over B x (1 + V) tokens + rollback) at a
-    context of `context` tokens, for each batch size and V = 0..max_v; median of `repeats`."""
+    context of `context` tokens, for each batch size and V = 0..G (the drafter's block); median of `repeats`."""
     cfg = model.cfg
-    G = cfg.dspark_block_size if max_v is None else max_v
-    gen = torch.Generator().manual_seed(seed)
+    G = cfg.dspark_block_size
+    gen = torch.Generator().manual_seed(0)
     pool = make_pool(model, device)
     drafter = DSparkDrafter(model) if cfg.dspark_enabled and len(model.mtp) else None
     rows = []
