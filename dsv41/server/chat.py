@@ -118,10 +118,8 @@ class OfficialTemplate:
         out = []
         for i, m in enumerate(msgs):
             role, content = m["role"], m.get("content") or ""
-            s = ""
             eff = OFFICIAL_EFFORT.format(b=effort) if (i == 0 and thinking and effort is not None) else ""
-            if i == 0 and (eff or role == "system"):
-                s += SYSTEM + eff
+            s = SYSTEM + eff if i == 0 and (eff or role == "system") else ""
             if role == "system":
                 s += (SYSTEM if i > 0 else "") + content
             elif role == "developer":
@@ -129,10 +127,9 @@ class OfficialTemplate:
             elif role == "user":
                 s += USER + "\n\n".join(m["blocks"])
             elif role == "assistant":
-                final = i == len(msgs) - 1
                 if thinking and i > last_user:
                     s += (m.get("reasoning_content") or "") + THINK_END
-                s += content + ("" if final else EOS)
+                s += content + ("" if i == len(msgs) - 1 else EOS)         # a final answer is continued
             nxt = msgs[i + 1]["role"] if i + 1 < len(msgs) else None
             if _user_like(m, i) and nxt in (None, "assistant"):
                 s += ASSISTANT + (THINK_START if thinking and i >= last_user else THINK_END)

@@ -25,11 +25,10 @@ SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 class APIError(Exception):
     """An error answered in OpenAI's shape with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {404: "not_found_error", 429: "rate_limit_error"}.get(
+        self.type = {404: "not_found_error", 429: "rate_limit_error"}.get(
             status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict:
@@ -71,8 +70,7 @@ def validation_error(e: ValidationError) -> APIError:
 
 def _is_union_tag(x) -> bool:
     # pydantic names union members in the location ("str", "list[str]", "function-after[...]"): hide them
-    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "list[str]", "list[int]",
-                                         "list[list[int]]", "list[TextPart]", "none")
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "none")
                                    or x.startswith(("function-", "list[", "literal[")))
 
 
@@ -128,12 +126,10 @@ class _Sampling(_Strict):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        if v is None:
-            return v
-        lst = [v] if isinstance(v, str) else v
+        lst = [] if v is None else [v] if isinstance(v, str) else v
         if len(lst) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop sequences")
-        if any(s == "" for s in lst):
+        if "" in lst:
             raise ValueError("stop sequences must be non-empty strings")
         return v
 

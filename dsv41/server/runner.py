@@ -166,16 +166,15 @@ class EngineRunner:
                 self._abort(rid)
 
     def _finish(self, rid: str, sink) -> None:
-        comp = None
+        self._sinks.pop(rid, None)
         try:
             comp = self.engine.completion(rid)
         except Exception:
             log.error("completion(%s) failed:\n%s", rid, traceback.format_exc())
-        self.engine.finished.pop(rid, None)
-        self._sinks.pop(rid, None)
-        if comp is None:
             self._send(sink, Failed(rid, 500, "internal error while finishing the request"))
             return
+        finally:
+            self.engine.finished.pop(rid, None)
         self.metrics.observe_completion(comp)
         self._send(sink, Done(rid, comp))
 
