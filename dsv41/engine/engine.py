@@ -148,11 +148,10 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         for lst in (self.waiting, self.running):
-            for s in list(lst):
-                if s.request_id == request_id:
-                    lst.remove(s)
-                    s.finish_reason = "abort"
-                    self._release(s)
+            for s in [s for s in lst if s.request_id == request_id]:
+                lst.remove(s)
+                s.finish_reason = "abort"
+                self._release(s)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -223,10 +222,8 @@ class Engine:
         if self.prefix_cache is None or len(fed) <= self.cfg.window_size:
             return
         try:
-            upto = len(fed)
-            first = self.prefix_cache.export_start(fed, upto)
-            g = self.pool.export_global(seq.sid, upto, start=first)
-            self.prefix_cache.save(fed, upto, g, self.pool.export_swa(seq.sid))
+            g = self.pool.export_global(seq.sid, len(fed), start=self.prefix_cache.export_start(fed, len(fed)))
+            self.prefix_cache.save(fed, len(fed), g, self.pool.export_swa(seq.sid))
         except (ValueError, OSError) as e:                    # storage problems are misses, not failures
             self.prefix_cache._log_once("save", "prefix cache save skipped: %s", e)
 
@@ -355,14 +352,12 @@ class Engine:
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[StepOutput]:
         rid = self.add_request(prompt, params)
-        while True:
+        while True:                                     # the step that finishes the request emits its last output
             for o in self.step():
                 if o.request_id == rid:
                     yield o
                     if o.finished:
                         return
-            if rid in self.finished:
-                return
 
 
 def partial_suffix(text: str, s: str) -> int:

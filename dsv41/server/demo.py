@@ -92,7 +92,6 @@ def save_random_tiny(ckpt: Path) -> Path:
 
 def ensure_checkpoint(ckpt: Path, minutes: float, allow_train: bool = True) -> tuple[Path, str]:
     """-> (checkpoint dir, origin: existing | trained | random)."""
-    random_ckpt = ckpt.with_name(ckpt.name + "-random")
     if has_model(ckpt) and not (ckpt / RANDOM_MARKER).exists():
         return ckpt, "existing"
     if allow_train:
@@ -103,7 +102,7 @@ def ensure_checkpoint(ckpt: Path, minutes: float, allow_train: bool = True) -> t
             _p("training did not produce a checkpoint; falling back to a random model")
         else:
             _p("`dsv41 train` is not available in this build.")
-    for c in (ckpt, random_ckpt):
+    for c in (ckpt, ckpt.with_name(ckpt.name + "-random")):
         if has_model(c) and (c / RANDOM_MARKER).exists() and not (c / "tokenizer.json").exists():
             return c, "random"
     return save_random_tiny(ckpt), "random"
@@ -133,9 +132,8 @@ def print_kv_report(cfg, stats_list: list[tuple[str, dict]]) -> None:
         exact = sum(int(entry * (n // m)) for _, m in kv_source_layers(cfg))
         ok &= int(measured) == exact
         packed = ("global_entries_bytes" in kv) if packed is None else packed
-        swa_b = kv.get("swa_bytes")
         _p(f"{label:<14}{n:>7}{int(measured):>10}{measured / n:>9.2f}{g:>9.2f}{exact:>16}"
-           f"{swa_b if swa_b is not None else '-':>11}")
+           f"{kv.get('swa_bytes', '-'):>11}")
     if packed is not None:
         kind = "packed store (uint8 codes + scales)" if packed else "dense reference store (unpacked)"
         _p(f"measured from the {kind}: global bytes {'==' if ok else '!='} the analytic count for every request")
@@ -196,8 +194,7 @@ def _stream(client, model: str, max_tokens: int) -> None:
     prompt = "def fibonacci(n):\n"
     _p(prompt, end="")
     t = time.perf_counter()
-    n_chunks = 0
-    usage = None
+    n_chunks, usage = 0, None
     for ch in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                         stream=True, stream_options={"include_usage": True}):
         if ch.choices:

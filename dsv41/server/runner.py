@@ -155,9 +155,8 @@ class EngineRunner:
         for o in outs:
             rid = o.request_id
             sink = self._sinks.get(rid)
-            if sink is None:                                    # aborted meanwhile
-                if o.finished:
-                    self.engine.finished.pop(rid, None)
+            if sink is None:                                    # aborted meanwhile: forget it once finished
+                self.engine.finished.pop(rid, None)
                 continue
             ok = self._send(sink, o)
             if o.finished:
