@@ -45,9 +45,7 @@ class SamplingParams:
 
 
 def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-    return g
+    return torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
 
 
 def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:

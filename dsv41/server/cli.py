@@ -41,9 +41,9 @@ def serve_main(args) -> int:
     engine = engine_from_args(args)
     settings = ServerSettings.from_args(args)
     app = create_app(engine, settings)
-    tpl = app.state.dsv41.template.name
     print(f"dsv41 serve: model `{settings.model_name}` ({engine.cfg.n_layers} layers, vocab {engine.cfg.vocab_size},"
           f" prefill {engine.prefill_mode}, max batch {engine.max_batch}, context {engine.max_seq_len}, chat template"
-          f" {tpl}, speculative {engine.speculation}) on http://{args.host}:{args.port}/v1", flush=True)
+          f" {app.state.dsv41.template.name}, speculative {engine.speculation}) on http://{args.host}:{args.port}/v1",
+          flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

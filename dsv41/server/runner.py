@@ -8,7 +8,7 @@ which typically does `loop.call_soon_threadsafe(queue.put_nowait, event)` onto a
 Events a sink receives, in order:
     Accepted(request_id)                         the engine took the request (add_request succeeded)
     StepOutput                                   the engine's output of every step that produced something for it
-    Done(request_id, completion)                 it finished (the engine's Completion, stats included)
+    Completion                                   it finished (the engine's, stats included)
 or a single Failed(request_id, status, message) instead (bad input rejected by the engine: 400; anything else: 500).
 
 A request whose sink raises or whose client is gone is aborted; an exception inside `engine.step()` fails every
@@ -35,12 +35,6 @@ class Accepted:
 
 
 @dataclass
-class Done:
-    request_id: str
-    completion: Any
-
-
-@dataclass
 class Failed:
     request_id: str
     status: int
@@ -49,8 +43,7 @@ class Failed:
 
 class EngineRunner:
     def __init__(self, engine, metrics, idle_poll_s: float = 0.05, kv_refresh_s: float = 0.25):
-        self.engine = engine
-        self.metrics = metrics
+        self.engine, self.metrics = engine, metrics
         self.idle_poll_s, self.kv_refresh_s = idle_poll_s, kv_refresh_s
         self._cmds: queue.Queue = queue.Queue()
         self._sinks: dict[str, Callable[[Any], None]] = {}
@@ -175,7 +168,7 @@ class EngineRunner:
         finally:
             self.engine.finished.pop(rid, None)
         self.metrics.observe_completion(comp)
-        self._send(sink, Done(rid, comp))
+        self._send(sink, comp)
 
     def _gauges(self) -> None:
         self.n_running = len(self.engine.running)

@@ -30,13 +30,13 @@ from typing import Any, AsyncIterator, Iterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from dsv41.engine.engine import StepOutput
+from dsv41.engine.engine import Completion, StepOutput
 from dsv41.engine.sampling import SamplingParams
 from dsv41.server.chat import ReasoningSplitter, effort_budget
 from dsv41.server.logprobs import chat_logprobs, completion_logprobs
 from dsv41.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, merge_usage, parse,
                                    usage_from_stats)
-from dsv41.server.runner import Accepted, Done, Failed
+from dsv41.server.runner import Accepted, Failed
 from dsv41.server.state import ServerState
 from dsv41.server.validation import check_ids, check_model, encode, read_json
 
@@ -155,7 +155,7 @@ class Job:
         self.early = []
         while self.open:
             ev = await self._next(request)
-            if isinstance(ev, (Done, Failed)):
+            if isinstance(ev, (Completion, Failed)):
                 self.open.discard(ev.request_id)
             yield ev
 
@@ -295,9 +295,9 @@ class OpenAIServing:
                 choice = self.delta_choice(c, ev)
                 if choice is not None:
                     yield self.chunk([choice])
-            elif isinstance(ev, Done):
-                done.append((c, ev.completion))
-                yield self.chunk([self.finish_choice(c, ev.completion)])
+            elif isinstance(ev, Completion):
+                done.append((c, ev))
+                yield self.chunk([self.finish_choice(c, ev)])
             else:
                 yield error_sse(ev.message, ev.status)
                 job.abort()
@@ -348,8 +348,8 @@ class OpenAIServing:
         try:
             results: dict[str, Any] = {}
             async for ev in job.events(request):
-                if isinstance(ev, Done):
-                    results[ev.request_id] = ev.completion
+                if isinstance(ev, Completion):
+                    results[ev.request_id] = ev
                 elif isinstance(ev, Failed):
                     raise APIError(ev.status, ev.message)
             body = self.full_body(results)

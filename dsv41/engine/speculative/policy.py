@@ -75,5 +75,5 @@ def resolve_speculation(model, checkpoint, flag: str = "auto", profile_path=None
         return spec, StepProfile.load(path)
     log("speculative dspark: no step profile found (run `dsv41 profile-step --checkpoint ...` to store one); "
         "measuring a quick one now")
-    batches = sorted({1, max(1, max_batch)})
-    return spec, profile_step(model, batches=batches, context=256, repeats=1, device=device, log=lambda *a: None)
+    return spec, profile_step(model, batches=sorted({1, max(1, max_batch)}), context=256, repeats=1, device=device,
+                              log=lambda *a: None)

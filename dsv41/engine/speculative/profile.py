@@ -78,8 +78,7 @@ def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), context: int = 25
             ids = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
             out = model(ids, view, last_only=True)
             if drafter is not None and out.main_hidden is not None:
-                drafter.seed(view, out.main_hidden[:, -cfg.window_size:],
-                             view.pos - min(context, cfg.window_size))
+                drafter.seed(view, out.main_hidden[:, -cfg.window_size:], view.pos - min(context, cfg.window_size))
             pool.release(view, [sid])
             sids.append(sid)
         for V in range(G + 1):
