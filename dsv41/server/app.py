@@ -101,8 +101,7 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _crash(request: Request, e: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal server error: {type(e).__name__}", "server_error"),
-                            status_code=500)
+        return JSONResponse(APIError(500, f"internal server error: {type(e).__name__}").body(), status_code=500)
 
 
 # ------------------------------------------------------------------------------------------------ serving

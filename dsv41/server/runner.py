@@ -54,11 +54,10 @@ class EngineRunner:
         self.n_running = self.n_waiting = self.n_steps = self.n_aborted = self.n_step_failures = 0
 
     # ---------------------------------------------------------------- any thread
-    def start(self) -> "EngineRunner":
+    def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="dsv41-engine", daemon=True)
             self._thread.start()
-        return self
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()

@@ -43,20 +43,19 @@ class DSparkDrafter:
         model = self.model
         B = len(seqs)
         pending = torch.tensor([s.pending for s in seqs])
-        params, gens = [s.params for s in seqs], [s.gen for s in seqs]
         dev = model.embed.weight.device
         taps = len(model.cfg.dspark_target_layer_ids) * model.cfg.dim
         q_rows: list[list] = [[] for _ in range(B)]
 
         def sampler(i: int, logits: torch.Tensor) -> torch.Tensor:
             out = torch.empty(B, dtype=torch.long)
-            for b in range(B):
-                if params[b].temperature == 0:
+            for b, s in enumerate(seqs):
+                if s.params.temperature == 0:
                     out[b] = int(logits[b].argmax())
                     q_rows[b].append(None)
                 else:
-                    q = target_probs(logits[b].float().cpu(), params[b])
-                    out[b] = int(torch.multinomial(q, 1, generator=gens[b]))
+                    q = target_probs(logits[b].float().cpu(), s.params)
+                    out[b] = int(torch.multinomial(q, 1, generator=s.gen))
                     q_rows[b].append(q)
             return out.to(logits.device)
 
