@@ -193,7 +193,8 @@ def engine_stats(c: Choice, comp) -> dict:
 class OpenAIServing:
     """One request to a generation endpoint. A subclass sets the class attributes and provides:
 
-        prepare()               build `choices`, `prompt_lens` and `prompt` (what `return_prompt` puts in the
+        prepare()               build `choices` (the engine requests), `prompt_lens` (tokens of each distinct
+                                prompt: usage counts each once) and `prompt` (what `return_prompt` puts in the
                                 response's "prompt")
         full_choice(c, comp)    a choice of the whole JSON body
         stream_head()           chunks a stream opens with, before any engine event (default: none)
@@ -212,8 +213,6 @@ class OpenAIServing:
         self.rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        self.choices: list[Choice] = []
-        self.prompt_lens: list[int] = []          # tokens of each distinct prompt (usage counts each once)
 
     @classmethod
     async def handle(cls, request: Request) -> Response:

@@ -48,9 +48,8 @@ def has_trained_drafter(checkpoint) -> bool:
     writes summary.json with stage "dspark")."""
     if checkpoint is None:
         return False
-    f = Path(checkpoint) / "summary.json"
     try:
-        return json.loads(f.read_text()).get("stage") == "dspark"
+        return json.loads((Path(checkpoint) / "summary.json").read_text()).get("stage") == "dspark"
     except (OSError, ValueError, AttributeError):
         return False
 
