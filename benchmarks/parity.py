@@ -29,7 +29,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from dsv41.model.common import warm_up_transcendentals  # noqa: E402
 from dsv41.model.loading import load_model  # noqa: E402
-from dsv41.model.runner import compare_captures, rel_rows, run_logits, run_teacher_forced  # noqa: E402
+from dsv41.model.runner import (compare_captures, first_divergent, rel_rows, run_logits,  # noqa: E402
+                                run_teacher_forced)
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "data" / "golden"
 
@@ -42,15 +43,6 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def first_divergent(ours: torch.Tensor, gold: torch.Tensor, threshold: float = 1e-5) -> list[int]:
-    r = rel_rows(ours, gold)
-    out = []
-    for b in range(r.size(0)):
-        idx = (r[b] > threshold).nonzero()
-        out.append(int(idx[0]) if len(idx) else r.size(1))
-    return out
 
 
 def end_to_end(model, gold: dict, artifact: bool) -> dict:

@@ -26,7 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser(), argv)
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse argv and run the chosen command; a ValueError (a user mistake) is printed, exit status 2."""
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ValueError as e:

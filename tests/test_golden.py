@@ -30,7 +30,7 @@ import dsv41.model.attention as attention
 from dsv41.kernels.mhc_math import hc_post, hc_pre
 from dsv41.model.attention import Attention
 from dsv41.model.loading import load_model
-from dsv41.model.runner import compare_captures, rel_rows, run_logits, run_teacher_forced
+from dsv41.model.runner import compare_captures, first_divergent, rel_rows, run_logits, run_teacher_forced
 from dsv41.model.transformer import Block
 from tests.conftest import GOLDEN
 
@@ -72,15 +72,6 @@ def test_gate1_official_artifact_is_localised(model_fp32, blocks):
         assert (r[~even] < 1e-5).all(), (L, r)
     bad, _ = gate1_failures({k: v for k, v in ours.items() if not k.startswith("decode_")}, blocks)
     assert not bad
-
-
-def first_divergent(ours, gold, threshold=1e-5):
-    r = rel_rows(ours, gold)
-    out = []
-    for b in range(r.size(0)):
-        idx = (r[b] > threshold).nonzero()
-        out.append(int(idx[0]) if len(idx) else r.size(1))
-    return out
 
 
 def set_rows_equal(ours, gold, rows_ok):

@@ -153,6 +153,16 @@ def rel_rows(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)
 
 
+def first_divergent(ours: torch.Tensor, ref: torch.Tensor, threshold: float = 1e-5) -> list[int]:
+    """Per sequence, the first position whose row differs by more than `threshold` (T when none does)."""
+    r = rel_rows(ours, ref)
+    out = []
+    for b in range(r.size(0)):
+        idx = (r[b] > threshold).nonzero()
+        out.append(int(idx[0]) if len(idx) else r.size(1))
+    return out
+
+
 def compare_captures(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], threshold: float = 1e-5,
                      max_outliers: int = 1) -> dict[str, dict]:
     """Gate-1 style report: per capture tensor, max / median relative error per row and rows above threshold."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
 from dsv41.train.config import DEFAULT_MINUTES, DEVICES, MUON_NS, OPTIMIZERS, REPLAY_MODES, STAGES, TrainConfig
 from dsv41.train.trainer import train
@@ -77,14 +76,11 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m dsv41.train.cli train ...` (what `torchrun -m` needs: a module with a main). Only the train
     command is registered: training never imports the server layer."""
+    from dsv41.cli import run                   # the entry point's runner (it imports no command module)
+
     parser = argparse.ArgumentParser(prog="dsv41")
     register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ValueError as e:
-        print(f"dsv41 {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    return run(parser, argv)
 
 
 if __name__ == "__main__":
