@@ -99,9 +99,7 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
+        return "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content or ""
 
 
 class _Sampling(_Strict):

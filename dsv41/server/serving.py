@@ -226,8 +226,7 @@ class OpenAIServing:
             serving = cls(state, req)
             serving.prepare()
         except APIError as e:
-            state.metrics.observe_request(cls.endpoint, e.status)
-            return JSONResponse(e.body(), status_code=e.status)
+            return cls._failed(state, e)
         return await serving.respond(request, t0)
 
     # ---------------------------------------------------------------- shared pieces
@@ -314,7 +313,7 @@ class OpenAIServing:
         except BaseException as e:
             job.release()
             if isinstance(e, (ClientGone, APIError)):
-                return self._failed(e)
+                return self._failed(self.state, e)
             raise
         if not self.req.stream:
             return await self._whole(job, request, t0)
@@ -353,16 +352,17 @@ class OpenAIServing:
                     raise APIError(ev.status, ev.message)
             body = self.full_body(results)
         except (ClientGone, APIError) as e:
-            return self._failed(e)
+            return self._failed(self.state, e)
         finally:
             job.release()
         self.state.metrics.observe_request(self.endpoint, 200, time.perf_counter() - t0)
         return JSONResponse(body)
 
-    def _failed(self, e: ClientGone | APIError) -> Response:
-        """The answer to a job that failed before its body: the error, or 499 when the client went away."""
+    @classmethod
+    def _failed(cls, state: ServerState, e: ClientGone | APIError) -> Response:
+        """The answer to a request that failed before its body: the error, or 499 when the client went away."""
         status = e.status if isinstance(e, APIError) else 499
-        self.state.metrics.observe_request(self.endpoint, status)
+        state.metrics.observe_request(cls.endpoint, status)
         return JSONResponse(e.body(), status_code=status) if isinstance(e, APIError) else Response(status_code=499)
 
 
