@@ -166,8 +166,7 @@ class Engine:
             logits = self._prefill(seq)
             self.running.append(seq)
             outs.append(self._emit(seq, [seq.pending], logits.view(1, -1)))
-        if decoding:
-            self._decode(decoding, outs)
+        self._decode(decoding, outs)
         for s in [s for s in self.running if s.finish_reason]:
             self.running.remove(s)
             self._release(s)

@@ -148,8 +148,7 @@ def print_kv_report(cfg, stats_list: list[tuple[str, dict]]) -> None:
 def _usage_line(u) -> str:
     d = u.prompt_tokens_details
     extra = getattr(d, "model_extra", None) or {}
-    tiers = extra.get("cached_tokens_by_tier") or {}
-    tier_s = ", ".join(f"{k} {v}" for k, v in tiers.items()) or "none"
+    tier_s = ", ".join(f"{k} {v}" for k, v in (extra.get("cached_tokens_by_tier") or {}).items()) or "none"
     return (f"usage: prompt {u.prompt_tokens}, completion {u.completion_tokens}, cached {d.cached_tokens} "
             f"(path {extra.get('cache_path', '?')}; by tier: {tier_s})")
 
@@ -158,9 +157,8 @@ def _ask(client, model: str, messages: list[dict], max_tokens: int, label: str, 
     """One greedy chat request, printed with its timing, prompt start, answer and usage."""
     t = time.perf_counter()
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0, **kw)
-    dt = time.perf_counter() - t
     extra = r.model_extra or {}
-    _p(f"\n[{label}] {dt:.2f}s, finish {r.choices[0].finish_reason}")
+    _p(f"\n[{label}] {time.perf_counter() - t:.2f}s, finish {r.choices[0].finish_reason}")
     if "prompt" in extra:
         first = extra["prompt"].split("\n", 1)[0]
         _p(f"  prompt starts: {first!r}")

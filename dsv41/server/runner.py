@@ -170,8 +170,7 @@ class EngineRunner:
         self._send(sink, comp)
 
     def _gauges(self) -> None:
-        self.n_running = len(self.engine.running)
-        self.n_waiting = len(self.engine.waiting)
+        self.n_running, self.n_waiting = len(self.engine.running), len(self.engine.waiting)
         now = time.monotonic()
         if now - self._last_kv < self.kv_refresh_s and self.engine.has_unfinished():
             return

@@ -19,8 +19,7 @@ class AcceptanceCalibration:
 
     def __init__(self, G: int, n0: float = 8.0):
         self.n0 = n0
-        self.accepted = [0.0] * G
-        self.predicted = [0.0] * G
+        self.accepted, self.predicted = [0.0] * G, [0.0] * G
 
     def update(self, k: int, predicted: float, accepted: bool) -> None:
         self.predicted[k] += predicted
