@@ -1,4 +1,4 @@
-"""Where a decode step's host work goes, counted on the CPU (issue 9: the GPU decode step is host-bound).
+"""Where a decode step's host work goes, counted on the CPU (the GPU decode step is host-bound).
 
 Runs one-token decode steps of a v41-geometry-shaped model (the preset's 40 layer roles, CSA2 sources, candidate
 pool, Engram layers, 16 experts / 6 active; widths shrunk so it runs on a CPU) over a synthetically filled packed

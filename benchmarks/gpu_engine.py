@@ -1,4 +1,4 @@
-"""GPU figures for the engine (issue 5) and the long-context decode table (issue 9), one run on one GPU.
+"""GPU figures for the engine and the long-context decode table, one run on one GPU.
 
 1. smoke: the debug preset on the GPU through the engine (packed pool), all prefill modes.
 2. prefill ratio: v41-geometry (random weights, bf16, quantization on): full / ced-exact / ced-bounded prefill

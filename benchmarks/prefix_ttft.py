@@ -1,5 +1,5 @@
 """Time to first token of one prompt: cold vs swa-hit vs replay warm starts, measured side by side in one run
-(issue 6 acceptance). Random `tiny` weights (quantized, packed store), CPU by default.
+Random `tiny` weights (quantized, packed store), CPU by default.
 
     python benchmarks/prefix_ttft.py [--tokens 8192] [--config tiny] [--mode ced-bounded]
 

@@ -1,4 +1,4 @@
-"""Speculative decoding figures (issue 10): acceptance per draft position, tokens per target forward and decode
+"""Speculative decoding figures: acceptance per draft position, tokens per target forward and decode
 tokens/s of no speculation vs fixed verify lengths vs the confidence scheduler, measured side by side in one run,
 at batch 1 and at a loaded batch. Greedy decoding, so every mode must produce the same tokens (checked).
 

@@ -1,4 +1,4 @@
-"""Muon + Sinkhorn (the routed recipe of SYSTEM.md 6) versus AdamW for everything: same model, data, seed, step
+"""Muon + Sinkhorn (the routed recipe of docs/system.md §6) versus AdamW for everything: same model, data, seed, step
 budget and schedule; validation loss and bits per byte after the same steps.
 
     PYTHONPATH=. python benchmarks/train_optimizers.py [--preset tiny] [--steps 60] [--lr 1e-2] \

@@ -1,12 +1,12 @@
 """ModelConfig, presets and per-layer roles of DeepSeek-V4.1-Flash.
 
-Field names are those of the official `inference/config.json` (MODEL.md section 1.1). The Hugging Face root
+Field names are those of the official `inference/config.json` (docs/model.md §1.1). The Hugging Face root
 `config.json` spelling (`hidden_size`, `num_hidden_layers`, ...) is accepted too and mapped onto them.
 
 Per-layer structure is data: `layer_roles(cfg)` resolves once, for every backbone layer, whether it is SWA-only,
 Full (owns a compressor, global KV and index keys, runs its indexer), Reindex (own indexer over a Full layer's
 keys, restricted to the candidate pool) or Reuse (reads a source's compressed KV and top-k), together with the
-layer it reads each of those from (MODEL.md 1.2, SYSTEM.md 2).
+layer it reads each of those from (docs/model.md §1.2, docs/system.md §2).
 """
 
 from __future__ import annotations
@@ -366,7 +366,7 @@ class LayerRole:
 
 
 def layer_roles(cfg: ModelConfig) -> list[LayerRole]:
-    """Resolve every backbone layer's role once (MODEL.md 1.2 and section 4: each slot holds its latest writer)."""
+    """Resolve every backbone layer's role once (docs/model.md §1.2 and §4: each slot holds its latest writer)."""
     roles: list[LayerRole] = []
     kv_src: int | None = None
     topk_src: int | None = None
@@ -405,7 +405,7 @@ def layer_roles(cfg: ModelConfig) -> list[LayerRole]:
 
 
 def ced_split(cfg: ModelConfig) -> int | None:
-    """First decoder layer of the causal encoder-decoder split (SYSTEM.md 2): the last KV source.
+    """First decoder layer of the causal encoder-decoder split (docs/system.md §2): the last KV source.
 
     Every layer from there up must read global KV produced from that layer's own input, which holds when the
     split layer is the last KV source. Returns None when the config has no valid CED split (no KV sources)."""

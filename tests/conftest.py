@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
-    # torch 2.13 CPU can get the first vectorised cos/sin/sqrt of a process slightly wrong (golden README s.6)
+    # torch 2.13 CPU can get the first vectorised cos/sin/sqrt of a process slightly wrong (docs/golden.md §6)
     warm_up_transcendentals()
 
 

@@ -1,4 +1,4 @@
-"""The SYSTEM.md section 1 numbers, computed from the shipped configs (dsv41.analysis)."""
+"""The docs/system.md §1 numbers, computed from the shipped configs (dsv41.analysis)."""
 
 from __future__ import annotations
 

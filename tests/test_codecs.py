@@ -1,6 +1,6 @@
-"""Tests for dsv41.codecs: packed KV records, QDQ twins and element codecs (MODEL.md 3.3-3.6, 9, 10).
+"""Tests for dsv41.codecs: packed KV records, QDQ twins and element codecs (docs/model.md §3.3-3.6, §9, §10).
 
-The independent reference below re-implements the MODEL.md formulas with numpy fp32 arithmetic and the
+The independent reference below re-implements the docs/model.md formulas with numpy fp32 arithmetic and the
 ``ml_dtypes`` casts (float8_e4m3fn, float4_e2m1fn, float8_e8m0fnu); the power-of-two ceiling uses
 ``np.frexp`` instead of the bit trick. ml_dtypes' e4m3 cast maps overflow to NaN, so the reference clamps
 to +-448 first (saturation), exactly as the spec says.
@@ -46,7 +46,7 @@ def _nibbles(codes: np.ndarray) -> np.ndarray:
 
 
 def ref_swa(x: np.ndarray):
-    """MODEL.md 3.3. Returns (packed bytes, decoded fp32)."""
+    """docs/model.md §3.3. Returns (packed bytes, decoded fp32)."""
     n, d = x.shape
     g = x.reshape(n, d // 32, 32)
     amax = np.maximum(np.abs(g).max(-1, keepdims=True), F32(1e-4))
@@ -58,7 +58,7 @@ def ref_swa(x: np.ndarray):
 
 
 def ref_main(x: np.ndarray):
-    """MODEL.md 3.4. Returns (packed bytes, decoded fp32)."""
+    """docs/model.md §3.4. Returns (packed bytes, decoded fp32)."""
     n, d = x.shape
     g = x.reshape(n, d // 16, 16)
     amax = np.maximum(np.abs(g).max(-1, keepdims=True), F32(6 * 2.0**-9))
@@ -71,7 +71,7 @@ def ref_main(x: np.ndarray):
 
 
 def ref_index(x: np.ndarray):
-    """MODEL.md 3.6. Returns (packed bytes, decoded fp32)."""
+    """docs/model.md §3.6. Returns (packed bytes, decoded fp32)."""
     n, d = x.shape
     g = x.reshape(n, d // 32, 32)
     amax = np.maximum(np.abs(g).max(-1, keepdims=True), F32(6 * 2.0**-126))
@@ -471,7 +471,7 @@ def test_prop_qdq_main_kv(a, k, bf16):
 
 
 def test_main_kv_not_idempotent_with_subnormal_scale():
-    """A documented property of the MODEL.md 3.4 format, not a codec bug: with a subnormal E4M3 scale the
+    """A documented property of the docs/model.md §3.4 format, not a codec bug: with a subnormal E4M3 scale the
     largest code can round down to 4, and re-quantizing then picks a different scale."""
     x = torch.zeros(16)
     x[0] = 6 * 1.6 * 2.0**-9  # amax/6 = 1.6 * 2^-9 -> scale 2 * 2^-9; x/scale = 4.8 -> 4

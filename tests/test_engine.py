@@ -1,7 +1,7 @@
 """Guards the engine: CED prefill modes (ced-exact == full, chunked == one-shot, decoder rows really skipped,
 ced-bounded's deviation measured), continuous batching == one request at a time, sampling and stop rules, and
 bad input. Exactness is asserted with the FP8/FP4 QDQs off and the deterministic tie rule (the quantizers make
-the model piecewise constant, golden README section 4); packed-store equality with quantization on is in
+the model piecewise constant, docs/golden.md §4); packed-store equality with quantization on is in
 tests/test_kv_paged.py."""
 
 from __future__ import annotations

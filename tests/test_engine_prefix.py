@@ -1,4 +1,4 @@
-"""Guards prefix caching through the engine (SYSTEM.md 4): a repeated prompt resumes exactly from the SWA pool
+"""Guards prefix caching through the engine (docs/system.md §4): a repeated prompt resumes exactly from the SWA pool
 (swa-hit, output identical to the cold run), without the pool it replays the last n_win cached tokens
 (replay, deviation measured), a new process with the same cache directory hits, and a dense (unquantized)
 model refuses a packed cache."""

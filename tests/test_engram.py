@@ -1,4 +1,4 @@
-"""Engram (MODEL.md 6): token map, primes, multipliers, hashing, and golden parity on case A.
+"""Engram (docs/model.md §6): token map, primes, multipliers, hashing, and golden parity on case A.
 
 Golden data: tests/data/golden/case-a (checkpoint + tokenizer) and a.fp32.fix.blocks-seq0.safetensors
 (`engram_out.{L}` = block_out.{L-1} + Engram, prefill and 8 decode steps of sequence 0).
@@ -296,7 +296,7 @@ def test_zero_dot_gate_and_dtype():
 
 def _qdq_fp8_tiles(w: torch.Tensor, tile: int = 32) -> torch.Tensor:
     """Round a weight [O, I] to e4m3 values with one power-of-two scale per tile x tile block (the checkpoint's
-    fp8 Linear storage, MODEL.md 9): scale = 2^ceil(log2(amax * fp32(1/448))), amax >= 1e-4, RNE to e4m3.
+    fp8 Linear storage, docs/model.md §9): scale = 2^ceil(log2(amax * fp32(1/448))), amax >= 1e-4, RNE to e4m3.
     Used to give random weights checkpoint-representable values."""
     O, I = w.shape
     po, pi = -O % tile, -I % tile

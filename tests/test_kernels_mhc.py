@@ -1,4 +1,4 @@
-"""Guards the fused mHC step: the reference (`mhc_fused_ref`, built from the model's functions) against MODEL.md
+"""Guards the fused mHC step: the reference (`mhc_fused_ref`, built from the model's functions) against docs/model.md
 section 2 written out independently in float64 (CPU), the dispatch, and (marked gpu) the Triton kernel against the
 reference on fresh random inputs: ragged token counts, widths that are not a multiple of the chunk, one token; both
 the split path for few tokens and the tiled path for many, each run twice with the same bits."""
@@ -31,7 +31,7 @@ def mhc_case(B=2, T=5, D=64, S=4, dtype=torch.bfloat16, device="cpu", seed=0):
 
 
 def spec_step(f, x, post, comb, pre, fn, scale, base, nw, iters, eps, norm_eps, rms_eps):
-    """MODEL.md 2 items 3-6 in float64, loops as written there."""
+    """docs/model.md §2 items 3-6 in float64, loops as written there."""
     f, x, post, comb, pre, fn = (t.double() for t in (f, x, post, comb, pre, fn))
     scale, base, nw = scale.double(), base.double(), nw.double()
     S = x.size(-2)

@@ -144,7 +144,7 @@ def test_sequences_at_different_positions_decode_together(debug_models, dtype):
     """Continuous batching: each sequence prefilled alone (bind([sid])), then decoded in one batch. The packed
     batch equals DenseCache.stack of the same prefills bit for bit, and each sequence decoded alone (a fork)
     equals DenseCache alone bit for bit. Batched versus alone differs by the model's own batch-composition effect
-    (GEMM order through the FP8/FP4 quantizer cascade, golden README section 4), the same for both stores."""
+    (GEMM order through the FP8/FP4 quantizer cascade, docs/golden.md §4), the same for both stores."""
     cfg, models = debug_models
     m = models[dtype]
     lens = [13, 26, 9]

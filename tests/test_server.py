@@ -312,7 +312,7 @@ def test_packed_kv_stats_match_analytic(ckpt):
 
 
 def test_cached_tokens_on_repeat(ckpt, tmp_path):
-    """Lights up with the prefix cache (issue 6): the same chat twice -> cached_tokens > 0 on the repeat."""
+    """Lights up with the prefix cache: the same chat twice -> cached_tokens > 0 on the repeat."""
     from dsv41.engine.cli import engine_args, engine_from_args
     from dsv41.server.app import create_app, serve_in_thread
     from dsv41.server.state import ServerSettings

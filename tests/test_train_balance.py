@@ -1,4 +1,4 @@
-"""Guards aux-loss-free balancing (SYSTEM.md 6): the bias moves against the load (overloaded experts down,
+"""Guards aux-loss-free balancing (docs/system.md §6): the bias moves against the load (overloaded experts down,
 underloaded up), text and image biases follow their own modality's load only, and the balancer counts the
 routes the model's gates returned in a forward (split by the image mask they routed with)."""
 

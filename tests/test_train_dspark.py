@@ -1,4 +1,4 @@
-"""Guards the DSpark drafter stage (SYSTEM.md 5): the all-anchor training forward equals the model's own
+"""Guards the DSpark drafter stage (docs/system.md §5): the all-anchor training forward equals the model's own
 drafter (`forward_spec`, decode path) anchor by anchor, acceptance is counted as greedy verification does, and a
 drafter-stage run trains `mtp.*` while leaving every backbone tensor bit-identical."""
 

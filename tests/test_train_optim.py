@@ -1,4 +1,4 @@
-"""Guards the optimizers of SYSTEM.md 6 against their definitions: Newton-Schulz orthogonality, head-wise Muon
+"""Guards the optimizers of docs/system.md §6 against their definitions: Newton-Schulz orthogonality, head-wise Muon
 (one orthogonal factor per head, update RMS gamma), Sinkhorn balancing (row RMS 1, column RMS ~1, RMS(Delta) 1),
 zero-gradient rows left bit-identical (weights and momentum), the routing table, and the AdamW route equal to
 torch.optim.AdamW."""

@@ -1,4 +1,4 @@
-"""Guards QAT (SYSTEM.md 6): the straight-through FP4 main-KV quantizer gives the QDQ values forward and the
+"""Guards QAT (docs/system.md §6): the straight-through FP4 main-KV quantizer gives the QDQ values forward and the
 identity gradient backward, and the training cache applies it to exactly the compressed entries the model
 stores, with gradients still reaching the compressor."""
 

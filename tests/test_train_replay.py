@@ -1,4 +1,4 @@
-"""Guards the bounded-replay training simulation (SYSTEM.md 2, 4 and 6; design in dsv41/train/qat.py):
+"""Guards the bounded-replay training simulation (docs/system.md §2, §4 and §6; design in dsv41/train/qat.py):
 the window floor in `window_indices`' prefill branch (exact lists), its effect on a training prefill (queries
 before the replay start bit-identical, after it changed, layers outside the chosen set untouched), that it
 computes what inference computes for the same truncation (a continuation over a store without SWA state, and the

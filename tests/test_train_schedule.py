@@ -1,4 +1,4 @@
-"""Guards the learning-rate schedule shape of SYSTEM.md 6: linear warmup, constant to 28/45, cosine to 0.1x by
+"""Guards the learning-rate schedule shape of docs/system.md §6: linear warmup, constant to 28/45, cosine to 0.1x by
 40/45, constant to the end."""
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def tower32(cfg):
 # ------------------------------------------------------------------------------------------------ preprocessing
 
 def test_size_plan_documented_numbers(cfg):
-    # golden README section 3: image0 shrinks through solve_resize_ratio, image1 takes the upscale path
+    # docs/vision-golden.md §3: image0 shrinks through solve_resize_ratio, image1 takes the upscale path
     assert im.solve_resize_ratio(277, 538, 14, 3, 72) == (210, 406)
     assert im.plan_image_grid(538, 277, cfg) == (5, 10, 210, 406)
     assert im.plan_image_grid(165, 213, cfg) == (7, 6, 280, 224)

@@ -1,4 +1,4 @@
-"""`dsv41 analyze {kv,params,flops,io}`: the SYSTEM.md section 1 numbers, computed from a config."""
+"""`dsv41 analyze {kv,params,flops,io}`: the docs/system.md §1 numbers, computed from a config."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Decode and prefill compute versus context length, from the config (SYSTEM.md section 1; docs/report.md §4.4).
+"""Decode and prefill compute versus context length, from the config (docs/system.md §1; docs/report.md §4.4).
 
 Units: a MAC is one multiply-accumulate; FLOPs = 2 * MACs. "Weighted" FLOPs follow the report's Figure 2
 convention: each FLOP is weighted by the relative cost of its precision, BF16 1, FP8 0.5, FP4 0.25 (FP32 counted
@@ -15,7 +15,7 @@ Without the hierarchical indexer the Reindex layers scan everything too: 4096 * 
 per-entry head-weighting sum (32 MACs, 0.8%) is left out, as in the report's formula.
 
 Per-token decode model (`decode_terms`), one generated token at context N, every backbone layer:
-- FP8 linears (`dtype` fp8; activations are quantized to FP8 per 32, MODEL.md 9): wq_a, wq_b, wkv, wo_a, wo_b,
+- FP8 linears (`dtype` fp8; activations are quantized to FP8 per 32, docs/model.md §9): wq_a, wq_b, wkv, wo_a, wo_b,
   the shared expert, the indexer's wq_b, Engram's wkv. wo_a is counted at its checkpoint format (FP8); the
   reference dequantizes it to BF16 at load only because its grouped einsum needs it.
 - Routed experts, top-k of them: weights FP4 but activations FP8, and a mixed-operand MMA runs at the rate of its
@@ -29,7 +29,7 @@ Per-token decode model (`decode_terms`), one generated token at context N, every
 - Indexer scores at FP4 (q and k are both MXFP4): the formula above.
 The DSpark drafter is not part of the per-token model (it is a separate, optional forward).
 
-Prefill (`prefill_report`), a prompt of N tokens under CED (SYSTEM.md 2): the encoder layers run on all N tokens
+Prefill (`prefill_report`), a prompt of N tokens under CED (docs/system.md §2): the encoder layers run on all N tokens
 (attention core and indexer over the causal prefix of each query), the decoder KV source produces global KV for
 all N tokens, the decoder layers run in full on the last window_size tokens only, the head on the last token.
 The encoder Full layers' indexer is still O(N^2): query i sees (i+1)//m entries, N/(2m) on average, so

@@ -1,4 +1,4 @@
-"""Image I/O versus compute, and the ViT token arithmetic (SYSTEM.md section 1; docs/report.md §9).
+"""Image I/O versus compute, and the ViT token arithmetic (docs/system.md §1; docs/report.md §9).
 
 Long, image-dense training sequences are split across context-parallel ranks, each image read once. Loading a
 sequence of N tokens is hidden behind its compute when
@@ -52,7 +52,7 @@ def vit_tokens(cfg: ModelConfig, height: int = 1344, width: int = 1344) -> dict[
     """ViT arithmetic for an image already at a multiple of the patch size (report: 1344 x 1344 ->
     (1344/14)^2 = 9216 patches -> 1024 LLM tokens after the 3x3 pixel-unshuffle).
 
-    `span_tokens` adds the layout tokens (one IMAGE_NEW_LINE per row, IMAGE_START, IMAGE_END; MODEL.md 8):
+    `span_tokens` adds the layout tokens (one IMAGE_NEW_LINE per row, IMAGE_START, IMAGE_END; docs/model.md §8):
     n_h * (n_w + 1) + 2. The official preprocessor shrinks an image whose span would exceed vision_max_n_token,
     so `fits_max_n_token` says whether this size passes unchanged (1344^2 gives 1058 > 1024: it is shrunk)."""
     if not cfg.vision_enabled:

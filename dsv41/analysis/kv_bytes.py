@@ -1,4 +1,4 @@
-"""KV-cache bytes per token, from the config (SYSTEM.md section 1; docs/report.md §2, "890 bytes/token").
+"""KV-cache bytes per token, from the config (docs/system.md §1; docs/report.md §2, "890 bytes/token").
 
 The report factors KV cost into three multiplied dimensions: the size of one entry, the sequence dimension (m
 tokens pooled into one entry) and the layer dimension (only some layers store KV of their own):
@@ -19,7 +19,7 @@ from typing import Any
 from dsv41.config import Mode, ModelConfig, ced_split, layer_roles
 
 # ------------------------------------------------------------------------------------------ packed formats
-# Bit widths of the packed formats (MODEL.md 3.3-3.6 and 9, "Packed byte layouts").
+# Bit widths of the packed formats (docs/model.md §3.3-3.6 and §9, "Packed byte layouts").
 E2M1_BITS = 4          # FP4 code
 SCALE_BYTES = 1        # E4M3 / UE8M0 / E8M0 scale: one byte each
 MAIN_KV_GROUP = 16     # main KV: one E4M3 scale per 16 channels (NVFP4-like, no second-level global scale)
@@ -53,7 +53,7 @@ def _fp4_entry_bytes(channels: int, group: int) -> Fraction:
 def main_entry_bytes(cfg: ModelConfig) -> Fraction:
     """Compressed main-KV entry: head_dim E2M1 codes (4 bit) + one E4M3 scale per 16 channels.
 
-    512 -> 256 + 32 = 288 B, i.e. 4.5 bit/channel (SYSTEM.md 1, report eq. for b_main)."""
+    512 -> 256 + 32 = 288 B, i.e. 4.5 bit/channel (docs/system.md §1, report eq. for b_main)."""
     return _fp4_entry_bytes(cfg.head_dim, MAIN_KV_GROUP)
 
 
@@ -70,7 +70,7 @@ def global_entry_bytes(cfg: ModelConfig) -> Fraction:
 def swa_row_bytes(cfg: ModelConfig) -> Fraction:
     """SWA ring row per token per layer: head_dim FP8 E4M3 + one UE8M0 per 32 = 512 + 16 = 528 B.
 
-    This is the format the official code simulates (act_quant, MODEL.md 3.3); the SWA branch stays FP8 because
+    This is the format the official code simulates (act_quant, docs/model.md §3.3); the SWA branch stays FP8 because
     the report found it quantization-sensitive."""
     return Fraction(cfg.head_dim * FP8_BYTES) + Fraction(cfg.head_dim, SWA_GROUP) * SCALE_BYTES
 
@@ -142,7 +142,7 @@ def swa_bytes_per_sequence(cfg: ModelConfig) -> dict[str, int | float]:
     All backbone layers have the SWA branch (every CSA2 mode computes its own SWA KV; SWA-only layers have only
     it). The DSpark stages are window-only layers with their own rings and are reported separately. Under CED the
     encoder rings (layers below the split) are what the SWA pool snapshots; decoder rings are rebuilt by replay
-    on every prefill and never persisted (SYSTEM.md 2, 4)."""
+    on every prefill and never persisted (docs/system.md §2, §4)."""
     ring = cfg.window_size * swa_row_bytes(cfg)
     split = ced_split(cfg)
     n_enc = split if split is not None else cfg.n_layers

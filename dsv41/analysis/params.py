@@ -1,6 +1,6 @@
-"""Parameter counts from the config, tensor by tensor (MODEL.md section 9; SYSTEM.md section 1).
+"""Parameter counts from the config, tensor by tensor (docs/model.md §9; docs/system.md §1).
 
-Counts are numbers of weight elements of the checkpoint tensors listed in MODEL.md 9, derived from the config:
+Counts are numbers of weight elements of the checkpoint tensors listed in docs/model.md §9, derived from the config:
 `.scale` tensors of quantized weights are storage metadata, not parameters, and are not counted (Engram's
 per-row scales included). Conditional tensors follow the layer roles: compressor `wgate` only where m > 1 (the
 released config has it exactly on the ratio-2 sources), indexer `wk`/`k_norm` and the compressor only on KV
@@ -17,7 +17,7 @@ count 0; the LM head counts where the token's logits are computed.
 - decode: every backbone layer in full (attention, hc mixes, norms, gate, shared + top-k routed experts, and the
   compressor / indexer tensors of the layers that have them), every Engram module's projections, final norm and
   LM head. The DSpark drafter is a separate model and is not included.
-- prefill (CED, SYSTEM.md 2): a prompt token runs the encoder only (layers below `ced_split`, with the Engram
+- prefill (CED, docs/system.md §2): a prompt token runs the encoder only (layers below `ced_split`, with the Engram
   modules placed at or below the split) plus the decoder KV source's global-KV production: its attn_norm (the
   collapse uses the previous block's mix, so no hc projection of its own), compressor and indexer key projection.
   The decoder layers in full and the LM head run only for the last window / last position, which is O(1) per

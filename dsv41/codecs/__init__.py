@@ -1,4 +1,4 @@
-"""Packed KV codecs and their fake-quant (QDQ) twins for DeepSeek-V4.1-Flash (MODEL.md 3.3-3.6, 9, 10).
+"""Packed KV codecs and their fake-quant (QDQ) twins for DeepSeek-V4.1-Flash (docs/model.md §3.3-3.6, §9, §10).
 
 Three packed records (uint8, last dim = bytes), each with a QDQ twin that returns the same values in the
 input dtype without packing (for the model forward; never raises, never syncs with the host):

@@ -2,16 +2,16 @@
 
 Bit legend used in the comments below: ``s`` sign bit, ``e`` exponent bit, ``m`` mantissa bit.
 
-E2M1 (OCP float4_e2m1fn), one nibble ``s ee m`` (MODEL.md 3.5 and 9):
+E2M1 (OCP float4_e2m1fn), one nibble ``s ee m`` (docs/model.md §3.5 and §9):
   * magnitude by 3-bit code 0..7: {0, 0.5, 1, 1.5, 2, 3, 4, 6}; bit 3 is the sign, so code 8 is -0.
   * Rounding is to nearest, ties to the even code: midpoints 0.25, 1.25, 2.5, 5.0 round *down* (to 0, 1,
     2, 4) and 0.75, 1.75, 3.5 round *up* (to 1, 2, 4). Inputs beyond +-6 saturate (the quantizers clamp to
     +-6 first anyway). The sign of zero is preserved: -0 and tiny negatives encode as code 8 and decode
     to -0.0. E2M1 has no NaN; ``float_to_e2m1`` maps NaN to a (signed) zero code.
-  * Nibble packing (MODEL.md 9, fp4 experts; also used by the KV records): element 2k sits in the LOW
+  * Nibble packing (docs/model.md §9, fp4 experts; also used by the KV records): element 2k sits in the LOW
     nibble of byte k and element 2k+1 in the HIGH nibble.
 
-Compressed main-KV record (MODEL.md 3.4, FP4 with E4M3 scales; layout MODEL.md 9 "Packed byte layouts"),
+Compressed main-KV record (docs/model.md §3.4, FP4 with E4M3 scales; layout docs/model.md §9 "Packed byte layouts"),
 for d channels (d = 512 in the released model, any multiple of 16 here):
   * groups of 16 contiguous channels; ``amax = max(|x| over the group, 6 * 2^-9)``;
   * ``scale = e4m3_RNE(amax / 6)``: a true fp32 *division* by 6, rounded to E4M3 and saturating at 448;
@@ -19,7 +19,7 @@ for d channels (d = 512 in the released model, any multiple of 16 here):
   * bytes ``[0, d/2)``: nibble-packed codes; bytes ``[d/2, d/2 + d/16)``: the E4M3 byte of each group's
     scale. 288 bytes for d = 512. Decoded value = E2M1(code) * scale.
 
-Index-key record (MODEL.md 3.6, MXFP4: UE8M0 scales; layout MODEL.md 9), for d channels (d = 128 in the
+Index-key record (docs/model.md §3.6, MXFP4: UE8M0 scales; layout docs/model.md §9), for d channels (d = 128 in the
 released model, any multiple of 32 here):
   * groups of 32; ``amax = max(|x|, 6 * 2^-126)``; ``scale = 2^ceil(log2(amax * fp32(1/6)))`` with the
     exact bit-trick ceiling (see fp8.py); ``v = clamp(x / scale, -6, 6)``; code = E2M1(v);
@@ -29,7 +29,7 @@ released model, any multiple of 32 here):
 ``qdq_main_kv`` / ``qdq_index_k`` are the fake-quant twins used by the model forward: they return the same
 values as unpack(pack(x)) in x's dtype (exact in bf16), never raise and never synchronise with the host.
 
-Pitfall (MODEL.md 10.2, 2): on CUDA, ``tensor / python_float`` is computed as a multiply by the
+Pitfall (docs/model.md §10.2 item 2): on CUDA, ``tensor / python_float`` is computed as a multiply by the
 reciprocal, which is not a correctly rounded division; the division by 6 here therefore divides by a
 tensor. Every value in these formats is a small-integer multiple of a power of two, so the final
 ``E2M1 * scale`` product is exact in fp32 and in bf16.
@@ -129,7 +129,7 @@ def _main_kv_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _main_kv_quant(x: torch.Tensor, group: int, what: str):
-    """MODEL.md 3.4 quantizer. Returns (E2M1 values fp32 [..,G,group], scale fp32 [..,G,1])."""
+    """docs/model.md §3.4 quantizer. Returns (E2M1 values fp32 [..,G,group], scale fp32 [..,G,1])."""
     g = grouped(x, group, what)
     scale = _main_kv_scale(g.abs().amax(dim=-1, keepdim=True))     # saturating at 448
     return _e2m1_of(g, scale), scale
@@ -152,7 +152,7 @@ def main_kv_bytes(d: int = 512) -> int:
 
 
 def qdq_main_kv(x: torch.Tensor, group: int = MAIN_KV_GROUP) -> torch.Tensor:
-    """FP4 QDQ with E4M3 scales per ``group`` (16) channels (MODEL.md 3.4): the compressed-KV latent.
+    """FP4 QDQ with E4M3 scales per ``group`` (16) channels (docs/model.md §3.4): the compressed-KV latent.
 
     Equal to ``unpack_main_kv(pack_main_kv(x))`` in x's dtype. No raise on non-finite, no host sync.
     """
@@ -217,7 +217,7 @@ def index_k_bytes(d: int = 128) -> int:
 def qdq_index_k(x: torch.Tensor, group: int = INDEX_K_GROUP) -> torch.Tensor:
     """MXFP4 QDQ (E2M1, UE8M0 scale per ``group`` = 32) of the indexer keys AND the indexer queries.
 
-    MODEL.md 3.6 applies this one quantizer to both ``k`` (before the index-key cache) and ``q`` (after
+    docs/model.md §3.6 applies this one quantizer to both ``k`` (before the index-key cache) and ``q`` (after
     RoPE); ``qdq_index_q`` is an alias. Equal to ``unpack_index_k(pack_index_k(x))`` in x's dtype.
     No raise on non-finite (the group becomes NaN), no host sync.
     """
@@ -233,7 +233,7 @@ def pack_index_k(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
     """x[..., d] (d % 32 == 0) -> uint8[..., d/2 + d/32]: nibble-packed E2M1 codes, then UE8M0 scales."""
     if check_finite:
         require_finite(x, "pack_index_k")
-    g = grouped(x, INDEX_K_GROUP, "pack_index_k")                   # MODEL.md 3.6 quantizer
+    g = grouped(x, INDEX_K_GROUP, "pack_index_k")                   # docs/model.md §3.6 quantizer
     sbyte = ue8m0_scale_byte(g.abs().amax(dim=-1, keepdim=True).clamp_min(INDEX_K_AMAX_FLOOR) * FP4_MAX_INV)
     return _fp4_record(_e2m1_of(g, e8m0_to_float(sbyte)), sbyte)
 

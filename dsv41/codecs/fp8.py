@@ -6,30 +6,30 @@ float8 tensor is only accepted as *input* to the decoders, by viewing its bytes 
 
 Bit legend used in the comments below: ``s`` sign bit, ``e`` exponent bit, ``m`` mantissa bit.
 
-E4M3 (OCP float8_e4m3fn), one byte ``s eeee mmm``, exponent bias 7 (MODEL.md 9, "Storage formats"):
+E4M3 (OCP float8_e4m3fn), one byte ``s eeee mmm``, exponent bias 7 (docs/model.md §9, "Storage formats"):
   * e = 1..15: value = (-1)^s * (1 + m/8) * 2^(e-7); the largest finite value is 0x7E = 1.75 * 2^8 = 448.
   * e = 0: subnormal, value = (-1)^s * m * 2^-9 (smallest 2^-9); 0x00 = +0 and 0x80 = -0.
   * 0x7F / 0xFF (e = 15, m = 7) is NaN; there is no infinity.
   * Encoding (``float_to_e4m3``) rounds to nearest, ties to even, and *saturates* at +-448 (like the CUDA
     ``satfinite`` conversion the kernels use; a plain ``tensor.to(torch.float8_e4m3fn)`` maps overflow to
-    NaN, MODEL.md 10.2 pitfall 2). +-inf saturates to +-448, NaN stays NaN, the sign of zero is kept.
+    NaN, docs/model.md §10.2 pitfall 2). +-inf saturates to +-448, NaN stays NaN, the sign of zero is kept.
 
 UE8M0 (OCP float8_e8m0fnu), one byte ``eeeeeeee``: value = 2^(byte - 127); byte 0 is 2^-127 and byte 255
 is NaN. There is no sign and no zero.
 
-Power-of-two ("MX") scales, MODEL.md 3.3 and 10.1: ``scale = 2^ceil(log2(amax * fp32(1/448)))``. The
+Power-of-two ("MX") scales, docs/model.md §3.3 and §10.1: ``scale = 2^ceil(log2(amax * fp32(1/448)))``. The
 product is an fp32 multiply by the fp32-rounded reciprocal (not a division), and the ceiling is exact,
 from the fp32 bits of the product: its biased exponent, plus one if its mantissa is nonzero. That biased
 exponent *is* the UE8M0 byte of the scale.
 
-SWA-KV row (MODEL.md 3.3; packed layout from MODEL.md 9 "Packed byte layouts"), for a row of d channels
+SWA-KV row (docs/model.md §3.3; packed layout from docs/model.md §9 "Packed byte layouts"), for a row of d channels
 (d = 512 in the released model, any multiple of 32 here):
   * groups of 32 contiguous channels; ``amax = max(|x| over the group, 1e-4)``; scale as above;
   * ``q = e4m3_RNE(clamp(x / scale, -448, 448))``; the decoded value is ``q * scale``;
   * bytes ``[0, d)``: the E4M3 code of channel i at byte i; bytes ``[d, d + d/32)``: the UE8M0 byte of
     group j at byte d + j. Total ``d + d/32`` bytes (528 for d = 512).
 
-The same per-32 quantizer is the activation quantization in front of every fp8/fp4 Linear (MODEL.md 9,
+The same per-32 quantizer is the activation quantization in front of every fp8/fp4 Linear (docs/model.md §9,
 "How the reference computes with them": ``act_quant`` with ue8m0 scales). ``qdq_fp8`` is its fake-quant
 twin: the same values as ``unpack_swa_kv(pack_swa_kv(x))`` returned in x's dtype, never raising and never
 synchronising with the host, so it is safe inside the model forward on GPU. Every QDQ value is exactly
@@ -54,8 +54,8 @@ def f32(v: float) -> float:
 
 E4M3_MAX = 448.0
 FP8_GROUP = 32
-FP8_AMAX_FLOOR = f32(1e-4)  # MODEL.md 3.3 / 10.1: amax >= 1e-4 (compared in fp32)
-FP8_MAX_INV = f32(1.0 / 448.0)  # fp32(1/448): multiplied, not divided (MODEL.md 10.2 pitfall 2)
+FP8_AMAX_FLOOR = f32(1e-4)  # docs/model.md §3.3 / §10.1: amax >= 1e-4 (compared in fp32)
+FP8_MAX_INV = f32(1.0 / 448.0)  # fp32(1/448): multiplied, not divided (docs/model.md §10.2 pitfall 2)
 
 _E4M3_MIN_NORMAL = 2.0**-6
 _F32_NAN_BITS = 0x7FC00000
@@ -190,7 +190,7 @@ def e8m0_to_float(codes: torch.Tensor) -> torch.Tensor:
 def ue8m0_scale_byte(y: torch.Tensor) -> torch.Tensor:
     """UE8M0 byte of 2^ceil(log2 y), for positive fp32 y, computed exactly from the bits (int32 result).
 
-    byte = biased exponent of y, plus 1 if y's mantissa is nonzero (MODEL.md 3.3). Results past 254 (y
+    byte = biased exponent of y, plus 1 if y's mantissa is nonzero (docs/model.md §3.3). Results past 254 (y
     above 2^127, inf, NaN) are clamped to 255, the NaN byte. Only meaningful for normal y; subnormal y is
     handled by ``float_to_e8m0``.
     """
@@ -238,7 +238,7 @@ def pow2_ceil(y: torch.Tensor) -> torch.Tensor:
 def qdq_fp8(x: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:
     """FP8 (E4M3, UE8M0 scale per ``group`` channels along the last dim) quantize-dequantize.
 
-    The ``act_quant`` of MODEL.md 3.3 / 9: used for the sliding-window KV (group 32, equal to
+    The ``act_quant`` of docs/model.md §3.3 / §9: used for the sliding-window KV (group 32, equal to
     ``unpack_swa_kv(pack_swa_kv(x))``) and for the activation quantization before every fp8/fp4 Linear.
     Computes in fp32 and returns x's dtype (exact for bf16). Never raises on non-finite values (their group
     becomes NaN), no host sync. The same arithmetic as `pack_swa_kv` (which goes through the scale bytes), in
@@ -257,7 +257,7 @@ def pack_swa_kv(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
     """x[..., d] (d % 32 == 0) -> uint8[..., d + d/32]: E4M3 codes, then one UE8M0 byte per 32 channels."""
     if check_finite:
         require_finite(x, "pack_swa_kv")
-    g = grouped(x, FP8_GROUP, "pack_swa_kv")                        # per-group quantization, MODEL.md 3.3
+    g = grouped(x, FP8_GROUP, "pack_swa_kv")                        # per-group quantization, docs/model.md §3.3
     sbyte = ue8m0_scale_byte(g.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR) * FP8_MAX_INV)
     q = round_to_e4m3(g / e8m0_to_float(sbyte))                     # saturates at +-448
     return torch.cat([_e4m3_code_of_exact(q).flatten(-2), sbyte.squeeze(-1).to(torch.uint8)], dim=-1)

@@ -178,7 +178,7 @@ class Engine:
         decode step (all layers), which yields the first sampled token. The state after N-1 tokens is the
         end-of-prompt unit that prefix caching stores, so a repeated prompt resumes exactly there.
 
-        With prefix caching (SYSTEM.md 4): the longest persistent hit U is restored; with its SWA snapshot the
+        With prefix caching (docs/system.md §4): the longest persistent hit U is restored; with its SWA snapshot the
         prefill continues exactly (swa-hit), without it the last n_win cached tokens are replayed through the
         layers for window KV only (replay)."""
         t0 = time.perf_counter()

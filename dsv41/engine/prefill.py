@@ -1,4 +1,4 @@
-"""Prefill modes of the causal encoder-decoder (CED) dataflow (SYSTEM.md 2).
+"""Prefill modes of the causal encoder-decoder (CED) dataflow (docs/system.md §2).
 
   full         every layer on every prompt token: what the official code computes; the speed baseline.
   ced-exact    encoder (layers below the split) on every token; the decoder's KV source produces its global KV
@@ -14,7 +14,7 @@ Chunked prefill: the encoder (and the split layer's KV production) runs chunk by
 the tail rows the decoder needs is buffered and the decoder runs once at the end, so every chunking gives the
 one-shot result of the same mode.
 
-Continuation and replay (prefix caching, SYSTEM.md 4): a prefill may start where a restored store stands.
+Continuation and replay (prefix caching, docs/system.md §4): a prefill may start where a restored store stands.
 With the SWA state restored too (an exact resume) the windows of earlier positions are valid and are used.
 Without it, `replay` tokens before the restored position are run again through the layers to regenerate
 window KV only (their global KV is reused, never recomputed or overwritten) and every sliding window is
@@ -44,7 +44,7 @@ class PrefillOut:
 
 def check_ced(cfg) -> int:
     """The split layer, or ValueError when this config admits no CED skip: every layer from the split up must
-    read global KV, top-k and candidates produced at or above the split (SYSTEM.md 2)."""
+    read global KV, top-k and candidates produced at or above the split (docs/system.md §2)."""
     split = ced_split(cfg)
     if split is None:
         raise ValueError("config has no KV source layers, so no causal encoder-decoder split: use prefill mode 'full'")

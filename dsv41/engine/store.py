@@ -38,7 +38,7 @@ class PackedPool(PackedKVPool, SequencePool):
     """The packed store as the engine's pool. Beyond `SequencePool` it is what prefix caching and the server's page
     gauge need, which only the packed bytes can give: sequences export and import their persistent (global) and
     SWA state, which the prefix cache stores as they are (`export_global`, `import_global`, `export_swa`,
-    `import_swa`; SYSTEM.md 4), and the pool reports its page allocation (`pool_bytes`)."""
+    `import_swa`; docs/system.md §4), and the pool reports its page allocation (`pool_bytes`)."""
 
     packed = True
 

@@ -1,6 +1,6 @@
 """Kernels: torch references (`*_ref`) and their Triton twins (same signatures), one backend switch.
 
-  ref.py         sparse_attn_ref: the model's sparse attention with sinks on dense KV (MODEL.md 3.8); rms_norm
+  ref.py         sparse_attn_ref: the model's sparse attention with sinks on dense KV (docs/model.md §3.8); rms_norm
   packed_ref.py  references over the engine's packed store: sparse_attn_packed_ref (decode: FP8 ring + FP4 pages),
                  indexer_scores_packed_ref / indexer_topk_packed_ref (decode indexer, MXFP4 keys, candidate pool)
   mhc_ref.py     mhc_fused_ref: one mHC step between sub-layers (hc_post, next hc_mixes, lagged hc_pre + RMSNorm)
@@ -9,7 +9,7 @@
                  block, blocks accumulated in K order)
   moe_ref.py     moe_experts_ref: a MoE layer's routed + shared experts over their weights (and the summation
                  `moe_combine`, expert_act_ref: the expert's SwiGLU middle, shared with the model's module loop)
-  (codecs)       the references of qdq_fp8 and pack_swa_kv are the codecs themselves (MODEL.md 3.3)
+  (codecs)       the references of qdq_fp8 and pack_swa_kv are the codecs themselves (docs/model.md §3.3)
   backend.py     set_backend("auto" | "torch" | "triton"), chosen once; auto = Triton on CUDA bf16 inputs without
                  gradients, the reference otherwise (logged once per op and choice); a requested backend that
                  cannot run raises

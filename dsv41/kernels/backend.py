@@ -1,4 +1,4 @@
-"""The one place that picks a kernel backend (ARCHITECTURE.md rule 5: chosen once, explicitly).
+"""The one place that picks a kernel backend (docs/architecture.md §5: chosen once, explicitly).
 
 Backends:
   "torch"   the references (`*_ref`, the model's own math) on any device.

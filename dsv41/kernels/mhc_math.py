@@ -1,4 +1,4 @@
-"""The mHC math of one step (MODEL.md 2 items 3-6): the functions the model's blocks (`dsv41.model.block`) and the
+"""The mHC math of one step (docs/model.md §2 items 3-6): the functions the model's blocks (`dsv41.model.block`) and the
 fused step's reference (`mhc_ref.mhc_fused_ref`) share, kept in the kernels layer so that both import them from here.
 
 Legend: B batch, T tokens, S streams (hc_mult), D width, M = (2 + S) * S mix coefficients.
@@ -14,7 +14,7 @@ __all__ = ["hc_split_sinkhorn", "hc_mixes", "hc_pre", "hc_post"]
 
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, S: int, iters: int,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mixes [B,T,M] fp32 -> pre [B,T,S], post [B,T,S], comb [B,T,S,S] (MODEL.md 2 item 5)."""
+    """mixes [B,T,M] fp32 -> pre [B,T,S], post [B,T,S], comb [B,T,S,S] (docs/model.md §2 item 5)."""
     m = mixes.float()
     scale, base = scale.float(), base.float()
     pre = torch.sigmoid(m[..., :S] * scale[0] + base[:S]) + eps
@@ -32,7 +32,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, S: int, iters: int,
              eps: float, norm_eps: float):
     """x [B,T,S,D] -> (pre, post, comb). One RMS statistic per token over all S*D values, applied AFTER the
-    projection of the unnormalised stream (MODEL.md 2 item 4, 10.2 item 6)."""
+    projection of the unnormalised stream (docs/model.md §2 item 4, §10.2 item 6)."""
     xf = x.flatten(2).float()                                              # [B,T,S*D], stream-major
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
     mixes = F.linear(xf, fn.float()) * rstd

@@ -1,4 +1,4 @@
-"""Torch reference of the fused mHC step between two sub-layers (MODEL.md 2 items 3-6), built from the model's own
+"""Torch reference of the fused mHC step between two sub-layers (docs/model.md §2 items 3-6), built from the model's own
 functions (`mhc_math`, which `dsv41.model.block` uses, and `ref.rms_norm`, the model's RMSNorm), with the signature
 of its Triton twin (`dsv41.kernels.triton.mhc_fused_triton`).
 

@@ -1,4 +1,4 @@
-"""Torch reference of the routed + shared experts of one MoE layer (MODEL.md 5), over weight lists.
+"""Torch reference of the routed + shared experts of one MoE layer (docs/model.md §5), over weight lists.
 
 Legend: N tokens, D width, F expert hidden width, E routed experts, K activated experts per token.
 
@@ -26,8 +26,8 @@ __all__ = ["moe_combine", "moe_experts_ref", "expert_act_ref"]
 
 def expert_act_ref(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, limit: float, quantize: bool,
                    dtype: torch.dtype) -> torch.Tensor:
-    """The expert's middle (MODEL.md 5): silu(min(gate, L)) * clamp(up, -L, L) in fp32 (no clamp when L <= 0), times
-    the routing weight, cast to `dtype`, then (quantize) the FP8 QDQ that w2 applies to its input."""
+    """The expert's middle (docs/model.md §5): silu(min(gate, L)) * clamp(up, -L, L) in fp32 (no clamp when
+    L <= 0), times the routing weight, cast to `dtype`, then (quantize) the FP8 QDQ that w2 applies to its input."""
     g, u = gate.float(), up.float()
     if limit > 0:
         u = u.clamp(-limit, limit)

@@ -1,7 +1,7 @@
 """Torch references of the kernels that read the engine's packed KV store (`dsv41.kv.pool.PackedKVPool`).
 
 Each `*_ref` here has the signature of its Triton launcher (`dsv41.kernels.triton`) and is built only from the
-codecs' unpack functions and the model's own math (`sparse_attn_ref`; the indexer of MODEL.md 3.6-3.7 as
+codecs' unpack functions and the model's own math (`sparse_attn_ref`; the indexer of docs/model.md §3.6-3.7 as
 `dsv41.model.attention.Indexer.select` computes it), so the kernels are compared with the model, not with a copy.
 
 Legend: B batch rows (one decode query each), H heads, D head dim (= latent width C), S ring slots, W ring rows,
@@ -57,7 +57,7 @@ def gather_records(pages: torch.Tensor, page_table: torch.Tensor, entries: torch
 def sparse_attn_packed_ref(q: torch.Tensor, swa_ring: torch.Tensor, ring_slots: torch.Tensor,
                            win_idx: torch.Tensor, main_pages: torch.Tensor, page_table: torch.Tensor,
                            topk_idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode sparse attention straight from the packed store (MODEL.md 3.8) -> [B, H, D] in q's dtype.
+    """Decode sparse attention straight from the packed store (docs/model.md §3.8) -> [B, H, D] in q's dtype.
 
     q [B,H,D]; swa_ring uint8 [S,W,D+D/32]; ring_slots [B] (row b reads ring slot ring_slots[b]); win_idx [B,KW]
     ring rows in attention order (`decode_window_rows`), -1 none; main_pages uint8 [NP,P,D/2+D/16];
@@ -86,7 +86,8 @@ def pool_entries(cand_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
 def indexer_scores_packed_ref(q: torch.Tensor, w: torch.Tensor, index_pages: torch.Tensor,
                               page_table: torch.Tensor, n_vis: torch.Tensor, entries: torch.Tensor | None = None,
                               n_entries: int | None = None) -> torch.Tensor:
-    """Index scores I[b, t] = sum_j w[b,j] * ReLU(q[b,j] . K_t) of one decode query per row (MODEL.md 3.6) -> fp32.
+    """Index scores I[b, t] = sum_j w[b,j] * ReLU(q[b,j] . K_t) of one decode query per row (docs/model.md §3.6)
+    -> fp32.
 
     q [B,J,I] (already MXFP4 QDQ'd), w [B,J], n_vis [B] entries visible to each row. Scores entry ids
     `entries` [B,E] (-1 none) or, when None, entries 0..n_entries-1 (default max n_vis). Invisible entries
@@ -123,7 +124,7 @@ def _ascending_tail(ids: torch.Tensor) -> torch.Tensor:
 
 def top_blocks(scores: torch.Tensor, n_vis: torch.Tensor, n_blocks: int, block_size: int,
                ties: str = "official") -> tuple[torch.Tensor, torch.Tensor]:
-    """Level one of the hierarchical indexer (MODEL.md 3.7), shared by the model's `select_candidate_blocks` and
+    """Level one of the hierarchical indexer (docs/model.md §3.7), shared by the model's `select_candidate_blocks` and
     `candidate_pool`: block score = max over `block_size` entries, the block holding the newest visible entry
     pinned to +inf, then the top min(n_blocks, nb) blocks. scores [..., N] (invisible = -inf), n_vis visible
     counts broadcastable to [..., 1] -> (block scores [..., nb], top block ids [..., min(n_blocks, nb)])."""
@@ -138,7 +139,7 @@ def top_blocks(scores: torch.Tensor, n_vis: torch.Tensor, n_blocks: int, block_s
 
 def candidate_pool(scores: torch.Tensor, n_vis: torch.Tensor, pool_blocks: int, block_size: int,
                    ties: str = "official") -> torch.Tensor:
-    """`select_candidate_blocks` (MODEL.md 3.7) as block ids: [B, min(pool_blocks, nb)] int32, ascending, -1 for
+    """`select_candidate_blocks` (docs/model.md §3.7) as block ids: [B, min(pool_blocks, nb)] int32, ascending, -1 for
     slots whose block score is -inf. scores [B,N] over entries 0..N-1 (invisible = -inf)."""
     n_vis = n_vis.view(-1, 1).long().to(scores.device)
     blocks, top = top_blocks(scores, n_vis, pool_blocks, block_size, ties)
@@ -148,7 +149,7 @@ def candidate_pool(scores: torch.Tensor, n_vis: torch.Tensor, pool_blocks: int, 
 
 def indexer_select(scores: torch.Tensor, entries: torch.Tensor | None, n_vis: torch.Tensor, topk: int,
                    n_max: int, ties: str = "official") -> torch.Tensor:
-    """Top-k of scored entries -> entry ids [B, min(topk, n_max)] int32, ascending, -1 tail (MODEL.md 3.6).
+    """Top-k of scored entries -> entry ids [B, min(topk, n_max)] int32, ascending, -1 tail (docs/model.md §3.6).
 
     scores [B,E] over `entries` [B,E] (None: entries 0..E-1); n_max = the widest row's visible count (the
     model's k is min(topk, n_max)). Selected ids outside 0..n_vis-1 become -1, as the model's. A restricted

@@ -12,7 +12,7 @@ SPARSE_ATTN_BLOCK = 64
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, cast back to x's dtype (MODEL.md 2)."""
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, cast back to x's dtype (docs/model.md §2)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (weight * xf).to(x.dtype)
@@ -20,7 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                     scale: float, query_chunk: int = 1024) -> torch.Tensor:
-    """Sparse single-KV-head attention with a per-head sink in the denominator (MODEL.md 3.8).
+    """Sparse single-KV-head attention with a per-head sink in the denominator (docs/model.md §3.8).
 
     q [B,T,H,D], kv [B,N,D] (K = V), sink [H] fp32 (not scaled), idx [B,T,K] int (-1 = nothing).
     Online softmax over blocks of 64 indices starting from a running max of -1e30, so a row whose indices

@@ -1,4 +1,4 @@
-"""The engine's KV store (SYSTEM.md 3): packed, paged storage bound into the model through the `DenseCache`
+"""The engine's KV store (docs/system.md §3): packed, paged storage bound into the model through the `DenseCache`
 interface, and its byte accounting.
 
     pool = PackedKVPool(cfg, device, dtype=model.dtype)      # one per engine

@@ -1,4 +1,4 @@
-"""KV bytes by kind, measured in the engine's packed store, beside the analytic figures (SYSTEM.md 1 and 3).
+"""KV bytes by kind, measured in the engine's packed store, beside the analytic figures (docs/system.md §1 and §3).
 
 `bench_kv(cfg, tokens)` is `dsv41 bench kv`: it allocates the real `PackedKVPool` for one sequence of N tokens
 and fills it without running the model: the global store of every KV-source layer with N // m entries, the SWA
@@ -38,7 +38,7 @@ def as_number(x: Fraction | int) -> int | float:
 
 
 def analytic_global_bytes_per_token(cfg: ModelConfig) -> Fraction:
-    """Sum over the KV sources of (main + index record bytes) / m (SYSTEM.md 1): 890 for V4.1-Flash."""
+    """Sum over the KV sources of (main + index record bytes) / m (docs/system.md §1): 890 for V4.1-Flash."""
     entry = main_kv_bytes(cfg.head_dim) + index_k_bytes(cfg.index_head_dim)
     return sum((Fraction(entry, r.ratio) for r in layer_roles(cfg) if r.is_kv_source), Fraction(0))
 

@@ -1,4 +1,4 @@
-"""The persistent tier (SYSTEM.md 4): a directory of entries, one file per prefix-unit key.
+"""The persistent tier (docs/system.md §4): a directory of entries, one file per prefix-unit key.
 
     store = DiskStore(dir, max_bytes, min_free_bytes, min_age_s, fingerprint=fp)
     store.put(key, payload, meta)      -> bool     (False: not persisted; never raises on storage faults)

@@ -1,4 +1,4 @@
-"""File-system primitives of the persistent tier (SYSTEM.md 4), for several processes sharing one directory.
+"""File-system primitives of the persistent tier (docs/system.md §4), for several processes sharing one directory.
 
 Atomic replacement: the bytes go to a temp file `.tmp.<key>.<pid>.<random>` in the same directory, which is
 written, fsync'd, renamed over the final name and the directory fsync'd: a reader sees either no file or a complete

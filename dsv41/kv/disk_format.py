@@ -1,4 +1,4 @@
-"""The persistent tier's entry file (SYSTEM.md 4): one file `<key>.kv` per prefix-unit key (64 lowercase hex),
+"""The persistent tier's entry file (docs/system.md §4): one file `<key>.kv` per prefix-unit key (64 lowercase hex),
 little-endian, checksummed so that a damaged, truncated, renamed or foreign file is never served:
 
     offset size  field

@@ -1,4 +1,4 @@
-"""`PrefixCache`: the two persistence tiers behind one facade (SYSTEM.md 4).
+"""`PrefixCache`: the two persistence tiers behind one facade (docs/system.md §4).
 
     cache = PrefixCache.from_config(cfg, weights_id, tokenizer_id, cache_dir=DIR, swa_pool="memory",
                                     hasher=model.engram_hasher)
@@ -29,7 +29,7 @@ segments all load and check wins.
 SWA snapshots live in the SWA pool under the unit's key, wrapped as magic b"DSWE" || unit key (32 bytes) ||
 SHA-256 of the payload (32 bytes) || `SwaState` bytes, so a damaged, truncated or misfiled value is a miss.
 
-Adoption rules (SYSTEM.md 4): a hit no longer than `n_win` tokens is not adopted. A hit covering the whole request
+Adoption rules (docs/system.md §4): a hit no longer than `n_win` tokens is not adopted. A hit covering the whole request
 (U == len(token_ids)) is adopted only with an SWA snapshot carrying the extra "logits" (the last position's logits:
 nothing is left to prefill that would produce them); otherwise the next shorter unit is tried.
 

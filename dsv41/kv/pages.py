@@ -1,4 +1,4 @@
-"""The page allocator of one KV-source layer's global store (SYSTEM.md 3).
+"""The page allocator of one KV-source layer's global store (docs/system.md §3).
 
 Legend: P page size in entries, C latent width, I index-key width.
 

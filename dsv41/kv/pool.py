@@ -1,4 +1,4 @@
-"""The engine's packed KV store (SYSTEM.md 3): real packed bytes, paged per sequence, bound into the model.
+"""The engine's packed KV store (docs/system.md §3): real packed bytes, paged per sequence, bound into the model.
 
 `PackedKVPool` owns the storage of many sequences; `pool.bind(seq_ids)` returns a `BatchView`
 (`dsv41.kv.batch_view`) with the methods of `dsv41.model.cache.DenseCache` (the interface the model calls), rows
@@ -18,7 +18,7 @@ width, m compression ratio, P page size in entries):
                  score (score starts at -inf). Uncompressed and not part of the global bytes.
   per sequence   position `pos`, the Engram history (opaque LongTensor) and the index-key publisher.
 
-Export / import (prefix caching, SYSTEM.md 4): `export_global` / `import_global` and `export_swa` / `import_swa`
+Export / import (prefix caching, docs/system.md §4): `export_global` / `import_global` and `export_swa` / `import_swa`
 move a sequence's state in and out as a `GlobalState` / `SwaState` (`dsv41.kv.state_format`, binary layouts there).
 
 Exactness. The model writes values that are already quantize-dequantized in the three formats (`qdq_fp8`,
@@ -32,7 +32,7 @@ Quantization off. With `set_quantization(model, False)` the written values are n
 formats and this store rounds them (a lossy cache); the engine uses `DenseCache` for unquantized models. Pass
 `strict=True` to have every write verify its round trip (one host sync per write) and raise ValueError.
 
-Speculative decoding. SYSTEM.md 3 sizes the ring W + (max_verify - 1) rows so a rejected draft never overwrites
+Speculative decoding. docs/system.md §3 sizes the ring W + (max_verify - 1) rows so a rejected draft never overwrites
 a row still in the window. Here the ring keeps W rows (the model's window lists, the kernels and the SwaState
 layout address slot p % W) and a verify step instead saves the <= max_verify ring rows it will overwrite
 (`ring_rows`) and puts back those of rejected positions (`set_ring_rows`); `truncate_global` forgets entries of
@@ -172,7 +172,7 @@ class PackedKVPool:
         """The DenseCache interface over these sequences, rows in this order."""
         return BatchView(self, list(seq_ids))
 
-    # ---------------------------------------------------------------- export / import (prefix caching, SYSTEM.md 4)
+    # -------------------------------------------------- export / import (prefix caching, docs/system.md §4)
     def _history_arg(self, what: str, history) -> torch.Tensor:
         """A caller's Engram history as int64 [n-1] on the CPU; ValueError for another length."""
         history = torch.as_tensor(history, dtype=torch.long).cpu().reshape(-1).clone()
@@ -191,7 +191,7 @@ class PackedKVPool:
 
     def export_global(self, sid: int, upto: int, start: int = 0,
                       engram_history: torch.Tensor | None = None) -> GlobalState:
-        """The persistent part of sequence `sid` for its first `upto` positions (SYSTEM.md 4): per KV-source layer
+        """The persistent part of sequence `sid` for its first `upto` positions (docs/system.md §4): per KV-source layer
         the packed records of entries start//m .. upto//m - 1, the compressor carry of the open group at `upto`
         (ratio > 1 layers with upto % m != 0: the m-slot fp32 kv and score slab, see `GlobalLayerState`), the
         Engram history at `upto` and the index-key publisher.
@@ -313,7 +313,7 @@ class PackedKVPool:
     def seq_bytes(self, sid: int) -> dict[str, int]:
         """Bytes one sequence holds, by kind.
 
-        global_entries_bytes    packed records actually holding entries (main + index), the figure of SYSTEM.md 1
+        global_entries_bytes    packed records actually holding entries (main + index), the figure of docs/system.md §1
         global_allocated_bytes  whole pages handed to the sequence (entries plus the slack of its last pages)
         swa_bytes               its SWA rings (W packed rows per layer, backbone and DSpark, allocated up front)
         pending_bytes           its compressor carry (fp32 kv + score, m x C per layer with m > 1)

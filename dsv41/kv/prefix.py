@@ -1,4 +1,4 @@
-"""Prefix units and their keys (SYSTEM.md 4).
+"""Prefix units and their keys (docs/system.md §4).
 
 A prefix unit is a complete prefix ending at a unit boundary: every multiple of `interval` tokens (which must be a
 multiple of every compression ratio, so that no compressor group is open there) and the extra boundaries the engine

@@ -1,4 +1,4 @@
-"""The exported states of the packed KV store and their binary layouts (prefix caching, SYSTEM.md 4).
+"""The exported states of the packed KV store and their binary layouts (prefix caching, docs/system.md §4).
 
 `PackedKVPool.export_global(sid, upto)` returns a `GlobalState` (the packed records of positions < upto per
 KV-source layer, the compressor carry at upto, the Engram history, the index-key publisher) and `import_global`
@@ -124,7 +124,7 @@ class GlobalLayerState:
 
 @dataclass(eq=False)
 class GlobalState:
-    """The persistent tier's unit of state (SYSTEM.md 4): global-KV records of positions start..upto-1 plus what
+    """The persistent tier's unit of state (docs/system.md §4): global-KV records of positions start..upto-1 plus what
     resuming at `upto` needs (compressor carry, Engram history, index-key publisher). Binary layout: the module
     docstring."""
     start: int

@@ -1,4 +1,4 @@
-"""The SWA pool (SYSTEM.md 4): SWA-KV snapshots at the end of a prompt and the end of an output, kept for minutes.
+"""The SWA pool (docs/system.md §4): SWA-KV snapshots at the end of a prompt and the end of an output, kept for minutes.
 
     pool.get(key) -> bytes | None          a miss when absent, expired, or the pool is down / slow
     pool.put(key, data, ttl_s=None) -> bool
@@ -38,7 +38,7 @@ COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "expired", "reje
 
 
 def default_pool_bytes() -> int:
-    """About 10% of host DRAM (SYSTEM.md 4); 1 GiB if it cannot be read."""
+    """About 10% of host DRAM (docs/system.md §4); 1 GiB if it cannot be read."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10
     except (ValueError, OSError, AttributeError):

@@ -1,5 +1,5 @@
 """CSA2 attention: sliding-window KV, the Compressor, the Indexer with the hierarchical candidate pool, sparse
-attention with sinks, and the grouped low-rank output projection (MODEL.md 3 and 4).
+attention with sinks, and the grouped low-rank output projection (docs/model.md §3 and §4).
 
 Legend: B batch, T tokens of this call, P start position, H heads, C head dim (= latent width), R rope dims,
 W window, m compression ratio, I index-key width, J indexer heads, N compressed entries visible, K top-k.
@@ -34,7 +34,7 @@ def set_tie_break(model: nn.Module, ties: str) -> None:
     """Choose how every indexer / candidate top-k breaks exact ties (`dsv41.kernels.packed_ref.topk_indices`).
 
     ties="official": torch's `topk(sorted=False)`, as the official code. Its order among exactly equal scores
-      is implementation-defined and depends on the tensor's width (MODEL.md 10.2 item 1), so it reproduces
+      is implementation-defined and depends on the tensor's width (docs/model.md §10.2 item 1), so it reproduces
       the official selections (gate 1) but a chunked prefill or a decode step can pick another member of a tie.
     ties="recent": ties broken toward the larger index (the more recent entry): a fixed rule under which
       chunked prefill, decode and batching select exactly what one-shot prefill selects, even at exact ties
@@ -77,7 +77,7 @@ def window_indices(start: torch.Tensor, T: int, W: int, prefill: bool,
 
 def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int,
                             block_size: int, ties: str = "official") -> torch.Tensor:
-    """Level one of the hierarchical indexer (MODEL.md 3.7): block score = max over `block_size` entries, the
+    """Level one of the hierarchical indexer (docs/model.md §3.7): block score = max over `block_size` entries, the
     block holding the newest visible entry pinned to +inf, keep the top `topk_blocks` blocks with a finite
     score. score [B,T,N] (invisible = -inf), compress_lens [T,1] -> bool mask [B,T,N]."""
     blocks, top = top_blocks(score, compress_lens, topk_blocks, block_size, ties)
@@ -97,7 +97,7 @@ def carry_after(seq_kv: torch.Tensor, seq_sc: torch.Tensor, length: torch.Tensor
 
 
 class Compressor(nn.Module):
-    """m tokens -> one latent (MODEL.md 3.4). m = 2: per-channel softmax-gated pooling in fp32, with the partial
+    """m tokens -> one latent (docs/model.md §3.4). m = 2: per-channel softmax-gated pooling in fp32, with the partial
     group carried between calls; m = 1: a plain bf16 projection. Returns the latents before RoPE (the indexer
     needs them unrotated) of every group completed in this call."""
 
@@ -146,7 +146,7 @@ class Compressor(nn.Module):
 
 
 class Indexer(QuantSite):
-    """Scores compressed entries for each query and keeps the top K (MODEL.md 3.6).
+    """Scores compressed entries for each query and keeps the top K (docs/model.md §3.6).
 
     I[q,t] = sum_j w[q,j] * ReLU(q_j . K_t), keys FP4 (MXFP4) QDQ'd. Owners (Full layers) first turn the new
     latents into index keys. The candidate source publishes its block pool; Reindex layers mask to it."""
@@ -249,13 +249,13 @@ class Attention(QuantSite):
         return qr, apply_rope(q, freqs)
 
     def window_kv(self, u: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """kv_norm(wkv u), RoPE tail, FP8 QDQ of the whole vector (MODEL.md 3.3). [B,T,C]"""
+        """kv_norm(wkv u), RoPE tail, FP8 QDQ of the whole vector (docs/model.md §3.3). [B,T,C]"""
         kv = apply_rope(self.kv_norm(self.wkv(u)), freqs)
         return qdq_fp8(kv) if self.quant else kv
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor, conj_freqs: torch.Tensor | None = None) -> torch.Tensor:
-        """Inverse RoPE at the query positions, grouped wo_a (block diagonal), wo_b (MODEL.md 3.9). conj_freqs: the
-        conjugate of freqs, materialised once by a caller that runs many layers (the same rotation)."""
+        """Inverse RoPE at the query positions, grouped wo_a (block diagonal), wo_b (docs/model.md §3.9).
+        conj_freqs: the conjugate of freqs, materialised once by a caller that runs many layers (the same rotation)."""
         B, T = o.shape[:2]
         o = (apply_rope(o, freqs, inverse=True) if conj_freqs is None else apply_rope(o, conj_freqs))
         o = o.reshape(B, T, self.n_groups, -1)
@@ -266,7 +266,7 @@ class Attention(QuantSite):
     def produce_global_kv(self, u: torch.Tensor, ctx: StepContext) -> None:
         """A KV source's global-KV production for this call's tokens: Compressor, index keys (pre-RoPE latent),
         RoPE at each group's first position, FP4 QDQ, append to the store. This is all that CED prefill runs of
-        the decoder's KV source on the prompt rows the decoder skips (SYSTEM.md 2)."""
+        the decoder's KV source on the prompt rows the decoder skips (docs/system.md §2)."""
         m, cache = self.role.ratio, ctx.cache
         latent, count = self.compressor(u, ctx.start, cache, self.layer, ctx.opts.journal)
         if latent is None:

@@ -1,5 +1,5 @@
 """One block of the stack: attention and MoE, each between a lagged collapse and an expansion of the S
-hyper-connection streams (MODEL.md 2), with its Engram module (applied before it) on the layers that have one.
+hyper-connection streams (docs/model.md §2), with its Engram module (applied before it) on the layers that have one.
 
 Legend: B batch, T tokens, S streams, D width, M = (2 + S) * S mix coefficients.
 
@@ -9,7 +9,7 @@ Manifold-constrained hyper-connections (mHC): the residual stream as S parallel 
   post [S]    how to spread the sub-layer output back over the streams,
   comb [S,S]  a doubly-stochastic (Sinkhorn) mixing of the residual streams, comb[source j, destination k].
 The "single-pass" design: attention collapses with the previous block's FFN `pre`, the FFN with this block's
-attention `pre`, so each sub-layer reads the stream once (report section on mHC; MODEL.md 2 item 3). Block 0
+attention `pre`, so each sub-layer reads the stream once (docs/report.md §7.1; docs/model.md §2 item 3). Block 0
 collapses with a one-hot `pre` on stream 0 (`Transformer.streams_in`).
 """
 

@@ -1,4 +1,4 @@
-"""What each layer stores (declared by the model) and the dense reference store (SYSTEM.md 3).
+"""What each layer stores (declared by the model) and the dense reference store (docs/system.md §3).
 
 The model never allocates caches: `cache_spec(cfg)` lists per layer what it needs, and a store with the
 interface `KVStore` is bound from outside. `DenseCache` holds the quantize-dequantized values in the compute
@@ -44,7 +44,7 @@ class KVStore(Protocol):
 
     pos: torch.Tensor                          # [B] tokens each row holds; the forward advances it
     engram_history: torch.Tensor | None        # the Engram hasher's last tokens per row
-    index_k_publisher: int | None              # the layer whose index keys were written last (MODEL.md 4)
+    index_k_publisher: int | None              # the layer whose index keys were written last (docs/model.md §4)
     packed: bool                               # True: a `PackedKVStore` (decode may read its bytes in place)
 
     def window_ring(self, layer: int) -> torch.Tensor: ...
@@ -86,7 +86,7 @@ class DenseCache:
     """Reference store for a batch of B sequences (rows may sit at different positions).
 
     Window rings hold position p in slot p % W. Global stores grow by doubling (no max_seq_len-sized
-    preallocation). `index_k_publisher` emulates the official runtime's stale index-key pointer (MODEL.md 4)."""
+    preallocation). `index_k_publisher` emulates the official runtime's stale index-key pointer (docs/model.md §4)."""
 
     packed = False
 

@@ -20,7 +20,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--decode-steps", type=int, default=0)
     p.add_argument("--official-decode-artifact", action="store_true",
-                   help="reproduce the official stale index-key pointer on decode steps (MODEL.md 4)")
+                   help="reproduce the official stale index-key pointer on decode steps (docs/model.md §4)")
     p.add_argument("--teacher-force", metavar="BLOCKS.safetensors",
                    help="gate 1: feed every block its golden input stream from this capture file")
     p.add_argument("--images", help="comma-separated image files for {\"image\": i} items in the tokens file")

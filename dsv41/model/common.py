@@ -1,11 +1,11 @@
-"""Shared building blocks: RMSNorm, the quantization-aware Linear, RoPE with YaRN (MODEL.md 2, 3.2, 9).
+"""Shared building blocks: RMSNorm, the quantization-aware Linear, RoPE with YaRN (docs/model.md §2, §3.2, §9).
 
 Legend: B batch, T tokens, H heads, D width, R rope dims.
 
 Numerics switches. A model runs in one of two precisions (`float32` for parity and tests, `bfloat16` for the
 official numerics) and with its FP8/FP4 quantize-dequantize steps on (official) or off (identities, which makes
 the model a continuous function of its inputs: dataflow equalities such as chunked == one-shot then hold to
-~1e-5, see golden/README.md section 4). `set_quantization(model, False)` flips every QDQ site at once.
+~1e-5, see docs/golden.md §4). `set_quantization(model, False)` flips every QDQ site at once.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from dsv41.kernels import qdq_fp8, quant_linear
 from dsv41.kernels.ref import rms_norm
 
-# Checkpoint storage kinds of a Linear weight (MODEL.md 9). Quantized kinds quantize their activation to FP8
+# Checkpoint storage kinds of a Linear weight (docs/model.md §9). Quantized kinds quantize their activation to FP8
 # (per 32 along K, ue8m0 scales) before the matmul; the weight itself is held dequantized (exact in bf16).
 QUANT_KINDS = ("fp8", "fp4")
 WEIGHT_KINDS = ("fp8", "fp4", "bf16", "fp32")
@@ -45,7 +45,7 @@ def set_quantization(model: nn.Module, enabled: bool) -> None:
 
 
 class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * weight, in fp32, cast back to the input dtype (MODEL.md 2)."""
+    """x * rsqrt(mean(x^2) + eps) * weight, in fp32, cast back to the input dtype (docs/model.md §2)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
         super().__init__()
@@ -60,7 +60,7 @@ class Linear(QuantSite):
     """y = x W^T. `kind` is the checkpoint storage (fp8 / fp4 / bf16 / fp32).
 
     Quantized kinds compute (QDQ_fp8 a) . (dequant W)^T with fp32 accumulation in the official block-scaled
-    GEMM's summation order (`dsv41.kernels.quant_linear`, MODEL.md 9); bf16 / fp32 kinds (and quantized kinds with
+    GEMM's summation order (`dsv41.kernels.quant_linear`, docs/model.md §9); bf16 / fp32 kinds (and quantized kinds with
     the QDQ switched off) are one plain matmul."""
 
     def __init__(self, in_features: int, out_features: int, kind: str = "fp8", dtype: torch.dtype | None = None,
@@ -89,7 +89,7 @@ class Linear(QuantSite):
 @lru_cache(maxsize=16)
 def rope_inv_freq(rope_dim: int, original_seq_len: int, base: float, factor: float, beta_fast: int,
                   beta_slow: int) -> torch.Tensor:
-    """omega_i = base^(-2i/R), with the YaRN ramp when original_seq_len > 0 (MODEL.md 3.2). fp32 [R/2]."""
+    """omega_i = base^(-2i/R), with the YaRN ramp when original_seq_len > 0 (docs/model.md §3.2). fp32 [R/2]."""
     freqs = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
     if original_seq_len > 0:
         def corrected_dim(rotations: float) -> float:
@@ -140,7 +140,7 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> t
 @cache
 def warm_up_transcendentals() -> None:
     """torch 2.13 CPU can compute the first vectorised cos/sin/sqrt/log of a process slightly wrong
-    (golden/README.md section 6); one small call of each first makes later calls exact (once per process)."""
+    (docs/golden.md §6); one small call of each first makes later calls exact (once per process)."""
     t = torch.linspace(0.5, 40.0, 4096, dtype=torch.float32)
     for fn in (torch.cos, torch.sin, torch.sqrt, torch.log, torch.exp, torch.rsqrt):
         fn(t)

@@ -1,6 +1,6 @@
 """DSpark drafter: 3 window-only blocks that draft `dspark_block_size` tokens in one forward, a Markov head
-for dependencies between consecutive drafts and a confidence head for per-position acceptance (MODEL.md 7,
-SYSTEM.md 5). The verification loop and scheduler are the engine's (the official code stops at the forward).
+for dependencies between consecutive drafts and a confidence head for per-position acceptance (docs/model.md §7,
+docs/system.md §5). The verification loop and scheduler are the engine's (the official code stops at the forward).
 
 Legend: B batch, T main tokens of this call, G draft block size, D width, S streams, V vocabulary, r Markov rank.
 """
@@ -21,7 +21,7 @@ from dsv41.model.step import StepContext
 
 class DSparkAttention(Attention):
     """Window-only attention whose ring is filled from the target's hidden taps (`main_x`), while the draft
-    block attends bidirectionally to itself on top of the ring (MODEL.md 7)."""
+    block attends bidirectionally to itself on top of the ring (docs/model.md §7)."""
 
     def seed(self, main_x: torch.Tensor, start: torch.Tensor, cache, count: torch.Tensor | None = None) -> None:
         """Window KV of the main tokens at positions start_b..start_b+T-1 (the first count_b of row b when

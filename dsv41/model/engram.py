@@ -1,10 +1,10 @@
-"""Engram: n-gram hash lookups written into the hyper-connection stream (MODEL.md section 6).
+"""Engram: n-gram hash lookups written into the hyper-connection stream (docs/model.md §6).
 
 Legend: B batch, T tokens (of this call), S hc streams (`hc_mult`), D width (`dim`), G hash columns per engram
 layer (`(engram_max_ngram_size - 1) * engram_n_heads`), N `engram_max_ngram_size`, E engram layers, R table rows,
 W row width (`engram_head_dim`).
 
-Pipeline (MODEL.md 6.1-6.3):
+Pipeline (docs/model.md §6.1-6.3):
   1. every raw token id is mapped to a *compressed* id (tokens that normalise alike collapse together);
   2. `NgramHasher` hashes, for every position, the 2-gram .. N-gram ending there into G bucket ids per engram
      layer (rolling XOR of id * odd multiplier, reduced modulo one prime per (n-gram size, head), offset so that
@@ -37,15 +37,15 @@ from torch import nn
 
 from dsv41.model.common import Linear
 
-DEAD = -1           # compressed id of a position that takes no part in an n-gram (MODEL.md 6.2)
-GATE_CLAMP = 1e-6   # |dot| floor before the signed square root (MODEL.md 6.3, 10.1)
+DEAD = -1           # compressed id of a position that takes no part in an n-gram (docs/model.md §6.2)
+GATE_CLAMP = 1e-6   # |dot| floor before the signed square root (docs/model.md §6.3, §10.1)
 
 
 # ------------------------------------------------------------------------------------------------ 6.1 token map
 
 def _engram_normalizer():
     """NFKC, NFD, strip accents, lowercase, collapse [ \\t\\r\\n]+ to one space, strip; a text that is exactly
-    one space survives the strip through a private-use sentinel (MODEL.md 6.1)."""
+    one space survives the strip through a private-use sentinel (docs/model.md §6.1)."""
     from tokenizers import Regex, normalizers
 
     keep = "\ue000"
@@ -62,7 +62,7 @@ def _engram_normalizer():
 
 
 def build_compressed_token_map(tokenizer) -> tuple[torch.Tensor, int]:
-    """(map [V] int64, compressed vocab size) for a `tokenizers.Tokenizer` (MODEL.md 6.1).
+    """(map [V] int64, compressed vocab size) for a `tokenizers.Tokenizer` (docs/model.md §6.1).
 
     V = the tokenizer's size including added tokens (what `len()` of a transformers fast tokenizer reports). Each
     id is decoded alone, special tokens kept. A text holding U+FFFD (a partial UTF-8 byte token) is keyed by the
@@ -111,7 +111,7 @@ def _primes(count: int, start: int) -> tuple[int, ...]:
 
 
 def engram_primes(cfg) -> list[list[list[int]]]:
-    """Bucket moduli [engram layer][n-gram size index (2-gram first)][head] (MODEL.md 6.2).
+    """Bucket moduli [engram layer][n-gram size index (2-gram first)][head] (docs/model.md §6.2).
 
     One global "seen" set; for every layer and every n-gram size the search restarts just below
     `engram_vocab_size` (the first candidate is engram_vocab_size itself) and takes the next `engram_n_heads`
@@ -141,7 +141,7 @@ def hash_column_offsets(primes_of_layer: Sequence[Sequence[int]]) -> list[int]:
 
 
 def hash_multipliers(cfg, layer_id: int) -> torch.Tensor:
-    """Odd multipliers [N] int64 of one engram layer, seeded by the layer *id* (MODEL.md 6.2).
+    """Odd multipliers [N] int64 of one engram layer, seeded by the layer *id* (docs/model.md §6.2).
 
     `numpy.random.default_rng(10007 * layer_id).integers(0, bound, size=N, dtype=int64) * 2 + 1`, with
     bound = max(1, ((2^63 - 1) // engram_compressed_vocab_size) // 2), which keeps id * multiplier in int64."""
@@ -154,7 +154,7 @@ def hash_multipliers(cfg, layer_id: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ 6.2 hashing
 
 class NgramHasher(nn.Module):
-    """Hash ids of every position for all engram layers; stateless per call (MODEL.md 6.2).
+    """Hash ids of every position for all engram layers; stateless per call (docs/model.md §6.2).
 
     `hasher(input_ids [B,T], history [B,N-1] | None, token_mask [B,T] | None)` returns
     `(hash_ids [B,T,E,G] int64, new_history [B,N-1] int64)`.
@@ -237,7 +237,7 @@ class NgramHasher(nn.Module):
 # ------------------------------------------------------------------------------------------------ 6.3 lookup, gate
 
 class Engram(nn.Module):
-    """One engram layer: X [B,T,S,D] -> X' [B,T,S,D] (MODEL.md 6.3), applied before its block.
+    """One engram layer: X [B,T,S,D] -> X' [B,T,S,D] (docs/model.md §6.3), applied before its block.
 
     Parameters (official checkpoint names under `layers.{L}.engram.`): `embed.weight` [R, W] (dequantized),
     `wkv.weight` [D*(S+1), G*W] (fp8 Linear), `q_weight`, `k_weight` [S, D].
@@ -275,7 +275,7 @@ class Engram(nn.Module):
         key = key.float().unflatten(-1, (S, D))                              # [B, T, S, D]
         w = self.q_weight.float() * self.k_weight.float()                    # [S, D]
         h = x.float()
-        # normalised per (token, stream) over D, applied after the dot product (MODEL.md 10.2 item 6)
+        # normalised per (token, stream) over D, applied after the dot product (docs/model.md §10.2 item 6)
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * w * key).sum(-1) * rstd * D ** -0.5                       # [B, T, S]
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))

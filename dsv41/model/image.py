@@ -1,4 +1,5 @@
-"""Image preprocessing and image-span expansion of DeepSeek-V4.1 prompts (MODEL.md 8; official `image_processor.py`).
+"""Image preprocessing and image-span expansion of DeepSeek-V4.1 prompts (docs/model.md §8; the official
+`image_processor.py`).
 
 An image becomes an `n_vit_h x n_vit_w` grid of `p x p` patches for the ViT; the aligner's `r x r` space-to-depth
 turns it into an `n_llm_h x n_llm_w` token grid (`n_llm = ceil(n_vit / r)`), which the LLM sees as the span
@@ -12,7 +13,7 @@ the span would exceed `vision_max_n_token`), Pillow's `ImageOps.pad` letterbox (
 127, Python half-to-even centering), `(x/255 - 0.5)/0.5` in fp32 rounded to bf16, patches
 `[n_vit_h*n_vit_w, 3, p, p]` in row-major grid order, channel-major inside a patch.
 
-Prompt input format (golden/vision/README.md section 3): a sequence is a list whose items are token ids or
+Prompt input format (docs/vision-golden.md §3): a sequence is a list whose items are token ids or
 `{"image": i}` objects (i indexes the ordered image list). `expand_prompt` replaces every image item by its span and
 returns the ids, the token types and one `ImageRecord` per occurrence (what `vision.merge_image_embeddings` reads).
 """

@@ -1,4 +1,4 @@
-"""Checkpoints: the official release layout (read and write) and our own format (MODEL.md 9).
+"""Checkpoints: the official release layout (read and write) and our own format (docs/model.md §9).
 
 Official layout: a directory with `config.json` (either spelling), `*.safetensors` shards (optionally a
 `model.safetensors.index.json`) holding the official tensor names, with

@@ -1,5 +1,5 @@
 """Mixture of experts: sqrt-softplus gate with selection-only bias, SwiGLU experts with the asymmetric clamp,
-one shared expert (MODEL.md 5).
+one shared expert (docs/model.md §5).
 
 Legend: N tokens (flattened B*T), D width, F expert hidden width, E routed experts, K activated experts.
 """
@@ -18,7 +18,7 @@ from dsv41.model.common import Linear, lin_kind
 class Gate(nn.Module):
     """scores = score_func(v W_g^T / gate_temp) in fp32; experts picked by top-K of scores + bias (the bias
     steers selection only, aux-loss-free balancing); weights from the unbiased scores, normalised, x route_scale.
-    Image-span tokens select with `bias_vl` (one bias per modality, SYSTEM.md 6)."""
+    Image-span tokens select with `bias_vl` (one bias per modality, docs/system.md §6)."""
 
     def __init__(self, cfg, n_experts: int, topk: int, dtype: torch.dtype):
         super().__init__()

@@ -1,5 +1,5 @@
 """Drive the model the way the official generate loop and the golden oracle do, and capture what they capture
-(golden/README.md sections 3 and 4): one full prefill, K greedy decode steps with the DSpark drafter, and the
+(docs/golden.md §3 and §4): one full prefill, K greedy decode steps with the DSpark drafter, and the
 teacher-forced per-block mode (gate 1) that feeds every block its golden input stream.
 
 Tensor names and layouts are those of the golden files, so `check.py` compares our output directly.
@@ -72,13 +72,13 @@ def _pad_stack(rows: list[torch.Tensor]) -> torch.Tensor:
 def run_teacher_forced(model, golden: dict[str, torch.Tensor], official_decode_artifact: bool = False,
                        prompt_chunks: list[int] | None = None, token_types: torch.Tensor | None = None,
                        images=None) -> dict[str, torch.Tensor]:
-    """Gate 1 of golden/README.md section 4: every block L >= 1 gets the golden input stream
+    """Gate 1 of docs/golden.md §4: every block L >= 1 gets the golden input stream
     (`engram_out.L` for Engram layers, else `block_out.{L-1}`) and pre_mix `block_pre_out.{L-1}`; each Engram
     module gets `block_out.{L-1}`. Caches, indices and selections are our own. The prompt runs in one call (or
     in `prompt_chunks` pieces: chunked prefill checked block by block), then one decode step per golden
     `decode_tokens` column. Returns our block outputs under the capture names.
 
-    Image prompts (golden/vision/README.md gate 1): block 0 gets the golden `embed_out`; our own merged
+    Image prompts (docs/vision-golden.md §5, gate 1): block 0 gets the golden `embed_out`; our own merged
     embedding is saved as `embed_out`, and routing / Engram use our own image mask from `token_types`."""
     cfg = model.cfg
     tokens = golden["tokens"]

@@ -30,7 +30,7 @@ class ForwardOptions:
 
     token_types: torch.Tensor | None = None    # [B,T] >= 0 on image-span tokens (VL routing bias, Engram mask)
     images: list | None = None                 # the prompt's image records (first chunk only)
-    official_decode_artifact: bool = False     # decode reads the stale index-key publisher (MODEL.md 4)
+    official_decode_artifact: bool = False     # decode reads the stale index-key publisher (docs/model.md §4)
     record: dict | None = None                 # when a dict: per-layer streams, top-k, candidates, routes kept here
     window_floor: torch.Tensor | None = None   # [B]: window keys before this position are absent (replay start)
     window_floor_layers: frozenset | None = None   # layers window_floor applies to (None: every layer)

@@ -1,5 +1,5 @@
 """The V4.1 stack: embedding -> S hyper-connection streams -> blocks (Engram before some) -> collapse -> head
-(MODEL.md 2), plus the DSpark drafter stages (`dsv41.model.dspark`) and the vision tower when enabled.
+(docs/model.md §2), plus the DSpark drafter stages (`dsv41.model.dspark`) and the vision tower when enabled.
 
 Legend: B batch, T tokens of this call, S streams, D width, V vocabulary.
 
@@ -168,7 +168,7 @@ class Transformer(nn.Module):
     # ---------------------------------------------------------------- DSpark
     def draft(self, token: torch.Tensor | None, main_hidden: torch.Tensor, cache, start, temperature: float = 0.0,
               generator: torch.Generator | None = None):
-        """The DSpark drafter (MODEL.md 7). `main_hidden` [B,T,taps*D] are the target's taps of the tokens at
+        """The DSpark drafter (docs/model.md §7). `main_hidden` [B,T,taps*D] are the target's taps of the tokens at
         positions start_b..start_b+T-1. With `token` None (prefill) it only seeds the drafter windows and
         returns None; otherwise `token` [B] is the token the target just produced (position start_b + T) and
         it returns (ids [B, G+1], logits [B,G,V], confidence [B,G]) for positions start_b+T+1...

@@ -1,5 +1,5 @@
 """The DeepSeek-V4.1 vision tower: ViT with 2D RoPE, the 3x3 pixel-unshuffle aligner, and the image-span merge
-(MODEL.md 8; official `vision.py` and `model.py: Transformer.merge_image_embeddings`).
+(docs/model.md §8; official `vision.py` and `model.py: Transformer.merge_image_embeddings`).
 
 Legend: N patches (n_vit_h * n_vit_w), H heads, Dh head dim, C vision width, D model width, r downsample ratio.
 

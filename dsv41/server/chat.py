@@ -29,10 +29,10 @@ Two encodings:
 
       Assistant:
 
-Reasoning effort (SYSTEM.md 7): the API's `low` / `high` / `max` map to b = 50 / 75 / 100 and b is written as a
+Reasoning effort (docs/system.md §7): the API's `low` / `high` / `max` map to b = 50 / 75 / 100 and b is written as a
 line `Reasoning Effort: {b}` before the system prompt; an integer 1..100 is accepted as an extension. Anything else
 is an error (the server answers 400). Note: the released V4.1 encoder maps low/high/xhigh/max to 25/50/75/100 and
-renders a default of 50 in thinking mode; this project follows SYSTEM.md (50/75/100, no line unless asked for).
+renders a default of 50 in thinking mode; this project follows docs/system.md (50/75/100, no line unless asked for).
 
 A final assistant message is continued (no end-of-sentence, no new header), like DeepSeek's prefix completion.
 """

@@ -25,7 +25,7 @@ from pathlib import Path
 DEMO_CHECKPOINT = "runs/demo-tiny"
 RANDOM_MARKER = "DEMO_RANDOM_INIT"
 # Long enough (well over the tiny model's n_win = 64 tokens) that the repeated request is worth a prefix-cache hit:
-# hits no longer than n_win are not adopted (SYSTEM.md 4).
+# hits no longer than n_win are not adopted (docs/system.md §4).
 SYSTEM_PROMPT = ("You are a concise Python assistant. Answer with working Python 3 code that follows PEP 8: "
                  "four-space indentation, snake_case names, a short docstring for every function, type hints on "
                  "parameters and return values, and no third-party imports. Prefer the standard library, keep "
@@ -179,9 +179,9 @@ def _chat(client, model: str, max_tokens: int, stats_list: list) -> None:
     c2 = second.usage.prompt_tokens_details.cached_tokens
     same = first.choices[0].message.content == second.choices[0].message.content
     _p(f"\nprefix cache: cached tokens {c1} on the first request, {c2} on the repeat; answers "
-       f"{'identical' if same else 'differ (replay path, SYSTEM.md 4)'}")
+       f"{'identical' if same else 'differ (replay path, docs/system.md §4)'}")
 
-    _rule("reasoning effort (SYSTEM.md 7: low/high/max -> 50/75/100)")
+    _rule("reasoning effort (docs/system.md §7: low/high/max -> 50/75/100)")
     for effort in ("low", "high", "max"):
         _ask(client, model, messages, max_tokens, f"effort={effort}", stats_list, reasoning_effort=effort,
              extra_body={"return_prompt": True})

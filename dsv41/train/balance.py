@@ -1,4 +1,4 @@
-"""Aux-loss-free MoE load balancing (SYSTEM.md 6, DeepSeek-V3 section 2.1.2), one bias vector per modality.
+"""Aux-loss-free MoE load balancing (docs/system.md §6, DeepSeek-V3 section 2.1.2), one bias vector per modality.
 
 Each gate adds a per-expert bias to its scores for expert *selection* only (the routing weights use the raw
 scores, `dsv41.model.moe.Gate`). After every optimizer step, each bias moves toward balance by a fixed amount:

@@ -51,7 +51,7 @@ def register(subparsers) -> None:
     p.add_argument("--qat", action="store_true", help="fake-quantize the FP4 main KV (straight-through)")
     p.add_argument("--replay", choices=REPLAY_MODES, default=d.replay,
                    help="simulate bounded replay: truncate the sliding windows of the decoder / encoder / all "
-                        "layers at a random replay start per sequence (SYSTEM.md 2 and 4)")
+                        "layers at a random replay start per sequence (docs/system.md §2 and §4)")
     p.add_argument("--balance-rate", type=float, default=d.balance_rate, help="aux-loss-free bias step u")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-every", type=int)

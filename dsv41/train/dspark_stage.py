@@ -1,7 +1,7 @@
-"""The DSpark drafter stage (SYSTEM.md 5): train only the drafter (`mtp.*`) on a frozen backbone, and measure
+"""The DSpark drafter stage (docs/system.md §5): train only the drafter (`mtp.*`) on a frozen backbone, and measure
 its per-position acceptance rate.
 
-What the drafter computes at inference (MODEL.md 7, `dsv41.model.dspark.forward_spec`): after the target has
+What the drafter computes at inference (docs/model.md §7, `dsv41.model.dspark.forward_spec`): after the target has
 processed the token at position p, the drafter's window ring holds `main_x` (stage 0's projection of the
 target's taps) for positions <= p; its block input is [token p+1 (just sampled by the target), noise x (G-1)]
 at positions p+1..p+G, attending bidirectionally within the block and to the ring rows p-W+1..p; the logits of

@@ -1,4 +1,4 @@
-"""The pretraining stage (SYSTEM.md 6): a V4.1-architecture model from scratch, with its own byte-level BPE
+"""The pretraining stage (docs/system.md §6): a V4.1-architecture model from scratch, with its own byte-level BPE
 tokenizer, next-token cross-entropy, and optionally the bounded-replay simulation (qat.py).
 
 The training forward is a training prefill at position 0 through `TrainCache` (FP8/FP4 QDQ off), the fast one of

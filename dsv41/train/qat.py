@@ -1,4 +1,4 @@
-"""Quantization-aware training of the FP4 main KV (SYSTEM.md 6) and the training cache it runs through.
+"""Quantization-aware training of the FP4 main KV (docs/system.md §6) and the training cache it runs through.
 
 Training runs with the model's QDQ sites switched off (`set_quantization(model, False)`): the FP8/FP4 quantizers
 are piecewise constant, so their true gradient is zero almost everywhere. QAT puts back the one quantizer that
@@ -9,14 +9,14 @@ E4M3 scale per 16 channels, `dsv41.codecs.qdq_main_kv`), with a straight-through
 written y = x + (qdq(x) - x).detach().
 
 Where: the compressed entries reach the store through `cache.append_compressed(layer, row0, kv, ...)`, exactly
-where the model applies `qdq_main_kv` when its QDQ is on (after RoPE, MODEL.md 3.4). `TrainCache` (a
+where the model applies `qdq_main_kv` when its QDQ is on (after RoPE, docs/model.md §3.4). `TrainCache` (a
 `DenseCache`) applies the STE there when `kv_qat` is set, so QAT needs no change to the model.
 
 Bounded-replay simulation (`TrainConfig.replay` / `--replay decoder|encoder|both`, in pretrain.py). At inference
 the decoder runs only the last n_win prompt tokens, with its sliding window truncated at the replay start s
-(SYSTEM.md 2); on a prefix hit the encoder replays the last n_win cached tokens the same way (SYSTEM.md 4). To let
-the model adapt, a training step draws one replay start s per sequence (uniform over [W, T - 1], from a generator
-seeded by (seed, step) alone, so that resume stays exact and n ranks of batch B draw what one process of batch
+(docs/system.md §2); on a prefix hit the encoder replays the last n_win cached tokens the same way
+(docs/system.md §4). To let the model adapt, a training step draws one replay start s per sequence (uniform
+over [W, T - 1], from a generator seeded by (seed, step) alone, so that resume stays exact and n ranks of batch B draw what one process of batch
 n*B draws: `replay_starts`) and, in the decoder layers (mode `decoder`: from `dsv41.config.ced_split` up), the
 encoder layers (`encoder`: below it) or both, hides every window key at a position < s from the queries at
 positions >= s; the global (compressed) KV stays complete, as it is in the cache, and queries before s are

@@ -1,4 +1,4 @@
-"""The learning-rate schedule of the pretraining recipe (SYSTEM.md 6), scaled to a run of any length.
+"""The learning-rate schedule of the pretraining recipe (docs/system.md §6), scaled to a run of any length.
 
 Full recipe: linear warmup over 2000 steps to the peak (2.6e-4), constant until 28/45 of the training tokens,
 cosine down to 0.1x the peak by 40/45, then constant to the end. A run here has a fixed number of tokens per

@@ -1,5 +1,5 @@
 """What differs between the training stages, behind one interface (`Stage`): the trainer asks its stage and never
-branches on which one runs (SYSTEM.md 5 and 6).
+branches on which one runs (docs/system.md §5 and §6).
 
 A stage decides where the tokenizer, the model and its weights come from, which parameters train, the loss (its
 training module: forward(ids, targets, *extras) -> (loss, metrics)), any extra per-micro-batch forward inputs,

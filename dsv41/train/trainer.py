@@ -1,5 +1,5 @@
-"""The trainer: one loop for every training stage, on one CPU, one GPU or many processes under `torchrun` (issue 7;
-SYSTEM.md 5 and 6).
+"""The trainer: one loop for every training stage, on one CPU, one GPU or many processes under `torchrun`
+(docs/system.md §5 and §6).
 
 One step: `grad_accum` micro-batches of [batch_size, seq_len] tokens (per process) -> the stage's training module
 (its loss; bf16 autocast on GPU, fp32 on CPU) -> backward -> gradient clipping -> the routed optimizers at the

@@ -1,4 +1,5 @@
-"""Speculative decoding with the DSpark drafter (SYSTEM.md 5, MODEL.md 7): propose, schedule, verify, roll back.
+"""Speculative decoding with the DSpark drafter (docs/system.md §5, docs/model.md §7): propose, schedule, verify,
+roll back.
 
 One engine step for the running rows r, each holding its pending token t_r at position P_r (the target has consumed
 P_r tokens; the drafter's rings hold the target's taps of positions < P_r):
@@ -26,7 +27,7 @@ P_r tokens; the drafter's rings hold the target's taps of positions < P_r):
 Rows verify the same V (the forward runs [B, 1+V]); a row whose remaining `max_tokens` allows fewer drafts
 still runs V (padding whose tokens cannot be emitted).
 
-Confidence scheduler (SYSTEM.md 5). Prefix survival S_r,k = prod_{i<=k} a_r,i; verifying v_r drafts yields
+Confidence scheduler (docs/system.md §5). Prefix survival S_r,k = prod_{i<=k} a_r,i; verifying v_r drafts yields
 1 + sum_{k<=v_r} S_r,k tokens in expectation; choose {v_r} maximising sum_r (1 + sum_{k<=v_r} S_r,k) / T(n) with T
 the measured step latency at n tokens in the batch (`StepProfile`, written by `dsv41 profile-step`).
 `choose_verify_lengths(..., ragged=True)` is that objective with n = sum_r (1 + v_r): for a fixed budget the

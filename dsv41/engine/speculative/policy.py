@@ -11,10 +11,10 @@ from dsv41.engine.speculative.profile import PROFILE_FILE, StepProfile, profile_
 
 @dataclass(frozen=True)
 class Speculation:
-    """`off`, `fixed:N` (verify N drafts every step), `dspark` (the confidence scheduler of SYSTEM.md 5 on the
+    """`off`, `fixed:N` (verify N drafts every step), `dspark` (the confidence scheduler of docs/system.md §5 on the
     confidence head's a_r,k and the profiled T(n)) or `dspark:online` (the same scheduler with both inputs corrected
     online by what the engine measures: `AcceptanceCalibration`, `MeasuredCost`; an extension, not yet shown to
-    pay: see benchmarks/results/speculative-*-2026-12-03c.json)."""
+    pay: see the speculative results indexed in benchmarks/results/README.md)."""
     mode: str = "off"
     n: int = 0
     online: bool = False

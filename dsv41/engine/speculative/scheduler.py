@@ -1,4 +1,4 @@
-"""The confidence scheduler (step 2 of `dsv41.engine.speculative`, SYSTEM.md 5): how many drafts to verify, from
+"""The confidence scheduler (step 2 of `dsv41.engine.speculative`, docs/system.md §5): how many drafts to verify, from
 the prefix survivals S and the step latency T(n), and the online corrections of both inputs (`dspark:online`)."""
 
 from __future__ import annotations

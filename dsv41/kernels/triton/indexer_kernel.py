@@ -1,4 +1,4 @@
-"""Triton indexer scores over packed MXFP4 index keys, for one decode query per row (MODEL.md 3.6).
+"""Triton indexer scores over packed MXFP4 index keys, for one decode query per row (docs/model.md §3.6).
 
 Twins (same signatures): `indexer_scores_packed_triton` ~ `packed_ref.indexer_scores_packed_ref`,
 `indexer_topk_packed_triton` ~ `packed_ref.indexer_topk_packed_ref`.

@@ -1,4 +1,4 @@
-"""Triton fused mHC step (MODEL.md 2 items 3-6): twin of `dsv41.kernels.mhc_ref.mhc_fused_ref` (same signature).
+"""Triton fused mHC step (docs/model.md §2 items 3-6): twin of `dsv41.kernels.mhc_ref.mhc_fused_ref` (same signature).
 
 Legend: N tokens (all leading dims), S = 4 streams, D width, M = 24 coefficients (padded to MP = 32), BT tokens per
 program, BD channels per tile, NC chunks of D.

@@ -5,7 +5,7 @@ instead of ~12, ~25 and ~9 small torch kernels.
 The reference runs before every quantized Linear and on every sliding-window KV row; in a decode step of the
 40-layer model that is ~900 calls of a dozen small torch kernels each, so the step was launch-bound. Here one
 program takes BLOCK groups of GROUP channels:
-  amax  = max(|x| over the group, fp32(1e-4))                      (MODEL.md 3.3)
+  amax  = max(|x| over the group, fp32(1e-4))                      (docs/model.md §3.3)
   scale = 2^ceil(log2(amax * fp32(1/448)))                        from the fp32 bits, exactly as `pow2_ceil`
   out   = e4m3_rne_satfinite(x / scale) * scale                   in x's dtype
 Every step is exact in fp32 (the max, the multiply by the fp32 reciprocal, the bit ceiling, the division by a

@@ -1,4 +1,4 @@
-"""Triton sparse attention with the per-head sink on dense bf16 KV (MODEL.md 3.8): twin of `ref.sparse_attn_ref`
+"""Triton sparse attention with the per-head sink on dense bf16 KV (docs/model.md §3.8): twin of `ref.sparse_attn_ref`
 (same signature), for prefill and decode; the packed decode (packed_staged.py) runs it on the rows it decodes.
 
 Legend: B rows, T queries per row, H heads, D head dim, BH heads per program, BN indices per tile, K indices per

@@ -1,4 +1,4 @@
-"""Optimizers of the pretraining recipe (SYSTEM.md 6): update math in pure functions (`muon.py`,
+"""Optimizers of the pretraining recipe (docs/system.md §6): update math in pure functions (`muon.py`,
 `sinkhorn.py`), thin `torch.optim.Optimizer` classes around them, the parameter routing (`routing.py`) and
 `OptimizerSet`, which drives the per-kind optimizers as one. AdamW is `torch.optim.AdamW` itself."""
 

@@ -1,4 +1,4 @@
-"""Muon and head-wise Muon (SYSTEM.md 6): momentum, then the orthogonal polar factor of the momentum by
+"""Muon and head-wise Muon (docs/system.md §6): momentum, then the orthogonal polar factor of the momentum by
 Newton-Schulz iteration, one factor per head block.
 
 Update of a matrix W [R, C] split into `heads` row blocks of [R/heads, C] (heads = 1: plain Muon):
@@ -19,7 +19,7 @@ AdamW RMS" rule of Moonlight, Liu et al. 2025).
 Newton-Schulz: the quintic X <- a X + (b A + c A^2) X, A = X X^T, on X = N / ||N||_F. The hybrid schedule
 follows the DeepSeek-V4 report: 8 steps with (3.4445, -4.7750, 2.0315), which push every singular value into
 about [0.7, 1.2] fast, then 2 steps with (2, -1.5, 0.5) (f(1) = 1, f'(1) = 0), which pull them onto 1, so the
-update is orthogonal to ~1e-3 rather than only roughly (SYSTEM.md 6 names Newton-Schulz without constants).
+update is orthogonal to ~1e-3 rather than only roughly (docs/system.md §6 names Newton-Schulz without constants).
 The iteration is batched over all blocks of one shape; fp32 on CPU, bf16 on GPUs (the `Muon(ns_dtype=...)`
 override: the trainer's `--muon-ns auto` also takes bf16 on CPUs with AMX bf16 tiles, where its batched matmuls
 run ~2.7x faster than fp32 on the tiny preset's expert blocks).

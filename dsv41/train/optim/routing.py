@@ -1,4 +1,4 @@
-"""Which optimizer updates which parameter (SYSTEM.md 6), decided by name and shape, explicit and printable.
+"""Which optimizer updates which parameter (docs/system.md §6), decided by name and shape, explicit and printable.
 
 Rules, first match wins (`optimizer="muon"`, the default):
   excluded        `ffn.gate.bias`, `ffn.gate.bias_vl`: selection-only biases, moved by aux-loss-free balancing

@@ -1,4 +1,4 @@
-"""Sinkhorn-balanced momentum (SYSTEM.md 6) for the vocabulary-sized tables: the token embedding, the LM head,
+"""Sinkhorn-balanced momentum (docs/system.md §6) for the vocabulary-sized tables: the token embedding, the LM head,
 the Engram hash tables (lr x 5) and the DSpark Markov tables.
 
 For a table W [n, d] (one row per token / bucket) with gradient G:
@@ -13,7 +13,7 @@ The scale. K is odd, so the last step normalises rows: every surviving row of U^
 RMS 1/sqrt(d). The alternation converges to the matrix whose rows have norm 1 and whose columns share one norm
 c; the total squared mass is then n_a (surviving rows) = d c^2, so each column has RMS c / sqrt(n_a) =
 1/sqrt(d) as well. Multiplying by sqrt(d) therefore makes the row RMS exactly 1, the column RMS ~1 and
-RMS(Delta) = 1 over the surviving rows. (The notes write Delta = n U^(K) for their normalisation; with l2
+RMS(Delta) = 1 over the surviving rows. (docs/report.md writes Delta = n U^(K) for their normalisation; with l2
 normalisation sqrt(d) is the factor that gives RMS 1, and gamma = 0.18 then gives the update RMS of Muon and
 AdamW, see muon.py.)
 
