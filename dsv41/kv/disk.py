@@ -129,9 +129,7 @@ class DiskStore(Counted):
             yield
         finally:
             with self._mu:
-                self._pinned[key] -= 1
-                if self._pinned[key] <= 0:
-                    del self._pinned[key]
+                self._pinned -= Counter((key,))      # drops the key at zero
 
     def _set_index(self, key: str, info: _Info | None) -> None:
         with self._mu:
@@ -332,15 +330,13 @@ class DiskStore(Counted):
 
     def _make_room(self, key: str, size: int) -> bool:
         """Evict (LRU, under the directory lock) until an entry of `size` bytes fits; False if it cannot."""
-        due = self.clock() - self._last_scan >= self.rescan_s
-        if not due and self._fits(self._total_without(key), self._free(), size):
+        recent = self.clock() - self._last_scan < self.rescan_s
+        if recent and self._fits(self._total_without(key), self._free(), size):
             return True
         with flock(self.dir / LOCK_NAME, self._lock_failed):
             self.refresh()
             with self._mu:
                 total, free = self._total_without(key), self._free()
-                if self._fits(total, free, size):
-                    return True
                 now = self.clock()
                 order = sorted((info.used_ns, k) for k, info in self._index.items()
                                if k != key and not self._pinned.get(k) and now - info.created >= self.min_age_s)

@@ -119,15 +119,14 @@ class PrefixCache(Counted):
             raise ValueError("n_win must be >= 0")
         self.interval, self.n_win = int(interval), int(n_win)
         self.clock, self.hasher, self.refresh_s = clock, hasher, float(refresh_s)
-        self.disk = None
-        if cache_dir is not None:
-            mb, mf = _disk_defaults(cache_dir, max_bytes, min_free_bytes)
-            self.disk = DiskStore(cache_dir, mb, mf, min_age_s, clock, fingerprint=self.fp, durable=durable)
-        self.swa = make_swa_pool(swa_pool) if isinstance(swa_pool, str) else swa_pool   # its TTL: DEFAULT_TTL_S
         self._extras: dict[bytes, set[int]] = {}          # parent chain key -> tail offsets (the boundary index)
         self._last_refresh = float("-inf")
-        if self.disk is not None:
+        self.disk = None
+        if cache_dir is not None:
+            self.disk = DiskStore(cache_dir, *_disk_defaults(cache_dir, max_bytes, min_free_bytes), min_age_s, clock,
+                                  fingerprint=self.fp, durable=durable)
             self._note_metas((key, self.disk.meta(key)) for key in self.disk.keys())
+        self.swa = make_swa_pool(swa_pool) if isinstance(swa_pool, str) else swa_pool   # its TTL: DEFAULT_TTL_S
 
     @classmethod
     def from_config(cls, cfg, weights_id: str, tokenizer_id: str, **kw) -> "PrefixCache":
@@ -345,8 +344,7 @@ class PrefixCache(Counted):
     def stats(self) -> dict:
         """Counters of the facade and both tiers: {"cache": {...}, "disk": {...} | None, "swa": {...} | None}."""
         with self._mu:
-            cache = dict(self.counters)
-            cache["boundary_index_tails"] = sum(len(v) for v in self._extras.values())
+            cache = {**self.counters, "boundary_index_tails": sum(len(v) for v in self._extras.values())}
         return {"cache": cache, "disk": None if self.disk is None else self.disk.stats(),
                 "swa": None if self.swa is None else self.swa.stats()}
 

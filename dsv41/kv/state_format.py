@@ -257,7 +257,6 @@ class SwaState:
             if code not in _EXTRA_DTYPES:
                 raise ValueError(f"SWA state: unknown extra dtype code {code}")
             name = bytes(rd.take(k)).decode("utf-8")
-            shape = struct.unpack(f"<{d}Q", rd.take(8 * d))
-            extras[name] = rd.tensor(_EXTRA_DTYPES[code], tuple(shape))
+            extras[name] = rd.tensor(_EXTRA_DTYPES[code], struct.unpack(f"<{d}Q", rd.take(8 * d)))
         rd.done()
         return cls(pos, rings, extras)

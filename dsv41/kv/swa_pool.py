@@ -218,10 +218,9 @@ def make_swa_pool(spec: str | None, ttl_s: float = DEFAULT_TTL_S, max_bytes: int
     unix://) -> RedisSwaPool sharded over those URLs. ValueError for anything else."""
     if spec is None or spec.strip().lower() in ("", "none", "off"):
         return None
-    s = spec.strip()
-    if s.lower() == "memory":
+    if spec.strip().lower() == "memory":
         return MemorySwaPool(max_bytes, ttl_s)
-    urls = [u.strip() for u in s.split(",") if u.strip()]
+    urls = [u.strip() for u in spec.split(",") if u.strip()]
     if urls and all(u.startswith(("redis://", "rediss://", "unix://")) for u in urls):
         return RedisSwaPool(urls, ttl_s, timeout_s)
     raise ValueError(f"--swa-pool must be 'memory' or redis://HOST:PORT[,redis://HOST:PORT...], got {spec!r}")
