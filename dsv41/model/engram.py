@@ -197,8 +197,8 @@ class NgramHasher(nn.Module):
 
     def init_history(self, batch: int, device: torch.device | str | None = None) -> torch.Tensor:
         """All-DEAD history [B, N-1]: the state before a sequence's first token."""
-        dev = self.token_map.device if device is None else device
-        return torch.full((batch, self.max_ngram - 1), DEAD, dtype=torch.long, device=dev)
+        return torch.full((batch, self.max_ngram - 1), DEAD, dtype=torch.long,
+                          device=self.token_map.device if device is None else device)
 
     def compress(self, input_ids: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Compressed ids [B,T], DEAD where token_mask is False."""
@@ -230,8 +230,7 @@ class NgramHasher(nn.Module):
             h = torch.bitwise_xor(h, prod[..., n])                           # hash of the (n+1)-gram, >= 0
             cols.append(h.unsqueeze(-1) % self.primes[:, n - 1])             # [B, T, E, H]
         hash_ids = torch.cat(cols, dim=-1) + self.offsets                    # [B, T, E, G]
-        new_history = ext[:, ext.size(1) - k:] if k else ext[:, :0]
-        return hash_ids, new_history.contiguous()
+        return hash_ids, ext[:, T:].contiguous()                             # new history: the last k ids
 
 
 # ------------------------------------------------------------------------------------------------ 6.3 lookup, gate
@@ -270,8 +269,7 @@ class Engram(nn.Module):
         if hash_ids.shape != (B, T, self.n_cols):
             raise ValueError(f"hash_ids must be [B={B}, T={T}, G={self.n_cols}], got {tuple(hash_ids.shape)}")
         rows = self.embed(hash_ids).flatten(-2).to(x.dtype)                 # [B, T, G*W]
-        kv = self.wkv(rows)
-        key, value = kv.split([S * D, D], dim=-1)
+        key, value = self.wkv(rows).split([S * D, D], dim=-1)
         key = key.float().unflatten(-1, (S, D))                              # [B, T, S, D]
         w = self.q_weight.float() * self.k_weight.float()                    # [S, D]
         h = x.float()

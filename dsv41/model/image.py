@@ -96,9 +96,8 @@ def solve_resize_ratio(height, width, patch_size: int, downsample_ratio: int, ma
     if h_cells < 1.0:
         return cell, (max_n_token - 3) * cell
     beta = min(math.floor(w_cells) * cell / width, math.floor(h_cells) * cell / height)
-    new_h = math.floor(height * beta / patch_size) * patch_size
-    new_w = math.floor(width * beta / patch_size) * patch_size
-    return new_h, new_w
+    return (math.floor(height * beta / patch_size) * patch_size,
+            math.floor(width * beta / patch_size) * patch_size)
 
 
 def plan_image_grid(width: int, height: int, cfg) -> tuple[int, int, int, int]:
@@ -220,11 +219,10 @@ def expand_prompt(items: Sequence[Any], images: Sequence[Any], cfg,
             raise ValueError("the model config has no vision tower (vision_n_layers == 0) but the prompt has images")
         if not 0 <= idx < len(images):
             raise ValueError(f"prompt item {item!r}: image index out of range (have {len(images)} images)")
-        prep = cache.get(idx)
-        if prep is None:
+        if idx not in cache:
             src = images[idx]
-            prep = src if isinstance(src, PreparedImage) else preprocess_image(src, cfg)
-            cache[idx] = prep
+            cache[idx] = src if isinstance(src, PreparedImage) else preprocess_image(src, cfg)
+        prep = cache[idx]
         span_types = image_token_types(prep.n_llm_h, prep.n_llm_w)
         records.append(ImageRecord(len(ids), prep.patches, prep.n_vit_h, prep.n_vit_w, span_types, idx))
         ids.extend([cfg.image_token_id] * span_types.numel())

@@ -172,10 +172,13 @@ def is_own_format(path: Path) -> bool:
 def _decode(name: str, kind: str, shape: torch.Size, tensors: dict[str, torch.Tensor], used: set[str]):
     """One parameter from the official tensors (the names read are added to `used`); ValueError naming the
     offending tensor."""
-    if name not in tensors:
-        raise ValueError(f"missing tensor {name!r}")
-    t = tensors[name]
-    used.add(name)
+    def take(n: str) -> torch.Tensor:
+        if n not in tensors:
+            raise ValueError(f"missing tensor {n!r}")
+        used.add(n)
+        return tensors[n]
+
+    t = take(name)
     if kind not in CODECS:
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"tensor {name!r}: got shape {tuple(t.shape)}, want {tuple(shape)}")
@@ -183,16 +186,11 @@ def _decode(name: str, kind: str, shape: torch.Size, tensors: dict[str, torch.Te
             raise ValueError(f"tensor {name!r}: got dtype {t.dtype}, want a float tensor")
         return t.float()
     sname = scale_name(name)
-    if sname not in tensors:
-        raise ValueError(f"missing tensor {sname!r}")
-    s = tensors[sname]
-    used.add(sname)
+    s = take(sname)
     _, decode, shapes = CODECS[kind]
     want_w, want_s = shapes(*shape)
-    if kind == "fp4":
-        ok_dtype = t.dtype in (torch.int8, torch.uint8) or "float4" in str(t.dtype)
-    else:
-        ok_dtype = t.dtype in (torch.float8_e4m3fn, torch.uint8)
+    ok_dtype = (t.dtype in (torch.int8, torch.uint8) or "float4" in str(t.dtype) if kind == "fp4"
+                else t.dtype in (torch.float8_e4m3fn, torch.uint8))
     if tuple(t.shape) != want_w or not ok_dtype:
         raise ValueError(f"tensor {name!r}: got {t.dtype} {tuple(t.shape)}, want {kind} {want_w}")
     if tuple(s.shape) != want_s:

@@ -53,9 +53,8 @@ def vision_rope_table(n_h: int, n_w: int, rope_dim: int, theta: float,
 
 def apply_rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split rotation of [N, H, Dh]: dims d and d + Dh/2 form a pair, rotated by angle d (fp32 math)."""
-    dtype = x.dtype
     x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ ViT
@@ -138,9 +137,7 @@ class ViT(nn.Module):
 def pixel_unshuffle(x: torch.Tensor, n_h: int, n_w: int, r: int) -> torch.Tensor:
     """[n_h*n_w, C] -> [ceil(n_h/r)*ceil(n_w/r), C*r*r]: zero-pad bottom/right to multiples of r, r x r cells in
     row-major order, features in (channel, kernel row, kernel col) order."""
-    C = x.size(-1)
-    g = x.view(n_h, n_w, C).permute(2, 0, 1)
-    g = F.pad(g, (0, -n_w % r, 0, -n_h % r))
+    g = F.pad(x.view(n_h, n_w, x.size(-1)).permute(2, 0, 1), (0, -n_w % r, 0, -n_h % r))
     return F.unfold(g.unsqueeze(0), r, stride=r).squeeze(0).transpose(0, 1)
 
 
@@ -154,8 +151,7 @@ class Aligner(nn.Module):
         self.w2 = Linear(cfg.dim, cfg.dim, "bf16", dtype, bias=True)
 
     def forward(self, x: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
-        x = pixel_unshuffle(x, n_vit_h, n_vit_w, self.downsample_ratio)
-        return self.w2(F.gelu(self.w1(x)))
+        return self.w2(F.gelu(self.w1(pixel_unshuffle(x, n_vit_h, n_vit_w, self.downsample_ratio))))
 
 
 def encode_image(model: nn.Module, patches: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
