@@ -216,13 +216,9 @@ class NgramHasher(nn.Module):
         if history.shape != (B, k):
             raise ValueError(f"history must be [B={B}, {k}], got {tuple(history.shape)}")
         ext = torch.cat([history.to(torch.long), self.compress(input_ids, token_mask)], dim=1)  # [B, k+T]
-        blocked = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)
-        toks = []
-        for shift in range(self.max_ngram):
-            src = ext[:, k - shift:k - shift + T]
-            blocked = blocked | (src == DEAD)
-            toks.append(torch.where(blocked, torch.full_like(src, self.pad_id), src))
-        toks = torch.stack(toks, dim=-1)                                     # [B, T, N]
+        look = torch.stack([ext[:, k - s:k - s + T] for s in range(self.max_ngram)], dim=-1)  # [B, T, N] by shift
+        blocked = (look == DEAD).cumsum(-1) > 0                              # on from the first DEAD shift
+        toks = look.masked_fill(blocked, self.pad_id)                        # [B, T, N]
         prod = toks.unsqueeze(2) * self.multipliers                          # [B, T, E, N]
         h = prod[..., 0]
         cols = []

@@ -243,8 +243,7 @@ def write_official(model: torch.nn.Module, cfg: ModelConfig, path: str | Path, s
     model.safetensors.index.json). Weights are quantized as the release stores them."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg_d = cfg.to_dict()
-    cfg_d.pop("max_seq_len", None)
+    cfg_d = {k: v for k, v in cfg.to_dict().items() if k != "max_seq_len"}
     (path / "config.json").write_text(json.dumps(cfg_d, indent=2) + "\n")
     tensors = official_tensors(model, cfg)
     names = sorted(tensors)

@@ -258,6 +258,5 @@ def load_vision_weights(module: nn.Module, checkpoint: str | Path, strict: bool 
                     loaded.append(name)
     missing = sorted(set(params) - set(loaded))
     if strict and missing:
-        more = " ..." if len(missing) > 5 else ""
-        raise ValueError(f"vision tensors missing from {checkpoint}: {missing[:5]}{more}")
+        raise ValueError(f"vision tensors missing from {checkpoint}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return loaded
