@@ -158,10 +158,8 @@ class DenseCache:
         row0, count = row0.cpu(), count.cpu()
         self._ensure(layer, int((row0 + count).max()))
         for b in range(x.size(0)):
-            n = int(count[b])
-            if n:
-                r = int(row0[b])
-                store[layer][b, r:r + n] = x[b, :n].to(self.dtype)
+            r, n = int(row0[b]), int(count[b])
+            store[layer][b, r:r + n] = x[b, :n].to(self.dtype)                  # n = 0 writes nothing
 
     def append_compressed(self, layer: int, row0: torch.Tensor, kv: torch.Tensor, count: torch.Tensor) -> None:
         """Main-KV entries (RoPE'd, FP4 QDQ'd) kv [B,n,C]: row b writes its first count_b at rows row0_b.."""

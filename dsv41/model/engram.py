@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from itertools import count as count_from, islice
 from typing import Sequence
 
 import numpy as np
@@ -102,12 +103,7 @@ def is_prime(n: int) -> bool:
 @lru_cache(maxsize=32)
 def _primes(count: int, start: int) -> tuple[int, ...]:
     """The first `count` primes >= start."""
-    out, c = [], start
-    while len(out) < count:
-        if is_prime(c):
-            out.append(c)
-        c += 1
-    return tuple(out)
+    return tuple(islice(filter(is_prime, count_from(start)), count))
 
 
 def engram_primes(cfg) -> list[list[list[int]]]:
