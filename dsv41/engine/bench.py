@@ -46,9 +46,7 @@ def time_prefill(m, ids: torch.Tensor, mode: str, chunk_size: int | None = None)
 
 
 def analytic_ratio(cfg, mode: str, n: int) -> float:
-    split = check_ced(cfg)
-    rows = decoder_rows(cfg, mode, n)
-    return (split * n + sum(rows)) / (cfg.n_layers * n)
+    return (check_ced(cfg) * n + sum(decoder_rows(cfg, mode, n))) / (cfg.n_layers * n)
 
 
 def bench_prefill(config="tiny", lengths=(4096, 16384), dtype=torch.float32, device="cpu", repeats=1,
@@ -75,14 +73,12 @@ def bench_decode(config="tiny", contexts=(1024, 4096), batches=(1, 8), steps=8, 
     for n in contexts:
         for b in batches:
             pool = make_pool(m, device)
-            sids = []
-            for i in range(b):
-                sid = pool.new_sequence()
+            sids = [pool.new_sequence() for _ in range(b)]
+            for i, sid in enumerate(sids):
                 ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(i)).to(device)
                 view = pool.bind([sid])
                 prefill(m, ids, view, "ced-bounded")
                 pool.release(view, [sid])
-                sids.append(sid)
             times = []
             tok = torch.zeros(b, 1, dtype=torch.long, device=device)
             with torch.no_grad():

@@ -234,10 +234,8 @@ def run_demo(args: argparse.Namespace) -> int:
            " or failed, so the answers below are noise. Everything else (server, batching, usage, KV bytes) is real.")
     else:
         _p(f"using the {'freshly trained' if origin == 'trained' else 'existing'} checkpoint {ckpt}")
-    if args.cache_dir is None:
-        args.cache_dir = str(Path(ckpt) / "prefix-cache")
-    if args.swa_pool is None:
-        args.swa_pool = "memory"
+    args.cache_dir = str(Path(ckpt) / "prefix-cache") if args.cache_dir is None else args.cache_dir
+    args.swa_pool = "memory" if args.swa_pool is None else args.swa_pool
     engine = engine_from_args(args)
     cfg = engine.cfg
     app = create_app(engine, ServerSettings.from_args(args))

@@ -60,8 +60,7 @@ def validation_error(e: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the offending field (dotted path, list indices included)."""
     errs = e.errors(include_url=False)
     first = errs[0]
-    loc = [str(x) for x in first.get("loc", ()) if not _is_union_tag(x)]
-    param = ".".join(loc) or None
+    param = ".".join(str(x) for x in first.get("loc", ()) if not _is_union_tag(x)) or None
     msg = first.get("msg", "invalid value")
     more = f" (and {len(errs) - 1} more error{'s' if len(errs) > 2 else ''})" if len(errs) > 1 else ""
     return bad_request(f"{param}: {msg}{more}" if param else f"{msg}{more}", param, "invalid_type"

@@ -82,7 +82,7 @@ class Choice:
 
 
 class ClientGone(Exception):
-    pass
+    """The client went away while its job ran."""
 
 
 class Job:
