@@ -130,8 +130,7 @@ class DenseCache:
     # ---------------------------------------------------------------- speculative rollback (dsv41.engine.speculative)
     def ring_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """A copy of ring slots [B,K] of every row (the store's own representation)."""
-        rows = torch.arange(self.batch, device=self.device).unsqueeze(1)
-        return self.window[layer][rows, slots.to(self.device)].clone()
+        return self.window[layer][torch.arange(self.batch, device=self.device).unsqueeze(1), slots.to(self.device)].clone()
 
     def set_ring_rows(self, layer: int, slots: torch.Tensor, saved: torch.Tensor, mask: torch.Tensor) -> None:
         """Put back `saved` (from `ring_rows`) into the slots where mask [B,K] is set."""

@@ -220,7 +220,6 @@ class VisionTower(nn.Module):
         return merge_image_embeddings(self, h, images)
 
 
-VISION_PREFIXES = ("vision.", "aligner.")
 VISION_NAMES = ("image_start", "image_end", "image_newline")
 
 
@@ -234,7 +233,7 @@ def add_vision_members(module: nn.Module, cfg, dtype: torch.dtype) -> None:
 
 
 def is_vision_tensor(name: str) -> bool:
-    return name.startswith(VISION_PREFIXES) or name in VISION_NAMES
+    return name.startswith(("vision.", "aligner.")) or name in VISION_NAMES
 
 
 def load_vision_weights(module: nn.Module, checkpoint: str | Path, strict: bool = True) -> list[str]:
