@@ -175,10 +175,9 @@ def _chat(client, model: str, max_tokens: int, stats_list: list) -> None:
     _p(f"system: {SYSTEM_PROMPT}\nuser:   {QUESTION}")
     first = _ask(client, model, messages, max_tokens, "first", stats_list)
     second = _ask(client, model, messages, max_tokens, "repeat", stats_list)
-    c1 = first.usage.prompt_tokens_details.cached_tokens
-    c2 = second.usage.prompt_tokens_details.cached_tokens
     same = first.choices[0].message.content == second.choices[0].message.content
-    _p(f"\nprefix cache: cached tokens {c1} on the first request, {c2} on the repeat; answers "
+    _p(f"\nprefix cache: cached tokens {first.usage.prompt_tokens_details.cached_tokens} on the first request, "
+       f"{second.usage.prompt_tokens_details.cached_tokens} on the repeat; answers "
        f"{'identical' if same else 'differ (replay path, docs/system.md §4)'}")
 
     _rule("reasoning effort (docs/system.md §7: low/high/max -> 50/75/100)")

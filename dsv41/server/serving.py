@@ -417,8 +417,7 @@ class ServingChat(OpenAIServing):
     def full_choice(self, c: Choice, comp) -> dict:
         msg = {"role": "assistant", "content": comp.text}
         if self.split:
-            r, a = ReasoningSplitter(True).feed(comp.text, final=True)
-            msg = {"role": "assistant", "content": a, "reasoning_content": r}
+            msg["reasoning_content"], msg["content"] = ReasoningSplitter(True).feed(comp.text, final=True)
         return {"index": c.index, "message": msg, "finish_reason": comp.finish_reason,
                 "logprobs": self._logprobs(comp.logprobs)}
 
