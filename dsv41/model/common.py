@@ -79,9 +79,7 @@ class Linear(QuantSite):
         """input_quantized: x is already `qdq_fp8`'d (a caller feeding one input to several Linears)."""
         if not self.quantizes_input:
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
-        if not input_quantized:
-            x = qdq_fp8(x)
-        return quant_linear(x, self.weight, self.bias, self.training)
+        return quant_linear(x if input_quantized else qdq_fp8(x), self.weight, self.bias, self.training)
 
 
 # ------------------------------------------------------------------------------------------------ RoPE

@@ -199,9 +199,7 @@ class NgramHasher(nn.Module):
     def compress(self, input_ids: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Compressed ids [B,T], DEAD where token_mask is False."""
         c = self.token_map[input_ids]
-        if token_mask is not None:
-            c = torch.where(token_mask.to(torch.bool), c, torch.full_like(c, DEAD))
-        return c
+        return c if token_mask is None else torch.where(token_mask.to(torch.bool), c, torch.full_like(c, DEAD))
 
     def forward(self, input_ids: torch.Tensor, history: torch.Tensor | None = None,
                 token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
