@@ -24,12 +24,11 @@ __all__ = ["GEMM_BLOCK", "block_scaled_linear_ref"]
 GEMM_BLOCK = 32
 
 
-def block_scaled_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def block_scaled_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) summed per 32-wide K block, the blocks accumulated in fp32 in K order.
 
     x [..., K] (already FP8 QDQ'd when the weight is of a quantized kind), weight [N, K] (dequantized), K a
-    multiple of 32. The result is cast to `out_dtype` (default: the weight's dtype, as the Linear's F.linear)."""
+    multiple of 32. The result is cast to the weight's dtype, as the Linear's F.linear."""
     K = x.size(-1)
     N = weight.size(0)
     if K % GEMM_BLOCK:
@@ -39,7 +38,7 @@ def block_scaled_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     acc = torch.zeros(a.size(0), N, dtype=torch.float32, device=x.device)
     for k0 in range(0, K, GEMM_BLOCK):
         acc += a[:, k0:k0 + GEMM_BLOCK] @ w[:, k0:k0 + GEMM_BLOCK].T      # one block's partial, then the add
-    y = acc.to(out_dtype or weight.dtype)
+    y = acc.to(weight.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], N)
