@@ -143,7 +143,7 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.finished or any(s.request_id == rid for s in self.waiting + self.running):
             raise ValueError(f"duplicate request id {rid!r}")
-        self.waiting.append(Sequence(rid, ids, params, make_generator(params.seed)))
+        self.waiting.append(Sequence(rid, ids, params.for_prompt(ids), make_generator(params.seed)))
         return rid
 
     def abort(self, request_id: str) -> None:
