@@ -1,4 +1,4 @@
-"""`dsv41 analyze {kv,params,flops,io}`: the docs/system.md §1 numbers, computed from a config."""
+"""`dsv41 analyze {kv,params,flops,io,memory}`: the docs/system.md §1 numbers, computed from a config."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from dsv41.analysis.flops import DEFAULT_CONTEXTS, flops_report, plot_decode_curve
 from dsv41.analysis.io import io_overlap, raw_bytes_per_image_token, training_flops_per_token, vit_tokens
 from dsv41.analysis.kv_bytes import kv_report
+from dsv41.analysis.memory import DENSE_POLICIES, H200_USABLE_BYTES, HOLDING_DTYPES, memory_report
 from dsv41.analysis.params import params_report
 from dsv41.config import ModelConfig, load_config, parse_tokens, role_summary
 
@@ -141,6 +142,96 @@ def _io_table(cfg: ModelConfig, args: argparse.Namespace, r: dict[str, Any]) -> 
           f"(margin {v['margin']:,.1f} B/token, headroom x{v['headroom']:.3g}; independent of N)")
 
 
+# ------------------------------------------------------------------------------------------ memory
+
+KIND_LABELS = {"fp8": "FP8 Linears (e4m3 + e8m0 per 32x32 tile)",
+               "experts_fp4": "routed experts FP4 (e2m1 x2 a byte + e8m0 per row x 32)",
+               "experts_fp8": "routed experts FP8 (e4m3 + e8m0 per 32x32 tile)",
+               "experts_bf16": "routed experts bf16", "bf16": "bf16 tensors", "fp32": "fp32 tensors"}
+GROUP_LABELS = {"backbone": "backbone", "engram": "Engram projections", "dspark": "DSpark", "vision": "vision"}
+
+
+def _memory_report(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
+    r = memory_report(cfg, args.gpus, args.context, args.batch, args.device_memory * 1e9, args.dense,
+                      args.engram_on_device, args.dtype)
+    return {"config": args.config, **r}
+
+
+def _byte_unit(largest: float) -> tuple[float, str]:
+    """The largest of GB / MB / KB / B (decimal) in which `largest` is at least 1."""
+    return next((u, n) for u, n in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB"), (1.0, "B")) if largest >= u or u == 1)
+
+
+def _memory_weights(r: dict[str, Any]) -> None:
+    w, t, e = r["weights"], r["today"], r["engram_tables"]
+    u, name = _byte_unit(t["bytes"])
+
+    def f(x: float) -> str:
+        return _g(x, u, 3)
+
+    count = {1e9: "billions", 1e6: "millions", 1e3: "thousands"}.get(u, "units")
+    print(f"Weights in the checkpoint formats, as held after the official load conversions ({name}; params in "
+          f"{count})")
+    print(f"  {'kind':<58}{'params':>10}{'codes':>10}{'scales':>10}{'total':>10}{'per dev':>10}")
+    for k, row in [*w["by_kind"].items(), ("total", w)]:
+        print(f"  {KIND_LABELS.get(k, k):<58}" + "".join(
+            f"{f(row[c]):>10}" for c in ("params", "code_bytes", "scale_bytes", "bytes", "per_device_bytes")))
+    print("  by module: " + ", ".join(f"{GROUP_LABELS[g]} {f(v['bytes'])} ({f(v['per_device_bytes'])} per dev)"
+                                      for g, v in w["by_group"].items()))
+    print(f"  checkpoint files as shipped (wo_a fp8; head, m=2 compressor, DSpark heads bf16; Engram tables "
+          f"included): {f(w['file_bytes'])}")
+    print(f"  today's dequantized holding ({t['dtype']}, fp32 where held so, Engram tables on the device): "
+          f"{f(t['bytes'])} = weights {f(t['weight_bytes'])} + Engram tables {f(t['engram_table_bytes'])}; "
+          f"{f(t['per_device_bytes'])} per device")
+    where = ("on the device" + (" (replicated)" if r["dense"] == "replicated" else f" (split over {r['gpus']})")
+             if r["engram_on_device"] else "in host memory (one copy)")
+    print(f"Engram tables (e4m3 rows + e8m0 per 32), {e['modules']} modules, {e['params']:,} values: codes "
+          f"{f(e['code_bytes'])} + scales {f(e['scale_bytes'])} = {f(e['bytes'])} {name} {where}")
+
+
+def _memory_kv(r: dict[str, Any]) -> None:
+    k = r["kv"]
+    u, name = _byte_unit(k["bytes"])
+
+    def f(x: float) -> str:
+        return _g(x, u, 3)
+
+    print(f"KV for {k['tokens']:,} tokens x {k['batch']} sequence(s), {name} ({k['global_kv_bytes_per_token']:g} "
+          f"B/token global, `dsv41 analyze kv`)")
+    for label, key, note in (
+            ("main KV (global store)", "main_kv_bytes", f"{k['global_entries_per_sequence']:,} entries a sequence"),
+            ("indexer K cache", "indexer_k_bytes", "one index key per global entry"),
+            ("SWA rings", "swa_ring_bytes", f"encoder {f(k['swa_ring_encoder_bytes'])}, decoder "
+             f"{f(k['swa_ring_decoder_bytes'])}, DSpark {f(k['swa_ring_dspark_bytes'])}"),
+            ("compressor carry", "compressor_carry_bytes", "fp32 kv + score of the open groups"),
+            ("total", "bytes", f"{f(k['per_device_bytes'])} per device (even split)")):
+        print(f"  {label:<24}{f(k[key]):>12}   {note}")
+
+
+def _memory_fit(r: dict[str, Any]) -> None:
+    n, p, t = r["gpus"], r["per_device"], r["today_per_device"]
+    dense = "replicated" if r["dense"] == "replicated" else f"divided by {n}"
+    print(f"Per device (GB), {n} device(s): routed experts spread (the fullest device holds ceil(E/{n}) of a "
+          f"layer's E), other weights {dense}, KV divided by {n}; activations and workspaces not counted")
+    print(f"  {'':<22}{'checkpoint formats':>20}{'today (' + r['today']['dtype'] + ')':>20}")
+    rows = [("weights", p["weights"], t["weights"]),
+            ("Engram tables", _g(p["engram_tables"], nd=3) if r["engram_on_device"] else "host", "in weights")]
+    rows += [(label, p[key], t[key]) for label, key in (("KV", "kv"), ("total", "total"),
+                                                        ("device memory", "device_memory"), ("headroom", "headroom"))]
+    rows += [("fits", "yes" if p["fits"] else "NO", "yes" if t["fits"] else "NO")]
+    for label, a, b in rows:
+        a, b = (x if isinstance(x, str) else _g(x, nd=3) for x in (a, b))
+        print(f"  {label:<22}{a:>20}{b:>20}")
+
+
+def _memory_table(cfg: ModelConfig, args: argparse.Namespace, r: dict[str, Any]) -> None:
+    print(f"Memory, config {args.config}, {r['gpus']} device(s) of {_g(r['device_memory'], nd=3)} GB "
+          f"(GB = 1e9 bytes)")
+    _memory_weights(r)
+    _memory_kv(r)
+    _memory_fit(r)
+
+
 # ------------------------------------------------------------------------------------------ register
 
 def _run(args: argparse.Namespace) -> int:
@@ -162,13 +253,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             ("kv", "KV-cache bytes per token and the comparison table", _kv_report, _kv_table),
             ("params", "parameter counts and activated parameters", _params_report, _params_table),
             ("flops", "decode indexer MACs and weighted decode FLOPs vs context", _flops_report, _flops_table),
-            ("io", "image I/O hidden by compute? rho < (B_IO / B_GPU) * C", _io_report, _io_table)):
+            ("io", "image I/O hidden by compute? rho < (B_IO / B_GPU) * C", _io_report, _io_table),
+            ("memory", "weight bytes per device by storage kind, Engram host bytes, KV, fit on N devices",
+             _memory_report, _memory_table)):
         sp = parsers[name] = sub.add_parser(name, help=helptext)
         sp.add_argument("--config", default=DEFAULT_CONFIG,
                         help=f"preset name or config.json path / checkpoint dir (default {DEFAULT_CONFIG})")
         sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
         sp.set_defaults(func=_run, report=report, table=table)
-    fl, io = parsers["flops"], parsers["io"]
+    fl, io, mem = parsers["flops"], parsers["io"], parsers["memory"]
     fl.add_argument("--context", type=parse_tokens, nargs="+", metavar="N",
                     help="context lengths (e.g. 4K 64K 1M; default 4K..1M in powers of two)")
     fl.add_argument("--plot", metavar="PNG", help="write the decode FLOPs-vs-context curve (log-x)")
@@ -177,3 +270,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     io.add_argument("--rho", type=float, help="raw bytes per token (default: 8-bit RGB pixels per image token)")
     io.add_argument("--flops-per-token", type=float, help="C (default: training, 6 x activated parameters)")
     io.add_argument("--image", type=int, nargs=2, default=(1344, 1344), metavar=("H", "W"))
+    mem.add_argument("--gpus", type=int, default=1, help="devices to split over (default 1)")
+    mem.add_argument("--context", type=parse_tokens, default=1 << 20, metavar="T",
+                     help="tokens per sequence for the KV (e.g. 64K, 1M; default 1M)")
+    mem.add_argument("--batch", type=int, default=1, help="sequences held at once (default 1)")
+    mem.add_argument("--device-memory", type=float, default=H200_USABLE_BYTES / 1e9, metavar="GB",
+                     help=f"memory of one device in GB of 1e9 bytes (default {H200_USABLE_BYTES / 1e9:.2f}: "
+                          "the H200's usable 139 GiB)")
+    mem.add_argument("--dense", choices=DENSE_POLICIES, default="replicated",
+                     help="weights other than routed experts: replicated on every device, or split over them")
+    mem.add_argument("--engram-on-device", action="store_true",
+                     help="keep the Engram tables on the device(s) instead of host memory")
+    mem.add_argument("--dtype", choices=tuple(HOLDING_DTYPES), default="bfloat16",
+                     help="model dtype of today's dequantized holding (default bfloat16)")
