@@ -4,5 +4,6 @@
 - `params`: parameter counts per tensor (docs/model.md §9), activated parameters in prefill and decode.
 - `flops`: decode indexer MACs and weighted decode FLOPs versus context; the encoder prefill indexer share.
 - `io`: the image-I/O overlap criterion and the ViT token arithmetic.
-- `cli`: `dsv41 analyze {kv,params,flops,io}`.
+- `memory`: weight bytes by checkpoint storage kind per device, Engram host bytes, KV for a context, the fit.
+- `cli`: `dsv41 analyze {kv,params,flops,io,memory}`.
 """
