@@ -235,7 +235,7 @@ def test_cli_json_and_table(capsys):
     (["--gpus", "0"], "--gpus must be a positive integer, got 0"),
     (["--gpus", "-2"], "--gpus must be a positive integer, got -2"),
     (["--batch", "0"], "--batch must be a positive integer, got 0"),
-    (["--device-memory", "-1"], "--device-memory must be a positive number"),
+    (["--device-memory", "-1"], "--device-memory must be positive, got -1 GB"),
 ])
 def test_cli_bad_values(capsys, argv, message):
     assert cli.main(["analyze", "memory", "--config", "debug", *argv]) == 2

@@ -26,7 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from dsv41.analysis.kv_bytes import indexer_entry_bytes, kv_source_layers, main_entry_bytes, swa_bytes_per_sequence
+from dsv41.analysis.kv_bytes import (global_kv_bytes_per_token, indexer_entry_bytes, kv_source_layers, main_entry_bytes,
+                                     swa_bytes_per_sequence)
 from dsv41.config import LayerRole, ModelConfig, layer_roles
 
 # ------------------------------------------------------------------------------------------ storage formats
@@ -146,7 +147,7 @@ def _attention_extras(c: _Collector, cfg: ModelConfig, role: LayerRole) -> None:
 
 
 def _engram(c: _Collector, cfg: ModelConfig, index: int) -> None:
-    """An Engram module: the hash table (e4m3 rows, host memory), its fp8 wkv and the q/k weights (docs/model.md §6)."""
+    """An Engram module: the hash table (e4m3 rows, host memory), its fp8 wkv, the q/k weights (docs/model.md §6)."""
     S, D, W = cfg.hc_mult, cfg.dim, cfg.engram_head_dim
     cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * W
     c.add("engram.q_weight", (S, D), "bf16")
@@ -288,7 +289,7 @@ def _check(gpus: Any, tokens: Any, batch: Any, device_memory: Any, dense: str, d
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"--{name} must be a positive integer, got {v!r}")
     if not isinstance(device_memory, (int, float)) or not math.isfinite(device_memory) or device_memory <= 0:
-        raise ValueError(f"--device-memory must be a positive number of bytes, got {device_memory!r}")
+        raise ValueError(f"--device-memory must be positive, got {device_memory / 1e9:g} GB")
     if dense not in DENSE_POLICIES:
         raise ValueError(f"dense weights {dense!r}: expected one of {', '.join(DENSE_POLICIES)}")
     if dtype not in HOLDING_DTYPES:
@@ -321,9 +322,7 @@ def memory_report(cfg: ModelConfig, gpus: int = 1, tokens: int = 1 << 20, batch:
         "engram_tables": {**tab, "modules": len(tables), "location": "device" if engram_on_device else "host",
                           "host_bytes": 0 if engram_on_device else tab["bytes"]},
         "today": today,
-        "kv": {**kv, "global_kv_bytes_per_token": float(sum((main_entry_bytes(cfg) + indexer_entry_bytes(cfg)) / m
-                                                            for _, m in kv_source_layers(cfg))),
-               "per_device_bytes": kv_pd},
+        "kv": {**kv, "global_kv_bytes_per_token": float(global_kv_bytes_per_token(cfg)), "per_device_bytes": kv_pd},
         "per_device": _fit(device_memory, weights=w["per_device_bytes"], engram_tables=tab_on_device, kv=kv_pd),
         "today_per_device": _fit(device_memory, weights=today["per_device_bytes"], kv=kv_pd),
     }
