@@ -1,6 +1,7 @@
 """Guards the trainer end to end on the debug preset: the loss falls over ~20 steps, a run stopped halfway and
-resumed reproduces the uninterrupted run bit for bit (losses, weights, optimizer and data position), and the
-checkpoint loads with `load_model` (tokenizer and Engram token map included) into the same function."""
+resumed reproduces the uninterrupted run bit for bit (losses, weights, optimizer and data position), also when
+resumed to a new budget (steps: a total; minutes: more time), and the checkpoint loads with `load_model`
+(tokenizer and Engram token map included) into the same function."""
 
 from __future__ import annotations
 
@@ -40,21 +41,53 @@ def test_loss_decreases(tmp_path):
     assert "sample" in s
 
 
-def test_exact_resume(tmp_path):
-    N = 6
-    train(_cfg(tmp_path, "full", steps=N, eval_every=3))
-    train(_cfg(tmp_path, "split", steps=N, eval_every=3), stop_at=N // 2)
-    assert len(logged_losses(tmp_path / "split")) == N // 2
-    train(_cfg(tmp_path, "split", steps=N, eval_every=3), resume=True)
-    a, b = logged_losses(tmp_path / "full"), logged_losses(tmp_path / "split")
-    assert a == b and len(a) == N                                     # bit-identical losses, step by step
+def _lrs(out: Path) -> list[float]:
+    import json
+    return [json.loads(x)["lr"] for x in (out / "log.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+def test_exact_resume(tmp_path, capsys):
+    """Stopped halfway and resumed, then resumed again with a larger step budget (a total): the losses, learning
+    rates, weights and data position equal, bit for bit, those of one process that ran the first plan and
+    re-planned to the new total at the same step (`Trainer.replan`). A budget already reached trains nothing."""
+    N1, N2 = 4, 7
+    full = Trainer(_cfg(tmp_path, "full", steps=N1, eval_every=2))
+    full.run()
+    full.replan(N2)
+    full.run()
+    full.finish()
+    train(_cfg(tmp_path, "split", steps=N1, eval_every=2), stop_at=N1 // 2)
+    assert len(logged_losses(tmp_path / "split")) == N1 // 2
+    train(_cfg(tmp_path, "split", eval_every=2), resume=True)        # no budget given: to the planned end
+    a = logged_losses(tmp_path / "full")
+    assert logged_losses(tmp_path / "split") == a[:N1]                # bit-identical, step by step
+    s = train(_cfg(tmp_path, "split", steps=N2, eval_every=2), resume=True)
+    b = logged_losses(tmp_path / "split")
+    assert a == b and len(a) == N2 and s["steps"] == s["total_steps"] == N2
+    lr = _cfg(tmp_path, "x").lr                                       # the finished plan's 0.1x, held to N2
+    assert _lrs(tmp_path / "full") == _lrs(tmp_path / "split") and _lrs(tmp_path / "split")[N1:] == [0.1 * lr] * 3
     from safetensors.torch import load_file
     wa, wb = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "split" /
                                                                                  "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     sa = torch.load(tmp_path / "full" / "train_state.pt", weights_only=True)
     sb = torch.load(tmp_path / "split" / "train_state.pt", weights_only=True)
-    assert sa["loader"] == sb["loader"] and sa["step"] == sb["step"] == N
+    assert sa["loader"] == sb["loader"] and sa["step"] == sb["step"] == N2 and sa["schedule"] == sb["schedule"]
+    capsys.readouterr()
+    for steps in (N2, 5, None):                                        # at or below the saved step, or none
+        s = train(_cfg(tmp_path, "split", steps=steps, quiet=False), resume=True)
+        assert s["trained"] is False and s["steps"] == N2
+        assert "nothing to train" in capsys.readouterr().out
+    assert logged_losses(tmp_path / "split") == b
+
+
+def test_resume_for_more_minutes(tmp_path):
+    """`minutes` on a resumed run is this command's time: the probe measures what fits and the run trains that
+    many steps more (at least one), past its finished total."""
+    train(_cfg(tmp_path, "run", steps=2, eval_every=2, sample_tokens=0))
+    s = train(_cfg(tmp_path, "run", minutes=0.2, eval_every=2, sample_tokens=0), resume=True)
+    losses = logged_losses(tmp_path / "run")
+    assert s["steps"] == s["total_steps"] == len(losses) > 2 and "val_loss" in s
 
 
 def test_checkpoint_loads_for_inference(tmp_path):

@@ -64,11 +64,11 @@ def read_train_state(out_dir: str | Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def load_training_checkpoint(out_dir: str | Path, model: torch.nn.Module) -> dict:
+def load_training_checkpoint(out_dir: str | Path, model: torch.nn.Module, state: dict | None = None) -> dict:
     """Load the model weights from `out_dir` into `model` (strict; under FSDP2 each rank its own rows) and return
-    the train state."""
+    the train state (`state`: the one already read from `out_dir`, else read here)."""
     out = Path(out_dir)
-    state = read_train_state(out)
+    state = read_train_state(out) if state is None else state
     step = checkpoint_step(out)
     if step != state["step"]:
         raise ValueError(f"--resume: {out} has model step {step} but train state step {state['step']} "

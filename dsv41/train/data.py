@@ -12,7 +12,11 @@ documents of `LINES_PER_DOC` lines so that it can be split.
 
 Split: by document, deterministically from the SHA-256 of the document's name (its path relative to the corpus
 root, plus `:line` for JSONL records and `:part` for cut files), so the same file is always on the same side, on
-every machine and whatever else the corpus holds.
+every machine and whatever else the corpus holds. A small corpus (a dozen files, one file) often gets no
+validation document that way, or one that is most of the text or too short to evaluate on; then the split is by
+text instead: validation is the last `val_fraction` of every document's characters (cut at a line start; more
+when that is less than one evaluation window, `min_val_chars`), training the rest, and the corpus says so in its
+`note`. Only a corpus too small for both sides (a file of a few bytes) is refused.
 
 Tokenizer: byte-level BPE trained with Hugging Face `tokenizers` on the training split only. Ids 0, 1, 2 are
 `<|bos|>`, `<|eos|>`, `<|pad|>` (the config's `engram_pad_id` is 2); the last two ids are `<|image|>` (image
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -46,6 +51,10 @@ TEXT_SUFFIXES = frozenset({".txt", ".md", ".rst", ".py", ".jsonl"})
 LINES_PER_DOC = 400
 DEFAULT_VAL_FRACTION = 0.05
 SPLIT_SALT = "dsv41-split-v1:"
+MAX_VAL_SHARE = 0.5             # of the characters: validation's most (a split by name that gives it more is
+                                # replaced by the tail split; a corpus that would need more is refused)
+CHARS_PER_TOKEN = 4             # validation reserves this many characters per token of a window: byte-level BPE
+                                # at the presets' vocabularies takes ~2-3.5 on code and prose
 
 
 @dataclass
@@ -60,6 +69,7 @@ class Corpus:
     train: list[Document]
     val: list[Document]
     provenance: dict
+    note: str = ""      # what was split, when it is not the split by name (a line for the user)
 
 
 # ------------------------------------------------------------------------------------------------ split
@@ -68,6 +78,53 @@ def split_of(name: str, val_fraction: float = DEFAULT_VAL_FRACTION) -> str:
     """'val' or 'train' for a document name: the first 8 bytes of SHA-256(salt + name) as a fraction of 2^64."""
     h = hashlib.sha256((SPLIT_SALT + name).encode("utf-8")).digest()
     return "val" if int.from_bytes(h[:8], "big") / 2.0 ** 64 < val_fraction else "train"
+
+
+def min_val_chars(seq_len: int) -> int:
+    """The characters validation needs for one evaluation window of `seq_len + 1` tokens."""
+    return (seq_len + 1) * CHARS_PER_TOKEN
+
+
+def _chars(docs: list[Document]) -> int:
+    return sum(len(d.text) for d in docs)
+
+
+def tail_split(docs: list[Document], share: float) -> tuple[list[Document], list[Document]]:
+    """(train, val): the head and the last `share` of every document's characters (its tail, named `name:tail`),
+    cut at the line start before that point unless that would double the tail; blank halves dropped."""
+    train, val = [], []
+    for d in docs:
+        want = math.ceil(share * len(d.text))
+        cut = len(d.text) - want
+        k = d.text.rfind("\n", 0, cut) + 1
+        k = cut if k == 0 or cut - k > want else k
+        if d.text[:k].strip():
+            train.append(Document(d.name, d.text[:k]))
+        if d.text[k:].strip():
+            val.append(Document(f"{d.name}:tail", d.text[k:]))
+    return train, val
+
+
+def _split(docs: list[Document], val_fraction: float, min_chars: int, where: str):
+    """(train, val, share): the split by name (share None), or the tail split of `share` when that one leaves
+    validation empty, short of `min_chars` or larger than training (module docstring); ValueError when the text
+    is too little for both sides."""
+    train = [d for d in docs if split_of(d.name, val_fraction) == "train"]
+    val = [d for d in docs if split_of(d.name, val_fraction) == "val"]
+    total = _chars(docs)
+    if train and val and min_chars <= _chars(val) <= MAX_VAL_SHARE * total:
+        return train, val, None
+    share = max(val_fraction, min_chars / max(total, 1))
+    if share <= MAX_VAL_SHARE:
+        train, val = tail_split(docs, share)
+    if share > MAX_VAL_SHARE or not train or not val:
+        size = f"{len(docs)} non-empty document{'s' * (len(docs) != 1)}, {total:,} characters " \
+               f"({sum(len(d.text.encode()) for d in docs):,} bytes)"
+        raise ValueError(f"corpus {where!r}: {size}: too little text to split into training and validation; "
+                         f"validation needs at least {max(min_chars, 1):,} characters (one evaluation window) and "
+                         f"training as many again: give at least {max(2 * min_chars, 2):,} characters of text"
+                         + (", or a shorter --seq-len" if min_chars else ""))
+    return train, val, share
 
 
 # ------------------------------------------------------------------------------------------------ sources
@@ -126,8 +183,11 @@ def path_documents(path: str | Path) -> list[Document]:
             for d in _file_documents(path / r, r.as_posix(), cut=False)]
 
 
-def load_corpus(data: str | Path | None = None, val_fraction: float = DEFAULT_VAL_FRACTION) -> Corpus:
-    """The default stdlib corpus (data None) or a user's path, split by document name."""
+def load_corpus(data: str | Path | None = None, val_fraction: float = DEFAULT_VAL_FRACTION,
+                min_chars: int = 0) -> Corpus:
+    """The default stdlib corpus (data None) or a user's path, split by document name or, for a small corpus, by
+    the tails of its documents (module docstring); `min_chars`: the characters validation must hold at least
+    (the trainer asks for one evaluation window, `min_val_chars`)."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
     if data is None:
@@ -135,19 +195,20 @@ def load_corpus(data: str | Path | None = None, val_fraction: float = DEFAULT_VA
     else:
         docs, name, where = path_documents(data), Path(data).name, str(Path(data).resolve())
     docs = [d for d in docs if d.text.strip()]
-    train = [d for d in docs if split_of(d.name, val_fraction) == "train"]
-    val = [d for d in docs if split_of(d.name, val_fraction) == "val"]
-    if not train or not val:
-        raise ValueError(f"corpus {where!r}: {len(docs)} non-empty documents give {len(train)} for training and "
-                         f"{len(val)} for validation; both need at least one (add documents or raise the "
-                         f"validation fraction)")
+    train, val, share = _split(docs, val_fraction, min_chars, where)
+    split, note = f"sha256('{SPLIT_SALT}' + document name)[:8] / 2^64 < {val_fraction} -> validation", ""
+    if share is not None:
+        split = f"by text: the last {share:.4g} of every document's characters -> validation"
+        named = sum(split_of(d.name, val_fraction) == "val" for d in docs)
+        note = (f"split: {len(docs)} documents, {named} of them validation by name: too few to split by document; "
+                f"validation is the last {share:.1%} of each document's text ({_chars(val):,} of "
+                f"{_chars(docs):,} characters), training the rest")
     return Corpus(name, train, val, {
-        "corpus": name, "root": where, "python": sys.version.split()[0],
-        "split": f"sha256('{SPLIT_SALT}' + document name)[:8] / 2^64 < {val_fraction} -> validation",
+        "corpus": name, "root": where, "python": sys.version.split()[0], "split": split,
         "val_fraction": val_fraction, "train_documents": len(train), "val_documents": len(val),
         "train_bytes": sum(len(d.text.encode()) for d in train), "val_bytes": sum(len(d.text.encode()) for d in val),
         "train_listing_sha256": hashlib.sha256("\n".join(d.name for d in train).encode()).hexdigest()[:16],
-        "skipped_dirs": sorted(STDLIB_SKIP_DIRS) if data is None else []})
+        "skipped_dirs": sorted(STDLIB_SKIP_DIRS) if data is None else []}, note)
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer

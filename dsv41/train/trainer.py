@@ -14,7 +14,11 @@ CPU threads: one by default. torch's OpenMP threads spin-wait at every barrier; 
 one. `--threads 2` is faster on an idle machine.
 
 Budget: `steps`, or `minutes` of wall time for the whole command (the default, 5): a probe forward/backward
-measures the step time and fixes the step count, which then stays fixed (the schedule and a resumed run need it).
+measures the step time and fixes the step count, which then stays fixed (the schedule needs it). A resumed run
+keeps its plan unless given a new budget: `steps` is the new total (train from the saved step up to it),
+`minutes` this command's time (the probe measures the steps that fit and they are added to the saved step); the
+learning-rate schedule is then re-planned at the saved step (`Schedule.replan`, schedule.py), which `replan`
+does in a running process too. A total at or below the saved step trains nothing (`train` says so).
 
 Outputs in `out`: the checkpoint (see checkpoint.py), `log.jsonl` (one line per step and per evaluation),
 `loss_curve.png`, `summary.json`.
@@ -26,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -41,7 +46,7 @@ from dsv41.train.optim.routing import build_optimizers, format_routing, route_pa
 from dsv41.train.parallel import full_tensor, parallelize, setup_distributed
 from dsv41.train.pretrain import PretrainStage
 from dsv41.train.report import format_eval, format_summary, plot_history
-from dsv41.train.schedule import default_warmup, lr_factor
+from dsv41.train.schedule import Schedule, default_warmup
 from dsv41.train.stage import Validation
 
 STAGES = {"pretrain": PretrainStage, "dspark": DSparkStage}
@@ -51,14 +56,15 @@ class Trainer:
     """Builds everything from a TrainConfig; `run(stop_at)` trains (to `stop_at` steps if given: tests of exact
     resume stop halfway), `finish()` evaluates, saves and reports."""
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False):
+    def __init__(self, cfg: TrainConfig, resume: bool | dict = False):
+        """`resume`: True to continue the run in `cfg.out`, or its train state already read (`read_train_state`)."""
         self.t0 = time.time()
         cfg.validate()
         self.dist = setup_distributed(cfg.device)
         self.out = Path(cfg.out)
-        saved = read_train_state(self.out) if resume else None
-        if saved is not None:      # a resumed run keeps the saved settings; only where and how verbosely are new
-            cfg = TrainConfig(**{**saved["config"], "out": cfg.out, "quiet": cfg.quiet, "threads": cfg.threads})
+        saved = read_train_state(self.out) if resume is True else resume or None
+        if saved is not None:
+            cfg = resumed_config(cfg, saved)
         self.cfg, self.stage = cfg, STAGES[cfg.stage](cfg)
         if cfg.threads or self.dist.device.type == "cpu":
             torch.set_num_threads(cfg.threads or 1)
@@ -68,16 +74,32 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self._build_data_and_model()
         self._build_training()
-        self.step, self.history, self.total_steps = 0, [], None
+        self.step, self.history = 0, []
+        # before the resume: the measurement starts the optimizers afresh
+        fits = None if cfg.steps is not None else self._steps_in_budget(cfg.minutes or DEFAULT_MINUTES)
         if saved is not None:
-            self._resume()                                 # a resumed run keeps its own total_steps
-        elif self.dist.main:
-            self.log_path.unlink(missing_ok=True)
-        self.total_steps = self.total_steps or cfg.steps or self._steps_in_budget(cfg.minutes or DEFAULT_MINUTES)
+            self._resume(saved, cfg.steps or int(saved["step"]) + fits)
+        else:
+            if self.dist.main:
+                self.log_path.unlink(missing_ok=True)
+            total = cfg.steps or fits
+            self._plan(Schedule(total, cfg.warmup if cfg.warmup is not None else default_warmup(total)))
         self.model.zero_grad(set_to_none=True)             # the probe's gradients
-        self.warmup = cfg.warmup if cfg.warmup is not None else default_warmup(self.total_steps)
-        self.eval_every = cfg.eval_every or max(1, self.total_steps // 8)
-        self.save_every = cfg.save_every or self.eval_every
+
+    @property
+    def total_steps(self) -> int:
+        return self.schedule.total
+
+    def _plan(self, schedule: Schedule) -> None:
+        """Adopt a learning-rate plan, and the evaluation and save intervals that follow from its length."""
+        self.schedule = schedule
+        self.eval_every = self.cfg.eval_every or max(1, schedule.total // 8)
+        self.save_every = self.cfg.save_every or self.eval_every
+
+    def replan(self, total_steps: int) -> None:
+        """Extend (or shorten) the budget to `total_steps` in all, re-planning the schedule at the current step
+        exactly as a run resumed here with that budget does (schedule.py)."""
+        self._plan(self.schedule.replan(self.step, total_steps))
 
     # ---------------------------------------------------------------- set-up
     def say(self, *args) -> None:
@@ -88,7 +110,9 @@ class Trainer:
         from tokenizers import Tokenizer
 
         cfg, dist, stage = self.cfg, self.dist, self.stage
-        self.corpus = D.load_corpus(cfg.data, cfg.val_fraction)
+        self.corpus = D.load_corpus(cfg.data, cfg.val_fraction, D.min_val_chars(cfg.seq_len))
+        if self.corpus.note:
+            self.say(self.corpus.note)
         self.tokenizer_path, self.provenance = stage.tokenizer(self.out, self.corpus, dist, self.say)
         self.tokenizer = Tokenizer.from_file(str(self.tokenizer_path))
         model = stage.build_model(self.tokenizer)
@@ -188,6 +212,7 @@ class Trainer:
         weights = {k: full_tensor(v).detach().cpu() for k, v in self.model.state_dict().items()}  # FSDP2: collective
         state = {"config": dataclasses.asdict(self.cfg), "optimizer": self.opt.state_dict(),
                  "loader": self.loader.state_dict(), "history": self.history, "total_steps": self.total_steps,
+                 "schedule": self.schedule.state_dict(),
                  "rng": torch.get_rng_state(), "model_config": self.model_cfg.to_dict()}
         if self.cfg.fsdp:
             torch.save(self.opt.state_dict(), self.out / f"optimizer.rank{self.dist.rank}.pt")
@@ -199,16 +224,25 @@ class Trainer:
                                      self.provenance)
         self.dist.barrier()
 
-    def _resume(self) -> None:
-        state = load_training_checkpoint(self.out, self.model)
+    def _resume(self, saved: dict, total_steps: int) -> None:
+        """Load the run's state (`saved`: its train state, the weights read from the checkpoint) and re-plan it
+        for `total_steps`."""
+        state = load_training_checkpoint(self.out, self.model, saved)
         if self.cfg.fsdp:
             state["optimizer"] = torch.load(self.out / f"optimizer.rank{self.dist.rank}.pt", weights_only=True)
         self.opt.load_state_dict(state["optimizer"])
         self.loader.load_state_dict(state["loader"])
-        self.history, self.total_steps = list(state["history"]), int(state["total_steps"])
-        self.step = int(state["step"])
+        self.history, self.step = list(state["history"]), int(state["step"])
         torch.set_rng_state(state["rng"])
-        self.say(f"resumed {self.out} at step {self.step} of {self.total_steps}")
+        old = saved_schedule(state, self.cfg)
+        self._plan(old.replan(self.step, total_steps))
+        if self.total_steps == old.total:
+            self.say(f"resumed {self.out} at step {self.step} of {self.total_steps}")
+        else:
+            cap = f", capped at {self.schedule.cap:.3g}x the peak" if self.schedule.cap < 1 else ""
+            self.say(f"resumed {self.out} at step {self.step}: budget {old.total} -> {self.total_steps} steps "
+                     f"({self.total_steps - self.step} to train); learning-rate schedule re-planned for "
+                     f"{self.total_steps} steps from step {self.step}{cap}")
 
     def log(self, rec: dict) -> None:
         self.history.append(rec)
@@ -241,7 +275,7 @@ class Trainer:
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v / cfg.grad_accum
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, cfg.clip if cfg.clip > 0 else float("inf")))
-        lr_f = lr_factor(self.step, self.total_steps, self.warmup)
+        lr_f = self.schedule.factor(self.step)
         self.opt.set_lr_factor(lr_f)
         self.opt.step()
         bal = self.balancer.step(dist.all_reduce if dist.world > 1 else None)
@@ -301,9 +335,47 @@ class Trainer:
         return summary
 
 
+def resumed_config(cfg: TrainConfig, saved: dict) -> TrainConfig:
+    """A resumed run's settings: the saved run's, with this command's output directory, verbosity, threads and
+    budget (none given: the saved plan's total, i.e. continue as planned)."""
+    if cfg.steps is None and cfg.minutes is None:
+        budget = {"steps": int(saved["total_steps"]), "minutes": None}
+    else:
+        budget = {"steps": cfg.steps, "minutes": cfg.minutes}
+    return TrainConfig(**{**saved["config"], "out": cfg.out, "quiet": cfg.quiet, "threads": cfg.threads, **budget})
+
+
+def saved_schedule(state: dict, cfg: TrainConfig) -> Schedule:
+    """The schedule a train state was planned with (states written before schedules were saved: planned once)."""
+    if "schedule" in state:
+        return Schedule(**state["schedule"])
+    total = int(state["total_steps"])
+    return Schedule(total, cfg.warmup if cfg.warmup is not None else default_warmup(total))
+
+
+def nothing_to_train(cfg: TrainConfig, saved: dict) -> str | None:
+    """Why resuming `saved` with `cfg`'s budget trains nothing (a total at or below the saved step), or None."""
+    step, total, steps = int(saved["step"]), int(saved["total_steps"]), resumed_config(cfg, saved).steps
+    if steps is None or steps > step:
+        return None
+    if cfg.steps is None:
+        return (f"nothing to train: {cfg.out} finished its {total} steps; to train longer give --steps N above "
+                f"{step} (the new total) or --minutes M (M more minutes)")
+    return (f"nothing to train: {cfg.out} is at step {step} and --steps {steps} is the total budget, not more "
+            f"steps; give --steps above {step} or --minutes M (M more minutes)")
+
+
 def train(cfg: TrainConfig, resume: bool = False, stop_at: int | None = None) -> dict:
-    """Build, train and report (the `dsv41 train` command)."""
-    t = Trainer(cfg, resume=resume)
+    """Build, train and report (the `dsv41 train` command). Resuming to a budget the run has already reached
+    says so and trains nothing."""
+    saved = read_train_state(cfg.out) if resume else None
+    why = None if saved is None else nothing_to_train(cfg, saved)
+    if why is not None:
+        if not cfg.quiet and int(os.environ.get("RANK", "0")) == 0:
+            print(why, flush=True)
+        return {"out": str(cfg.out), "steps": int(saved["step"]), "total_steps": int(saved["total_steps"]),
+                "trained": False}
+    t = Trainer(cfg, resume=saved if saved is not None else False)
     t.run(stop_at)
     if stop_at is not None and t.step < t.total_steps:
         return {"out": str(t.out), "steps": t.step, "total_steps": t.total_steps, "stopped": True}
