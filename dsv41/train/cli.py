@@ -4,6 +4,8 @@ Examples
     dsv41 train --preset tiny                           # ~5 minutes on 2 CPU cores, Python stdlib as data
     dsv41 train --preset tiny --steps 400 --out runs/t  # a fixed step budget
     dsv41 train --preset tiny --resume --out runs/t     # continue exactly where a run stopped
+    dsv41 train --preset tiny --resume --out runs/t --steps 800    # train on to step 800 in all
+    dsv41 train --preset tiny --resume --out runs/t --minutes 10   # train about 10 minutes more
     dsv41 train --stage dspark --init runs/train-tiny --out runs/train-tiny-dspark --minutes 3
     torchrun --nproc_per_node 2 -m dsv41.train.cli train --preset tiny --steps 200 --batch-size 4  # CPU, gloo
     torchrun --nproc_per_node 8 -m dsv41.train.cli train --preset tiny --fsdp --device cuda ...   # GPU node (FSDP2)
@@ -28,12 +30,17 @@ def register(subparsers) -> None:
     p.add_argument("--data", help="text file, directory or JSONL ('text' field); default: the Python standard library")
     p.add_argument("--out", help="output / checkpoint directory (default runs/train-<preset>[-dspark])")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction,
-                   help="share of documents (by name hash) held out for validation")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly")
+                   help="share of documents (by name hash) held out for validation; a corpus too small for that "
+                        "(a dozen files, one file) gives this share of every document's tail instead")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out exactly: to its planned end, or to a new budget (--steps N: the "
+                        "new total, --minutes M: about M more minutes; the learning-rate schedule is re-planned at "
+                        "the saved step, never rising)")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, help="optimizer steps")
-    budget.add_argument("--minutes", type=float, help=f"wall-time budget of the whole command (default "
-                                                      f"{DEFAULT_MINUTES:g} when --steps is not given)")
+    budget.add_argument("--steps", type=int, help="optimizer steps in all (with --resume: the step to train up to)")
+    budget.add_argument("--minutes", type=float, help=f"wall-time budget of this command (default "
+                                                      f"{DEFAULT_MINUTES:g} when --steps is not given; with "
+                                                      f"--resume: that much more training)")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per process and micro-batch")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum)

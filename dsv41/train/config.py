@@ -24,8 +24,9 @@ class TrainConfig:
     data: str | None = None                # None: the Python standard library (data.py)
     out: str = "runs/train-tiny"
     init: str | None = None                # dspark stage: the pretrained checkpoint directory
-    steps: int | None = None
-    minutes: float | None = None           # wall-time budget of the whole command (default when steps is None)
+    steps: int | None = None               # in all (a resumed run trains up to it)
+    minutes: float | None = None           # wall-time budget of this command (default when steps is None; a resumed
+                                           # run adds the steps that fit to its saved step)
     seq_len: int = 128
     batch_size: int = 16                   # per process and micro-batch; tiny, 5 min, fast forward: 16 (41 steps,
                                            # val 5.675) beat 8 (61 steps, 5.718) and 32 (worse per token)
