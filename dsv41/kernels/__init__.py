@@ -31,6 +31,7 @@ from dsv41.kernels.backend import BACKENDS, get_backend, resolve, set_backend, t
 from dsv41.kernels.packed_ref import (candidate_pool, decode_window_rows, indexer_scores_packed_ref, indexer_select,
                                       indexer_topk_packed_ref, pool_entries, sparse_attn_packed_ref)
 from dsv41.kernels.gemm_ref import block_scaled_linear_ref
+from dsv41.kernels.invariant import deterministic, exact_block_linear, is_deterministic, set_deterministic
 from dsv41.kernels.mhc_ref import mhc_fused_ref
 from dsv41.kernels.moe_ref import expert_act_ref, moe_combine, moe_experts_ref
 from dsv41.kernels.ref import sparse_attn_ref
@@ -45,6 +46,7 @@ __all__ = [
     "mhc_fused", "mhc_fused_ref", "qdq_fp8", "qdq_fp8_ref",
     "pack_swa_kv", "pack_swa_kv_ref", "expert_act", "expert_act_ref",
     "moe_experts", "moe_experts_ref", "moe_combine", "quant_linear", "block_scaled_linear_ref",
+    "set_deterministic", "is_deterministic", "deterministic",
 ]
 
 
@@ -54,10 +56,11 @@ _capability = functools.cache(torch.cuda.get_device_capability)         # (major
 def _dispatch(op: str, ref, args: tuple, tensors: list, bf16: torch.Tensor | None = None, fp8: bool = False,
               fits: bool = True):
     """ref(*args), or its Triton twin `dsv41.kernels.triton.<op>_triton` (same arguments) when the inputs fit the
-    kernel's shapes and the switch picks Triton for `tensors` (bf16: the activation it needs in bfloat16). fp8: the
+    kernel's shapes and the switch picks Triton for `tensors` (bf16: the activation it needs in bfloat16); always
+    the reference in the deterministic mode (its row-invariant forms, `dsv41.kernels.invariant`). fp8: the
     twin converts to E4M3 in hardware, which needs sm_89+ (an explicit Triton backend on an older GPU is an
     error, auto takes the reference)."""
-    if fits and resolve(op, tensors, bf16=bf16) == "triton":
+    if fits and not is_deterministic() and resolve(op, tensors, bf16=bf16) == "triton":
         if not fp8 or _capability(tensors[0].device.index) >= (8, 9):     # a CUDA tensor's device has an index
             from dsv41.kernels import triton as twins
             return getattr(twins, f"{op}_triton")(*args)
@@ -72,7 +75,10 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
     CPU: `block_scaled_linear_ref`, the official summation order (bit-identical to the official code on the same
     machine). CUDA tensors: one cuBLAS GEMM (its own order; the GPU tolerance is measured). A module in training
-    mode with autograd recording: one F.linear too (the order is not part of what is learned; 2-5x faster)."""
+    mode with autograd recording: one F.linear too (the order is not part of what is learned; 2-5x faster).
+    Deterministic mode, any device, training or not: `exact_block_linear` (exact 32-wide block sums)."""
+    if is_deterministic():
+        return exact_block_linear(x, weight, bias)
     if x.is_cuda or (training and torch.is_grad_enabled()):
         return F.linear(x.to(weight.dtype), weight, bias)
     return block_scaled_linear_ref(x, weight, bias)

@@ -7,7 +7,8 @@ Legend: B batch, T tokens, S streams (hc_mult), D width, M = (2 + S) * S mix coe
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from dsv41.kernels.invariant import linear, sigmoid
 
 __all__ = ["hc_split_sinkhorn", "hc_mixes", "hc_pre", "hc_post"]
 
@@ -17,8 +18,8 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     """mixes [B,T,M] fp32 -> pre [B,T,S], post [B,T,S], comb [B,T,S,S] (docs/model.md §2 item 5)."""
     m = mixes.float()
     scale, base = scale.float(), base.float()
-    pre = torch.sigmoid(m[..., :S] * scale[0] + base[:S]) + eps
-    post = 2 * torch.sigmoid(m[..., S:2 * S] * scale[1] + base[S:2 * S])
+    pre = sigmoid(m[..., :S] * scale[0] + base[:S]) + eps
+    post = 2 * sigmoid(m[..., S:2 * S] * scale[1] + base[S:2 * S])
     comb = (m[..., 2 * S:] * scale[2] + base[2 * S:]).unflatten(-1, (S, S))
     comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))           # softmax over destinations k
     comb = comb / comb.sum(dim=-1, keepdim=True) + eps
@@ -35,7 +36,7 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     projection of the unnormalised stream (docs/model.md §2 item 4, §10.2 item 6)."""
     xf = x.flatten(2).float()                                              # [B,T,S*D], stream-major
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = F.linear(xf, fn.float()) * rstd
+    mixes = linear(xf, fn.float()) * rstd
     return hc_split_sinkhorn(mixes, scale, base, S, iters, eps)
 
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from dsv41.codecs import qdq_fp8 as qdq_fp8_ref
 from dsv41.kernels.gemm_ref import block_scaled_linear_ref
+from dsv41.kernels.invariant import exact_block_linear, is_deterministic, linear, silu
 
 __all__ = ["moe_combine", "moe_experts_ref", "expert_act_ref"]
 
@@ -32,7 +32,7 @@ def expert_act_ref(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor |
     if limit > 0:
         u = u.clamp(-limit, limit)
         g = g.clamp(max=limit)
-    h = F.silu(g) * u
+    h = silu(g) * u
     if weights is not None:
         h = weights * h
     h = h.to(dtype)
@@ -66,7 +66,9 @@ def moe_experts_ref(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tenso
     xq = qdq_fp8_ref(x) if quant_in else x
 
     def lin(a: torch.Tensor, weight: torch.Tensor, quantized: bool) -> torch.Tensor:
-        return block_scaled_linear_ref(a, weight) if quantized else F.linear(a.to(weight.dtype), weight)
+        if quantized:
+            return exact_block_linear(a, weight) if is_deterministic() else block_scaled_linear_ref(a, weight)
+        return linear(a, weight)
 
     def run(e: int, xe: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         gate, up = lin(xe, w1[e], quant_in), lin(xe, w3[e], quant_in)

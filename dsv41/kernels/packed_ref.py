@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.codecs import unpack_index_k, unpack_main_kv, unpack_swa_kv
+from dsv41.kernels.invariant import canonical_lists, index_scores, is_deterministic
 from dsv41.kernels.ref import sparse_attn_ref
 
 __all__ = ["decode_window_rows", "gather_records", "sparse_attn_packed_ref", "indexer_scores_packed_ref",
@@ -71,7 +72,10 @@ def sparse_attn_packed_ref(q: torch.Tensor, swa_ring: torch.Tensor, ring_slots: 
     comp = unpack_main_kv(gather_records(main_pages, page_table, topk_idx))            # [B,K,D]
     kv = torch.cat([ring, comp], dim=1).to(q.dtype)
     cidx = torch.where(topk_idx >= 0, W + torch.arange(K, device=q.device), -1)
-    idx = torch.cat([win_idx.long(), cidx.long()], dim=-1).unsqueeze(1)                # [B,1,KW+K]
+    if is_deterministic():
+        idx = canonical_lists(win_idx.long(), cidx.long() if K else None, W, K).unsqueeze(1)
+    else:
+        idx = torch.cat([win_idx.long(), cidx.long()], dim=-1).unsqueeze(1)            # [B,1,KW+K]
     return sparse_attn_ref(q.unsqueeze(1), kv, sink, idx, scale)[:, 0]
 
 
@@ -97,8 +101,11 @@ def indexer_scores_packed_ref(q: torch.Tensor, w: torch.Tensor, index_pages: tor
         n = int(n_vis.max()) if n_entries is None else n_entries
         entries = torch.arange(n, device=q.device, dtype=torch.int32).expand(B, n)
     keys = unpack_index_k(gather_records(index_pages, page_table, entries))           # [B,E,I]
-    score = torch.einsum("bhd,bnd->bhn", q, keys.to(q.dtype))
-    score = (score.relu() * w.unsqueeze(-1)).sum(dim=1)                                # [B,E]
+    if is_deterministic():
+        score = index_scores(q, keys, w)                                                # [B,E] fp32
+    else:
+        score = torch.einsum("bhd,bnd->bhn", q, keys.to(q.dtype))
+        score = (score.relu() * w.unsqueeze(-1)).sum(dim=1)                            # [B,E]
     visible = (entries >= 0) & (entries.long() < n_vis.view(-1, 1).to(entries.device))
     return score.float().masked_fill(~visible, -torch.inf)
 

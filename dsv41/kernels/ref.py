@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv41.kernels.invariant import is_deterministic
+
 SPARSE_ATTN_BLOCK = 64
 
 
@@ -26,7 +28,13 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
     Online softmax over blocks of 64 indices starting from a running max of -1e30, so a row whose indices
     are all -1 returns exactly 0. In bf16 the probabilities are rounded to bf16 relative to the running max
     before P@V, as the official kernel; in fp32 they are not (the golden float32 mode). Queries are processed
-    `query_chunk` rows at a time to bound the gathered [rows, 64, D] working set on long prompts."""
+    `query_chunk` rows at a time to bound the gathered [rows, 64, D] working set on long prompts.
+
+    Deterministic mode (`dsv41.kernels.invariant`): the two contractions are products summed along a fixed last
+    axis (D for the scores, the block's 64 entries for P.V) instead of batched GEMMs, whose order can change with
+    the number of queries; with the caller's canonical lists every query then has one order."""
+    if is_deterministic():           # the product-sum's [rows, H, 64, D] intermediate: at most 2^24 values
+        query_chunk = max(1, min(query_chunk, (1 << 24) // (q.size(2) * SPARSE_ATTN_BLOCK * q.size(3))))
     if q.size(1) > query_chunk:
         return torch.cat([sparse_attn_ref(q[:, i:i + query_chunk], kv, sink, idx[:, i:i + query_chunk], scale,
                                           query_chunk) for i in range(0, q.size(1), query_chunk)], dim=1)
@@ -38,11 +46,15 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
     den = torch.zeros(B, T, H, dtype=torch.float32, device=q.device)
     run_max = torch.full((B, T, H), -1e30, dtype=torch.float32, device=q.device)
     batch = torch.arange(B, device=q.device).view(B, 1, 1)
+    det = is_deterministic()
     for t in range(0, idx.size(-1), SPARSE_ATTN_BLOCK):
         blk = idx[:, :, t:t + SPARSE_ATTN_BLOCK].long()
         valid = blk >= 0
         kv_blk = kvf[batch, blk.clamp_min(0)] * valid.unsqueeze(-1)            # [B,T,k,D]
-        s = torch.einsum("bthd,btkd->bthk", qf, kv_blk)
+        if det:
+            s = (qf.unsqueeze(3) * kv_blk.unsqueeze(2)).sum(-1)                   # [B,T,H,k]
+        else:
+            s = torch.einsum("bthd,btkd->bthk", qf, kv_blk)
         s = torch.where(valid.unsqueeze(2), s, -torch.inf) * scale
         prev = run_max
         run_max = torch.maximum(prev, s.amax(dim=-1))
@@ -51,7 +63,9 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
         den = den * rescale + p.sum(dim=-1)
         if round_p:
             p = p.to(torch.bfloat16).float()
-        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bthk,btkd->bthd", p, kv_blk)
+        pv = ((p.unsqueeze(3) * kv_blk.transpose(-1, -2).unsqueeze(2)).sum(-1) if det    # [B,T,H,D]
+              else torch.einsum("bthk,btkd->bthd", p, kv_blk))
+        acc = acc * rescale.unsqueeze(-1) + pv
     den = den + torch.exp(sink.float() - run_max)
     out = acc / den.unsqueeze(-1)
     return out.to(torch.bfloat16 if round_p else q.dtype)

@@ -24,6 +24,7 @@ from dsv41.codecs import qdq_index_k, qdq_main_kv
 from dsv41.config import LayerRole, ModelConfig
 from dsv41.devices import h2d
 from dsv41.kernels import qdq_fp8, sparse_attn
+from dsv41.kernels.invariant import canonical_lists, index_scores, is_deterministic, tiled_linear
 from dsv41.kernels.packed_ref import top_blocks, topk_indices
 from dsv41.model import packed_decode
 from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope, lin_kind
@@ -190,7 +191,8 @@ class Indexer(QuantSite):
         compress_lens = (h2d(ctx.positions, u.device) + 1).div(m, rounding_mode="floor").unsqueeze(-1)
         # the candidate source may have run on more rows
         cand = ctx.published.cand[role.candidates_from][:, -ctx.seqlen:] if role.uses_candidates else None
-        rows = max(1, self.score_budget // max(1, keys.size(1) * self.n_heads))    # bound the [rows,J,N] scores
+        budget = self.score_budget >> (2 if is_deterministic() else 0)           # float64 blocks there
+        rows = max(1, budget // max(1, keys.size(1) * self.n_heads))               # bound the [rows,J,N] scores
         parts = []
         for lo in range(0, u.size(1), rows):
             sl = slice(lo, lo + rows)
@@ -205,8 +207,11 @@ class Indexer(QuantSite):
         """Scores and top-k for a block of query rows -> (ids [B,t,K], candidate mask [B,t,N] or None)."""
         role = self.role
         N = keys.size(1)
-        score = torch.einsum("bthd,bnd->bthn", q, keys.to(q.dtype))
-        score = (score.relu() * w.unsqueeze(-1)).sum(dim=2)                         # [B,t,N]
+        if is_deterministic():
+            score = index_scores(q, keys.unsqueeze(1), w)                           # [B,t,N] fp32
+        else:
+            score = torch.einsum("bthd,bnd->bthn", q, keys.to(q.dtype))
+            score = (score.relu() * w.unsqueeze(-1)).sum(dim=2)                     # [B,t,N]
         visible = torch.arange(N, device=score.device) < compress_lens             # [B,t,N]
         score = score.masked_fill(~visible, -torch.inf)
         mask = None
@@ -227,7 +232,7 @@ class Attention(QuantSite):
         self.role, self.layer = role, role.layer
         H, C = cfg.n_heads, cfg.head_dim
         self.n_heads, self.head_dim, self.window = H, C, cfg.window_size
-        self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        self.n_groups, self.o_lora_rank, self.topk = cfg.o_groups, cfg.o_lora_rank, cfg.index_topk
         self.softmax_scale = C ** -0.5
         kind = lin_kind(cfg)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
@@ -260,7 +265,10 @@ class Attention(QuantSite):
         o = (apply_rope(o, freqs, inverse=True) if conj_freqs is None else apply_rope(o, conj_freqs))
         o = o.reshape(B, T, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        o = torch.einsum("btgd,grd->btgr", o.to(wo_a.dtype), wo_a)
+        if is_deterministic():
+            o = torch.stack([tiled_linear(o[:, :, g], wo_a[g]) for g in range(self.n_groups)], dim=2)
+        else:
+            o = torch.einsum("btgd,grd->btgr", o.to(wo_a.dtype), wo_a)
         return self.wo_b(o.flatten(2))
 
     def produce_global_kv(self, u: torch.Tensor, ctx: StepContext) -> None:
@@ -283,7 +291,7 @@ class Attention(QuantSite):
         """The window KV [B,W',C] and its index lists [B,T,Kw], extended by this layer's selected compressed
         entries when it has m > 0: ([window || compressed] KV, indices into it [B,T,Kw+K])."""
         if not self.role.ratio:
-            return win_kv, win_idx
+            return win_kv, (canonical_lists(win_idx, None, self.window, 0) if is_deterministic() else win_idx)
         role, m, cache = self.role, self.role.ratio, ctx.cache
         B, T = u.shape[:2]
         n_vis = (ctx.start + T) // m                                                # [B]
@@ -301,6 +309,8 @@ class Attention(QuantSite):
             idx = ctx.published.topk[role.topk_from][:, -T:]                        # source may have run on more rows
         idx = torch.where(idx >= 0, idx + win_kv.size(1), -1).int()
         kv = torch.cat([win_kv, cache.compressed(role.kv_from, n_vis).to(win_kv.dtype)], dim=1)
+        if is_deterministic():
+            return kv, canonical_lists(win_idx, idx, self.window, self.topk)
         return kv, torch.cat([win_idx, idx.to(win_idx.dtype)], dim=-1)
 
     def forward(self, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:

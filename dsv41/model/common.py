@@ -14,10 +14,10 @@ import math
 from functools import cache, lru_cache
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv41.kernels import qdq_fp8, quant_linear
+from dsv41.kernels.invariant import linear
 from dsv41.kernels.ref import rms_norm
 
 # Checkpoint storage kinds of a Linear weight (docs/model.md §9). Quantized kinds quantize their activation to FP8
@@ -78,7 +78,7 @@ class Linear(QuantSite):
     def forward(self, x: torch.Tensor, input_quantized: bool = False) -> torch.Tensor:
         """input_quantized: x is already `qdq_fp8`'d (a caller feeding one input to several Linears)."""
         if not self.quantizes_input:
-            return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+            return linear(x, self.weight, self.bias)
         return quant_linear(x if input_quantized else qdq_fp8(x), self.weight, self.bias, self.training)
 
 

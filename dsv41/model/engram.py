@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dsv41.kernels.invariant import sigmoid
 from dsv41.model.common import Linear
 
 DEAD = -1           # compressed id of a position that takes no part in an n-gram (docs/model.md §6.2)
@@ -266,7 +267,7 @@ class Engram(nn.Module):
         # normalised per (token, stream) over D, applied after the dot product (docs/model.md §10.2 item 6)
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * w * key).sum(-1) * rstd * D ** -0.5                       # [B, T, S]
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
+        gate = sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask.to(torch.bool).unsqueeze(-1), 0.0)
         return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)

@@ -7,11 +7,11 @@ Legend: N tokens (flattened B*T), D width, F expert hidden width, E routed exper
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv41.kernels import expert_act, moe_combine, moe_experts, qdq_fp8
 from dsv41.kernels.choice import fused_moe
+from dsv41.kernels.invariant import linear, sigmoid, softplus
 from dsv41.model.common import Linear, lin_kind
 
 
@@ -29,14 +29,14 @@ class Gate(nn.Module):
         self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32)) if cfg.vision_enabled else None
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        z = F.linear(x.float(), self.weight.float())
+        z = linear(x.float(), self.weight.float())
         if self.gate_temp != 1.0:                                  # x / 1.0 is x: one launch less per layer
             z = z / self.gate_temp
         if self.score_func == "softmax":
             return z.softmax(dim=-1)
         if self.score_func == "sigmoid":
-            return z.sigmoid()
-        return F.softplus(z).sqrt()
+            return sigmoid(z)
+        return softplus(z).sqrt()
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
         """x [N,D], image_mask [N] bool -> (weights [N,K] fp32, indices [N,K] long, scores [N,E])."""

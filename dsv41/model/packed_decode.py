@@ -17,6 +17,7 @@ import torch
 from dsv41.devices import h2d
 from dsv41.kernels import decode_window_rows, indexer_topk_packed, sparse_attn_packed
 from dsv41.kernels.choice import packed_decode
+from dsv41.kernels.invariant import is_deterministic
 from dsv41.model.cache import PackedKVStore
 from dsv41.model.step import StepContext
 
@@ -72,6 +73,8 @@ def attention_decode_packed(attn, u: torch.Tensor, ctx: StepContext) -> torch.Te
         if attn.compressor is not None and ctx.opts.produce_kv:
             attn.produce_global_kv(u, ctx)
         topk = _selection(attn, u, qr, freqs, ctx)
+        if is_deterministic():                          # the full top-k width: the lists' canonical layout
+            topk = torch.nn.functional.pad(topk, (0, attn.topk - topk.size(1)), value=-1)
         main, table = cache.packed_pages(attn.role.kv_from, "main")
     else:
         topk = torch.empty(u.size(0), 0, dtype=torch.int32, device=u.device)

@@ -17,6 +17,7 @@ from torch import nn
 
 from dsv41.config import ModelConfig, layer_roles
 from dsv41.kernels.choice import fused_mhc_across
+from dsv41.kernels.invariant import is_deterministic, linear
 from dsv41.kernels.mhc_math import hc_pre
 from dsv41.model.block import Block
 from dsv41.model.cache import KVStore
@@ -130,6 +131,8 @@ class Transformer(nn.Module):
     def logits_from(self, h: torch.Tensor, pre_mix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Final collapse with the last block's FFN pre, RMSNorm, fp32 head."""
         hidden = self.norm(hc_pre(h, pre_mix))
+        if is_deterministic():
+            return linear(hidden.float(), self.head.weight), hidden
         return self.head(hidden.float()), hidden
 
     # ---------------------------------------------------------------- forward

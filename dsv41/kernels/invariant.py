@@ -1,0 +1,196 @@
+"""The deterministic mode's primitives: reductions whose order depends on nothing but the row they compute
+(docs/system.md §11).
+
+A result of the normal mode can change in its last bit with the number of rows of a GEMM (the math library picks
+another kernel or thread split for 1-7 rows than for 512), with the width of an index list (the blocks of the
+online softmax move), or with the width of the indexer's score matrix. With quantization on, the FP8 activation
+quantizers turn such last-bit noise into other codes now and then, so greedy output can depend on the batch, the
+chunking, speculation or a cache resume. Under `set_deterministic(True)` (process-wide, like a kernel backend)
+the model and the kernels take these forms instead:
+
+  exact_block_linear  weights of a quantized kind (fp8 / fp4, the activation FP8 QDQ'd): each 32-wide K block of
+                      products is summed EXACTLY (float64: a product of two e4m3 / e2m1 codes has at most 8
+                      significant bits, a block's 32 products span at most ~48 bits) and rounded to fp32 once;
+                      the block partials are added in fp32 in K order, as the official GEMM adds them. The
+                      official block structure with the one within-block order that does not depend on the
+                      rows (nor on the CPU): the exact sum. The official order itself is not batch-invariant
+                      (measured by `benchmarks/deterministic.py`), so it cannot be the mode's order.
+  tiled_linear        every other GEMM (bf16 / fp32 weights: gate, head, mHC, compressor, indexer weights, wo_a):
+                      rows padded to tiles of ROW_TILE and computed as one batched matmul of identical
+                      [ROW_TILE, K] x [K, N] problems, fp32 accumulation, so a row's sum has the same order
+                      whatever the other rows are (vLLM's and SGLang's batch-invariant mode fixes the GEMM tile
+                      in the same way).
+  index_scores        the indexer's I[t] = sum_j w_j ReLU(q_j . k_t) with exact 32-wide blocks (MXFP4 q and
+                      keys make them exact), blocks then heads added in a fixed order.
+  canonical_lists     attention index lists in one layout per query (the window's valid entries oldest first,
+                      then -1 to the window's width; the selected entries ascending, then -1 to top-k), so the
+                      online softmax sees the same blocks in prefill, decode, chunks and verification.
+  sparse attention    (`dsv41.kernels.ref.sparse_attn_ref`) dot products and P.V as products summed along a
+                      fixed last axis instead of batched GEMMs.
+  sigmoid, silu,      written with exp / log1p: torch's own kernels compute the elements of a vector loop's tail
+  softplus            with a scalar formula that differs in the last bit from the vector one (measured: ~5% of
+                      elements), so an element's value depended on the tensor's size; exp and log1p take one
+                      path for every element.
+
+Elementwise ops, per-row softmax / RMSNorm statistics and reductions over a fixed last axis are already
+row-invariant on the CPU and are left as they are. Autograd: both linears differentiate (the backward is the
+ordinary one: only the forward's bits matter for the equality of engine and trainer log-probs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ROW_TILE", "set_deterministic", "is_deterministic", "deterministic", "exact_block_linear",
+           "tiled_linear", "linear", "index_scores", "canonical_lists", "sigmoid", "silu", "softplus"]
+
+ROW_TILE = 16                 # rows per GEMM problem of `tiled_linear` (a decode batch of up to 16 is one problem)
+EXACT_BLOCK = 32              # K block of the quantized GEMMs (the checkpoint's scale block)
+_EXACT_ROWS = 256             # rows per float64 pass of exact_block_linear (bounds the [K/32, rows, N] partials)
+
+_state = {"on": False}
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Switch the deterministic mode on or off for the whole process (the engine and the trainer read it)."""
+    _state["on"] = bool(enabled)
+
+
+def is_deterministic() -> bool:
+    return _state["on"]
+
+
+@contextlib.contextmanager
+def deterministic(enabled: bool = True):
+    """`with deterministic():` the mode on inside the block, the previous setting restored after it."""
+    prev = _state["on"]
+    _state["on"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _state["on"] = prev
+
+
+# ------------------------------------------------------------------------------------------------ GEMMs
+
+def _exact_partials(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Sum over 32-wide K blocks in K order of the exact block products: a [M,K] (fp32), w [N,K] -> fp32 [M,N]."""
+    M, K = a.shape
+    nb = K // EXACT_BLOCK
+    wb = w.double().view(-1, nb, EXACT_BLOCK).permute(1, 2, 0)                  # [nb, 32, N]
+    out = []
+    for r0 in range(0, M, _EXACT_ROWS):
+        ab = a[r0:r0 + _EXACT_ROWS].double().view(-1, nb, EXACT_BLOCK).transpose(0, 1)   # [nb, rows, 32]
+        part = torch.bmm(ab, wb).float()                                        # exact sums, rounded once
+        acc = part[0].clone()
+        for b in range(1, nb):
+            acc += part[b]                                                      # fp32, in K order
+        out.append(acc)
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+class _ExactBlockLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _exact_partials(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.to(weight.dtype)
+        return (g @ weight).to(x.dtype), (g.T @ x.to(weight.dtype)).to(weight.dtype)
+
+
+def exact_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) for a quantized-kind weight, exact per 32-wide K block (see the module docstring).
+    x [..., K] already FP8 QDQ'd, weight [N, K] dequantized; the result in the weight's dtype."""
+    K, N = x.size(-1), weight.size(0)
+    if K % EXACT_BLOCK:
+        raise ValueError(f"block-scaled GEMM needs K divisible by {EXACT_BLOCK}, got {K}")
+    y = _ExactBlockLinear.apply(x.reshape(-1, K), weight).to(weight.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], N)
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) as F.linear computes it (x cast to the weight's dtype, fp32 accumulation, result in the
+    weight's dtype), row-invariant: rows zero-padded to tiles of ROW_TILE, one batched matmul of equal problems."""
+    K, N = x.size(-1), weight.size(0)
+    a = x.reshape(-1, K).to(weight.dtype)
+    M = a.size(0)
+    tiles = F.pad(a, (0, 0, 0, -M % ROW_TILE)).float().view(-1, ROW_TILE, K)
+    wt = weight.float().T
+    y = torch.bmm(tiles, wt.unsqueeze(0).expand(tiles.size(0), K, N)).view(-1, N)[:M].to(weight.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], N)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The unquantized GEMM of every module: F.linear (x cast to the weight's dtype), `tiled_linear` in the
+    deterministic mode."""
+    if _state["on"]:
+        return tiled_linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias)
+
+
+# ------------------------------------------------------------------------------------------------ elementwise
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1 / (1 + torch.exp(-x)) if _state["on"] else torch.sigmoid(x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + torch.exp(-x)) if _state["on"] else F.silu(x)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + e^x), x itself above 20 (F.softplus's threshold)."""
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x))) if _state["on"] else F.softplus(x)
+
+
+# ------------------------------------------------------------------------------------------------ indexer
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """I[..., t] = sum_j w[..., j] * ReLU(q[..., j, :] . keys[..., t, :]) in fp32, row-invariant.
+
+    q [..., J, I], keys [..., N, I] (leading dims broadcast), w [..., J] -> [..., N]. Each 32-wide block of a
+    dot product summed in float64 (exact for MXFP4-QDQ'd q and keys) and rounded once, blocks added in order,
+    heads added in order 0..J-1."""
+    I = q.size(-1)
+    kt = keys.double().transpose(-1, -2)                                       # [..., I, N]
+    dots = None
+    for i0 in range(0, I, EXACT_BLOCK):
+        part = (q[..., i0:i0 + EXACT_BLOCK].double() @ kt[..., i0:i0 + EXACT_BLOCK, :]).float()   # [..., J, N]
+        dots = part if dots is None else dots + part
+    wf = w.float()
+    out = dots[..., 0, :].relu() * wf[..., 0:1]
+    for j in range(1, dots.size(-2)):
+        out = out + dots[..., j, :].relu() * wf[..., j:j + 1]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+def _valid_first(idx: torch.Tensor, width: int) -> torch.Tensor:
+    """idx [..., k] -> [..., width]: the entries >= 0 in their order, then -1 (stable partition, padded)."""
+    if idx.size(-1) < width:
+        idx = F.pad(idx, (0, width - idx.size(-1)), value=-1)
+    order = torch.sort((idx < 0).to(torch.uint8), dim=-1, stable=True).indices
+    return idx.gather(-1, order)[..., :width]          # a list never holds more valid entries than its width
+
+
+def canonical_lists(win_idx: torch.Tensor, comp_idx: torch.Tensor | None, window: int, topk: int) -> torch.Tensor:
+    """One attention list layout per query: [window part (width `window`) || compressed part (width `topk`)],
+    each part's valid entries first in their order (window oldest first, compressed ascending), then -1.
+
+    win_idx [..., Kw], comp_idx [..., Kc] or None (a window-only layer: no compressed part)."""
+    win = _valid_first(win_idx, window)
+    if comp_idx is None:
+        return win
+    return torch.cat([win, _valid_first(comp_idx.to(win.dtype), topk)], dim=-1)
