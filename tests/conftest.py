@@ -23,7 +23,7 @@ def pytest_addoption(parser):
 # holds on one machine's math library fails in CI instead of on a user's CPU.
 DISPATCH_MODULES = {"test_golden", "test_vision", "test_gemm_order", "test_model", "test_engram", "test_train_fast",
                     "test_train_replay", "test_train_qat", "test_kernels_moe", "test_codecs", "test_speculative",
-                    "test_engine"}
+                    "test_engine", "test_deterministic"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -41,6 +41,14 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionstart(session):
     # torch 2.13 CPU can get the first vectorised cos/sin/sqrt of a process slightly wrong (docs/golden.md §6)
     warm_up_transcendentals()
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_mode_off():
+    """The deterministic mode is process-wide (an Engine(deterministic=True) switches it on): off after each test."""
+    yield
+    from dsv41.kernels import set_deterministic
+    set_deterministic(False)
 
 
 @pytest.fixture

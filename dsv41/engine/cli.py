@@ -39,6 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser, checkpoint_required: bool = True
     p.add_argument("--tie-break", choices=["official", "recent"], default="official",
                    help="indexer top-k tie rule: official (torch.topk, parity with the official code) or recent "
                         "(deterministic: greedy outputs then do not depend on which requests share a batch)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics (implies --tie-break recent): a request's tokens and log-probs do "
+                        "not depend on its batch, chunking, speculation or a cache resume, and equal the training "
+                        "forward's bit for bit (docs/system.md §11); slower")
 
 
 def engine_args(**overrides) -> argparse.Namespace:
@@ -71,7 +75,7 @@ def engine_from_args(args: argparse.Namespace, model=None, tokenizer=None) -> En
     spec, profile = resolve_speculation(model, args.checkpoint, args.speculative, args.step_profile, args.max_batch)
     return Engine(model, tokenizer, prefill_mode=args.prefill_mode, max_batch=args.max_batch,
                   max_seq_len=args.max_seq_len, chunk_size=args.chunk_size, cache_dir=args.cache_dir,
-                  swa_pool=args.swa_pool, speculative=spec, step_profile=profile)
+                  swa_pool=args.swa_pool, speculative=spec, step_profile=profile, deterministic=args.deterministic)
 
 
 def register(sub) -> None:

@@ -28,6 +28,7 @@ from dsv41.engine.speculative.rollback import VerifyJournal
 from dsv41.engine.speculative.scheduler import AcceptanceCalibration, MeasuredCost, choose_verify_lengths
 from dsv41.engine.store import SequencePool, make_pool
 from dsv41.engine.tokenizer import ByteTokenizer
+from dsv41.model.attention import use_deterministic
 from dsv41.model.step import ForwardOptions
 
 DEFAULT_MAX_SEQ_LEN = 4096                   # prompt + completion tokens per request (a limit: nothing is preallocated)
@@ -83,9 +84,18 @@ class Completion:
 class Engine:
     def __init__(self, model, tokenizer=None, prefill_mode: str = "ced-bounded", max_batch: int = 8,
                  max_seq_len: int = DEFAULT_MAX_SEQ_LEN, chunk_size: int | None = None, device=None,
-                 cache_dir=None, swa_pool=None, cache_interval: int = 4096, speculative="off", step_profile=None):
+                 cache_dir=None, swa_pool=None, cache_interval: int = 4096, speculative="off", step_profile=None,
+                 deterministic: bool = False):
+        """deterministic: switch on the deterministic mode (process-wide) and the `recent` tie rule: a request's
+        tokens and log-probs then do not depend on its batch, the chunking, speculation or a cache resume
+        (`dsv41.model.attention.use_deterministic`, docs/system.md §11). Its prefill is exact: `ced-bounded` runs
+        as `ced-exact`, and a prefix-cache hit without its SWA snapshot is not replayed (bounded replay is an
+        approximation) but prefilled from the start."""
         if prefill_mode not in MODES:
             raise ValueError(f"unknown prefill mode {prefill_mode!r}; choose one of {', '.join(MODES)}")
+        if deterministic and prefill_mode == "ced-bounded":
+            prefill_mode = "ced-exact"
+        self.deterministic = deterministic
         if prefill_mode != "full":
             try:
                 check_ced(model.cfg)
@@ -94,6 +104,8 @@ class Engine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self.cfg = model.eval(), model.cfg
+        if deterministic:
+            use_deterministic(model)
         self.tokenizer = tokenizer or ByteTokenizer(model.cfg.vocab_size)
         self.prefill_mode, self.max_batch, self.chunk_size = prefill_mode, max_batch, chunk_size
         self.max_seq_len = max_seq_len
@@ -186,6 +198,8 @@ class Engine:
         seq.sid = self.pool.new_sequence()
         start = replay = 0
         hit = self.prefix_cache.lookup(ids, max_len=len(ids) - 1) if self.prefix_cache and len(ids) > 1 else None
+        if hit is not None and hit.swa_state is None and self.deterministic:
+            hit = None                                   # a replay would approximate: prefill exactly instead
         if hit is not None:
             start = hit.boundary
             self.pool.import_global(seq.sid, hit.global_state)

@@ -24,7 +24,8 @@ from dsv41.codecs import qdq_index_k, qdq_main_kv
 from dsv41.config import LayerRole, ModelConfig
 from dsv41.devices import h2d
 from dsv41.kernels import qdq_fp8, sparse_attn
-from dsv41.kernels.invariant import canonical_lists, index_scores, is_deterministic, tiled_linear
+from dsv41.kernels.invariant import (canonical_lists, index_scores, is_deterministic, set_deterministic,
+                                     tiled_linear)
 from dsv41.kernels.packed_ref import top_blocks, topk_indices
 from dsv41.model import packed_decode
 from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope, lin_kind
@@ -45,6 +46,13 @@ def set_tie_break(model: nn.Module, ties: str) -> None:
     for m in model.modules():
         if isinstance(m, Indexer):
             m.ties = ties
+
+
+def use_deterministic(model: nn.Module) -> None:
+    """The deterministic mode (`dsv41.kernels.invariant`, process-wide) and the `recent` tie rule it implies:
+    every row's result then depends on that row alone, bit for bit (docs/system.md §11)."""
+    set_deterministic(True)
+    set_tie_break(model, "recent")
 
 
 def window_indices(start: torch.Tensor, T: int, W: int, prefill: bool,

@@ -24,6 +24,8 @@ def register(sub) -> None:
     p.add_argument("--teacher-force", metavar="BLOCKS.safetensors",
                    help="gate 1: feed every block its golden input stream from this capture file")
     p.add_argument("--images", help="comma-separated image files for {\"image\": i} items in the tokens file")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics (docs/system.md §11): each row's logits independent of the batch")
     p.set_defaults(func=main)
 
 
@@ -36,6 +38,9 @@ def main(args) -> int:
     t0 = time.perf_counter()
     model, cfg = load_model(args.checkpoint, dtype=parse_dtype(args.dtype))
     model.eval()
+    if args.deterministic:
+        from dsv41.model.attention import use_deterministic
+        use_deterministic(model)
     seqs = json.loads(Path(args.tokens).read_text())
     images = [s for s in args.images.split(",") if s] if args.images else []
     extra: dict[str, torch.Tensor] = {}
