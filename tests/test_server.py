@@ -212,8 +212,13 @@ def test_official_template_server(ckpt):
         p = r.model_extra["prompt"]
         assert p.startswith("<｜System｜>Reasoning Effort: 100 (range 1-100") and p.endswith("<｜Assistant｜><think>")
         assert "reasoning_content" in r.choices[0].message.model_extra                # thinking mode: split output
-        r = chat(client, max_tokens=4, extra_body={"return_prompt": True})
-        assert r.model_extra["prompt"] == f"<｜System｜>{SYSTEM}<｜User｜>{USER}<｜Assistant｜></think>"
+        r = chat(client, max_tokens=4, extra_body={"return_prompt": True})             # default: thinking, high
+        assert r.model_extra["prompt"] == (f"<｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, the "
+                                           f"more thorough the reasoning)\n\n{SYSTEM}<｜User｜>{USER}<｜Assistant｜><think>")
+        for kw in ({"reasoning_effort": "none"}, {"chat_template_kwargs": {"thinking": False}}):     # chat mode
+            r = chat(client, max_tokens=4, extra_body={"return_prompt": True, **kw})
+            assert r.model_extra["prompt"] == f"<｜System｜>{SYSTEM}<｜User｜>{USER}<｜Assistant｜></think>"
+            assert "reasoning_content" not in r.choices[0].message.model_extra
 
 
 # ------------------------------------------------------------------------------------------------ errors

@@ -120,7 +120,7 @@ def _value_cases(add) -> None:
         add("prompt_too_long", _chat(max_tokens=mt), CHAT)
         add("prompt_too_long", _comp(max_tokens=mt), COMP)
     # ---- invalid reasoning effort
-    for e in ("medium", "xhigh", "minimal", "none", "LOW", "", " high", 0, 101, -1, 1000, True, False, 1.5, [], {},
+    for e in ("medium", "minimal", "None", "LOW", "", " high", 0, 101, -1, 1000, True, False, 1.5, [], {},
               ["low"], {"level": "low"}):
         add("invalid_effort", _chat(reasoning_effort=e), CHAT)
     # ---- n and max_tokens out of range, other ranges
@@ -145,13 +145,38 @@ def _value_cases(add) -> None:
                {"prompt": ""}, {"prompt": [""]}):
         add("value_out_of_range", _comp(**kw), COMP)
     # ---- unsupported features (named, not silently dropped)
-    for kw in ({"tools": [{"type": "function", "function": {"name": "f"}}]}, {"tool_choice": "required"},
-               {"response_format": {"type": "json_object"}}, {"logit_bias": {"1": 5}}, {"presence_penalty": 0.5},
-               {"stream_options": {"include_usage": True}},
-               {"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}, {"role": "user", "content": "x"}]}):
-        add("unsupported", _chat(**kw), CHAT)
-    for kw in ({"suffix": "end"}, {"best_of": 3}, {"echo": True, "logprobs": 1}, {"stream_options": {}}):
+    for kw in ({"suffix": "end"}, {"best_of": 3}, {"stream_options": {}}, {"max_tokens": 0},
+               {"echo": True, "logprobs": 1, "prompt_logprobs": 1, "stream": True}):
         add("unsupported", _comp(**kw), COMP)
+    add("unsupported", _chat(stream_options={"include_usage": True}), CHAT)
+    add("unsupported", _chat(prompt_logprobs=2, stream=True), CHAT)
+    # ---- bad values of the tools, structured output, penalty / bias and cache fields
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for kw in ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, {"tools": [{"type": "x"}]},
+               {"tools": "f"}, {"tools": [tool, tool]}, {"tools": [{"type": "function", "function": {}}]},
+               {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+               {"tool_choice": "required"}, {"tool_choice": "sometimes", "tools": [tool]}, {"tool_choice": 5},
+               {"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [tool]},
+               {"tool_choice": {"type": "function"}, "tools": [tool]},
+               {"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}, {"role": "user", "content": "x"}]},
+               {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+                             {"role": "user", "content": "x"}]},
+               {"chat_template_kwargs": {"thinking": "yes"}}, {"messages": [{"role": "developer", "content": ""}]},
+               {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+               {"messages": [{"role": "user", "content": [{"type": "audio", "audio": "x"}]}]}):
+        add("bad_tools_or_content", _chat(**kw), CHAT)
+    for kw in ({"response_format": {"type": "xml"}}, {"response_format": {"type": "json_schema"}},
+               {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+               {"response_format": {"type": "json_schema", "json_schema": {"schema": "{}"}}},
+               {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object",
+                                                                                      "properties": 3}}}},
+               {"response_format": "json"}, {"logit_bias": {"abc": 1}}, {"logit_bias": {"100000000": 5}},
+               {"logit_bias": {"-1": 1}}, {"logit_bias": {"1": "x"}}, {"logit_bias": [1]},
+               {"repetition_penalty": 0}, {"repetition_penalty": -1}, {"repetition_penalty": "1"},
+               {"presence_penalty": 2.5}, {"frequency_penalty": "x"}, {"cache_salt": ""}, {"cache_salt": 5},
+               {"prompt_logprobs": 21}, {"prompt_logprobs": -1}):
+        add("bad_new_fields", _chat(**kw), CHAT)
+        add("bad_new_fields", _comp(**kw), COMP)
     # ---- text that is not valid Unicode (lone surrogates arrive through JSON escapes)
     for s in ("\ud800", "ok \udfff ok", "\udbff\udc00\ud800"):
         add("bad_unicode", _chat(messages=[{"role": "user", "content": s}]), CHAT)

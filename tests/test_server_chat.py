@@ -1,12 +1,16 @@
-"""Chat templates, reasoning effort, the reasoning splitter and the usage helpers (no server)."""
+"""Chat templates (the official V4.1 encoding on fixed conversations, ours), reasoning effort and modes, the
+output parser (reasoning / content / tool calls, streamed in pieces) and the usage helpers (no server)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from dsv41.engine.tokenizer import ByteTokenizer, HFTokenizer
-from dsv41.server.chat import (OfficialTemplate, ReasoningSplitter, SimpleTemplate, effort_budget, effort_line,
+from dsv41.server.chat import (OfficialTemplate, SimpleTemplate, chat_mode, effort_budget, effort_line, encode_prompt,
                                pick_template)
+from dsv41.server.parsing import OutputParser
 from dsv41.server.protocol import merge_usage, usage_from_stats
 
 SYS = {"role": "system", "content": "Be brief."}
@@ -18,12 +22,24 @@ EFF = "Reasoning Effort: {b} (range 1-100, the higher the value, the more thorou
 
 
 def test_effort_mapping():
-    assert [effort_budget(e) for e in ("low", "high", "max")] == [50, 75, 100]
-    assert effort_budget(None) is None and effort_budget(1) == 1 and effort_budget(100) == 100
-    for bad in ("medium", "xhigh", "Low", "", 0, 101, -5, True, False, 50.0, [], {}):
+    # the release's encoder (as vLLM ports it): low / high / xhigh / max = 50 / 75 / 75 / 100, `none` = chat mode
+    assert [effort_budget(e) for e in ("low", "high", "xhigh", "max")] == [50, 75, 75, 100]
+    assert effort_budget(None) is None and effort_budget("none") is None
+    assert effort_budget(1) == 1 and effort_budget(100) == 100
+    for bad in ("medium", "minimal", "Low", "", 0, 101, -5, True, False, 50.0, [], {}):
         with pytest.raises(ValueError):
             effort_budget(bad)
     assert effort_line(75) == "Reasoning Effort: 75"
+
+
+def test_chat_mode():
+    assert chat_mode(None, None, True) == (True, 75)                  # official: thinking, `high` by default
+    assert chat_mode("max", None, True) == (True, 100) and chat_mode(33, None, True) == (True, 33)
+    assert chat_mode("none", None, True) == (False, None) and chat_mode("max", False, True) == (False, None)
+    assert chat_mode("none", True, True) == (False, None) and chat_mode(None, True, True) == (True, 75)
+    assert chat_mode(None, None, False) == (False, None) and chat_mode("low", None, False) == (False, 50)
+    with pytest.raises(ValueError):
+        chat_mode("medium", None, True)
 
 
 def test_simple_template():
@@ -50,9 +66,9 @@ def test_official_template_chat_mode():
 
 def test_official_template_thinking_and_effort():
     t = OfficialTemplate()
-    assert t.render([SYS, U1], effort=75) == (f"<｜System｜>{EFF.format(b=75)}Be brief.<｜User｜>hi"
-                                              "<｜Assistant｜><think>")
-    assert t.render([U1], effort=100) == f"<｜System｜>{EFF.format(b=100)}<｜User｜>hi<｜Assistant｜><think>"
+    assert t.render([SYS, U1], effort=75, thinking=True) == (f"<｜System｜>{EFF.format(b=75)}Be brief.<｜User｜>hi"
+                                                             "<｜Assistant｜><think>")
+    assert t.render([U1], effort=100, thinking=True) == f"<｜System｜>{EFF.format(b=100)}<｜User｜>hi<｜Assistant｜><think>"
     # thinking without an effort line; earlier turns drop their reasoning
     assert t.render([U1, A1, U2], thinking=True) == ("<｜User｜>hi<｜Assistant｜></think>hello<｜end▁of▁sentence｜>"
                                                      "<｜User｜>2+2?<｜Assistant｜><think>")
@@ -93,17 +109,43 @@ def test_pick_template(tmp_path):
 
 @pytest.mark.parametrize("pieces", [["abc</think>answer"], ["ab", "c</th", "ink>ans", "wer"],
                                     ["abc<", "/", "t", "h", "i", "n", "k", ">", "answer"]])
-def test_reasoning_splitter(pieces):
-    sp = ReasoningSplitter(True)
+def test_parser_reasoning(pieces):
+    sp = OutputParser(True, False)
     r = c = ""
     for p in pieces:
-        dr, dc = sp.feed(p)
-        r, c = r + dr, c + dc
-    dr, dc = sp.feed("", final=True)
-    assert (r + dr, c + dc) == ("abc", "answer")
-    sp = ReasoningSplitter(True)
-    assert sp.feed("no end </thi") == ("no end ", "") and sp.feed("", final=True) == ("</thi", "")
-    assert ReasoningSplitter(False).feed("plain") == ("", "plain")
+        d = sp.feed(p)
+        r, c = r + d.reasoning, c + d.content
+    d = sp.feed("", final=True)
+    assert (r + d.reasoning, c + d.content) == ("abc", "answer") and sp.reasoning_chars == 3
+    sp = OutputParser(True, False)
+    d1, d2 = sp.feed("no end </thi"), sp.feed("", final=True)
+    assert (d1.reasoning, d1.content, d2.reasoning) == ("no end ", "", "</thi")
+    d = OutputParser(False, False).feed("plain </think>")
+    assert (d.reasoning, d.content) == ("", "plain </think>")
+
+
+CALLS = ('<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+         '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
+         '<｜DSML｜ parameter name="days" string="false">3</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n'
+         '<｜DSML｜ invoke name="noop">\n\n</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_parser_tool_calls_in_pieces(step):
+    text = "hmm</think>Let me check.\n\n" + CALLS + " trailing text is dropped"
+    sp = OutputParser(True, True)
+    got = [sp.feed(text[i:i + step]) for i in range(0, len(text), step)] + [sp.feed("", final=True)]
+    assert "".join(d.reasoning for d in got) == "hmm"
+    assert "".join(d.content for d in got) == "Let me check."
+    calls = [c for d in got for c in d.calls]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "noop"] and sp.n_calls == 2
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    assert json.loads(calls[1]["function"]["arguments"]) == {} and calls[0]["id"] != calls[1]["id"]
+    # a block while still reasoning ends the reasoning; without tools the block is plain content
+    d = OutputParser(True, True).feed("think " + CALLS, final=True)
+    assert (d.reasoning, d.content, len(d.calls)) == ("think ", "", 2)
+    d = OutputParser(False, False).feed(CALLS, final=True)
+    assert d.content == CALLS and not d.calls
 
 
 def test_usage_from_stats_reads_cache_fields_when_present():

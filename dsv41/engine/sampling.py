@@ -51,6 +51,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # > 0; 1 = off
     logit_bias: dict[int, float] = field(default_factory=dict)
     constraint: Constraint | None = None
+    cache_salt: str | None = None     # prefix-cache namespace of the request (vLLM's cache_salt)
     state: "LogitsState | None" = field(default=None, repr=False, compare=False)
 
     def validate(self, vocab_size: int) -> None:

@@ -1,7 +1,11 @@
 """The OpenAI-compatible HTTP API (FastAPI): `create_app(engine, ...)`, and `serve_in_thread` to run it on loopback.
 
-Endpoints: POST /v1/chat/completions and POST /v1/completions (`serving`), GET /v1/models
-and /v1/models/{id} (the one model this server serves; its aliases answer too), GET /health, GET /metrics.
+Endpoints: POST /v1/chat/completions (`serving_chat`) and POST /v1/completions (`serving_completion`), GET
+/v1/models and /v1/models/{id} (the one model this server serves; its aliases answer too), vLLM's POST /tokenize,
+POST /detokenize and GET /tokenizer_info (`tokenize`), GET /health, GET /metrics.
+
+With an API key (`--api-key` or the DSV41_API_KEY environment variable) every route but /health and /metrics
+needs `Authorization: Bearer <key>` (401 otherwise), as vLLM does.
 
 One engine loop thread (`EngineRunner`) owns the engine; each HTTP request becomes one engine request per choice
 (`n` choices, and for completions one per prompt of a batch), whose events come back on an asyncio queue
@@ -12,6 +16,7 @@ client sends can stop the engine loop or the server.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
 import threading
@@ -23,13 +28,18 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv41.server.chat import pick_template
+from dsv41.server.grammar import Grammars
 from dsv41.server.logprobs import TokenText
 from dsv41.server.metrics import ServerMetrics
 from dsv41.server.protocol import APIError, error_body
 from dsv41.server.runner import EngineRunner
-from dsv41.server.serving import ServingChat, ServingCompletion
+from dsv41.server.serving_chat import ServingChat
+from dsv41.server.serving_completion import ServingCompletion
 from dsv41.server.state import ServerSettings, ServerState
+from dsv41.server.tokenize import add_tokenizer_routes
 from dsv41.server.validation import check_model
+
+OPEN_PATHS = ("/health", "/metrics")
 
 log = logging.getLogger("dsv41.server")
 
@@ -39,7 +49,7 @@ def create_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     metrics, tokenizer = ServerMetrics(), engine.tokenizer
     runner = EngineRunner(engine, metrics)
     state = ServerState(engine, tokenizer, runner, metrics, settings, pick_template(tokenizer, settings.chat_template),
-                        TokenText(tokenizer))
+                        TokenText(tokenizer), Grammars(tokenizer, engine.cfg.vocab_size))
 
     @asynccontextmanager
     async def lifespan(app):
@@ -53,6 +63,8 @@ def create_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     app.router.redirect_slashes = False                 # /v1/completions/ is a 404, not a redirect
     app.state.dsv41 = state
     _error_handlers(app)
+    if settings.api_key:
+        _require_key(app, settings.api_key)
 
     @app.get("/health")
     async def health():
@@ -81,7 +93,22 @@ def create_app(engine, settings: ServerSettings | None = None) -> FastAPI:
 
     app.post("/v1/chat/completions")(ServingChat.handle)
     app.post("/v1/completions")(ServingCompletion.handle)
+    add_tokenizer_routes(app)
     return app
+
+
+def _require_key(app: FastAPI, key: str) -> None:
+    """Every route but /health and /metrics answers 401 without `Authorization: Bearer <key>`."""
+    want = f"Bearer {key}".encode()
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if request.url.path in OPEN_PATHS or request.method == "OPTIONS":
+            return await call_next(request)
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), want):
+            return JSONResponse(error_body("invalid or missing API key: send Authorization: Bearer <key>",
+                                           "authentication_error", code="invalid_api_key"), status_code=401)
+        return await call_next(request)
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -11,6 +11,8 @@ def add_server_args(p) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: checkpoint dir name)")
     p.add_argument("--chat-template", choices=["auto", "official", "simple"], default="auto")
     p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* and the tokenizer "
+                   "endpoints (default: the DSV41_API_KEY environment variable; unset: open)")
 
 
 def register(sub) -> None:

@@ -58,17 +58,46 @@ def chat_logprobs(entries: list[dict], tt: TokenText) -> dict:
 
 
 def completion_logprobs(entries: list[dict], token_str, text_offset0: int = 0) -> dict:
-    """The legacy completions logprobs block: tokens, token_logprobs, top_logprobs (dict per position), text_offset."""
+    """The legacy completions logprobs block: tokens, token_logprobs, top_logprobs (dict per position), text_offset.
+
+    Entries of a scored prompt (`scoring.prompt_logprobs`, the first position as {"token": id, "logprob": None})
+    carry a rank: their top dict also holds the prompt's own token, as vLLM's does (an evaluation harness tells a
+    greedy continuation by its logprob being the dict's maximum)."""
     tokens = [token_str(e["token"]) for e in entries]
-    tops = []
+    tops: list[dict | None] = []
     for e in entries:
+        if e["logprob"] is None:
+            tops.append(None)
+            continue
         top: dict[str, float] = {}                      # the first of several ids with one text wins
         for i, lp in e["top"]:
             top.setdefault(token_str(i), _clean(lp))
+        if "rank" in e:
+            top.setdefault(token_str(e["token"]), _clean(e["logprob"]))
         tops.append(top)
     offsets = list(itertools.accumulate([len(t) for t in tokens], initial=text_offset0))[:-1]
-    return {"tokens": tokens, "token_logprobs": [_clean(e["logprob"]) for e in entries], "top_logprobs": tops,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [None if e["logprob"] is None else _clean(e["logprob"])
+                                                 for e in entries], "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_entries(prompt_ids: list[int], scored: list[dict | None]) -> list[dict]:
+    """A scored prompt's entries for `completion_logprobs`: the first position (no context) without a logprob."""
+    return [{"token": prompt_ids[0], "logprob": None, "top": None}] + [e for e in scored[1:]]
+
+
+def prompt_logprobs_vllm(scored: list[dict | None], tt: TokenText) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} over the top alternatives and the prompt's own token."""
+    out: list[dict | None] = []
+    for e in scored:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(i): {"logprob": _clean(lp), "rank": r + 1, "decoded_token": tt.text(i)}
+             for r, (i, lp) in enumerate(e["top"])}
+        d[str(e["token"])] = {"logprob": _clean(e["logprob"]), "rank": e["rank"], "decoded_token": tt.text(e["token"])}
+        out.append(d)
+    return out
 
 
 def _clean(x: float) -> float:

@@ -2,8 +2,8 @@
 
 Requests are validated strictly: a string where a number belongs, a float where an integer belongs, or a bool
 where either belongs is a 400, as OpenAI does (pydantic's lax coercion would accept "5" for 5). Unknown fields are
-ignored, as vLLM and SGLang do. Fields we cannot honour (tools, logit_bias, non-zero penalties, structured
-output) are rejected with a 400 naming the field instead of being silently dropped.
+ignored, as vLLM and SGLang do. Fields we cannot honour (`suffix`, `best_of` other than n) are rejected with a 400
+naming the field instead of being silently dropped.
 
 Every error body has OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
@@ -89,16 +89,38 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class CallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[Union[TextPart, ImagePart]], None] = None
     name: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[Any] | None = None
+    reasoning: str | None = None                                 # the same, as some clients name it
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
-    def text(self) -> str:
-        return "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content or ""
+    def parts(self) -> list[TextPart | ImagePart]:
+        return self.content if isinstance(self.content, list) else [TextPart(type="text", text=self.content or "")]
 
 
 class _Sampling(_Strict):
@@ -114,8 +136,11 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, Any] | None = None
+    repetition_penalty: float | None = Field(None, gt=0)        # extension (vLLM)
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1)          # extension (vLLM): prefix-cache isolation
+    response_format: dict[str, Any] | None = None
     ignore_eos: bool = False                                    # extension (vLLM)
     stop_token_ids: list[int] | None = None                     # extension (vLLM)
     return_prompt: bool = False                                 # extension: echo the rendered prompt back
@@ -143,10 +168,21 @@ class _Sampling(_Strict):
     def stop_list(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def bias(self, vocab_size: int) -> dict[int, float]:
+        """`logit_bias` with integer keys; a 400 for a key that is not a token id of this model."""
+        out = {}
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                t = int(k)
+            except ValueError:
+                raise bad_request(f"logit_bias: key {k!r} is not a token id", "logit_bias") from None
+            if not 0 <= t < vocab_size:
+                raise bad_request(f"logit_bias: token id {t} is outside [0, {vocab_size})", "logit_bias",
+                                  "invalid_token_id")
+            out[t] = v
+        return out
+
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            refuse(name, getattr(self, name), f"{name} is not supported by this server (use 0 or leave it out)")
-        refuse("logit_bias", self.logit_bias)
         refuse("stream_options", self.stream_options is not None and not self.stream,
                "stream_options is only allowed when stream is true", None)
 
@@ -159,21 +195,18 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     reasoning_effort: Union[str, int, None] = None
     chat_template_kwargs: dict[str, Any] | None = None           # extension (vLLM): {"thinking": bool}
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)      # extension (vLLM)
     _null_is_false = ("logprobs",)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        refuse("tools", self.tools, "tools are not supported by this server")
-        refuse("tool_choice", self.tool_choice not in (None, "none", "auto"))
-        refuse("response_format", self.response_format and self.response_format.get("type", "text") != "text",
-               "only response_format {\"type\": \"text\"} is supported")
         refuse("top_logprobs", self.top_logprobs is not None and not self.logprobs,
                "top_logprobs requires logprobs to be true", None)
-        for i, m in enumerate(self.messages):
-            refuse(f"messages.{i}.tool_calls", m.tool_calls, "assistant tool_calls are not supported by this server")
+        refuse("prompt_logprobs", self.prompt_logprobs is not None and self.stream,
+               "prompt_logprobs are not available when stream is true", None)
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
@@ -181,11 +214,12 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)                    # 0: only with echo (score the prompt)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)      # extension (vLLM)
     _null_is_false = ("echo",)
 
     def check_unsupported(self) -> None:
@@ -193,8 +227,17 @@ class CompletionRequest(_Sampling):
         refuse("suffix", self.suffix)
         refuse("best_of", self.best_of is not None and self.best_of != self.n,
                "best_of other than n is not supported by this server")
-        refuse("echo", self.echo and self.logprobs is not None,
-               "echo together with logprobs (prompt log-probabilities) is not supported")
+        refuse("max_tokens", self.max_tokens == 0 and not self.echo,
+               "max_tokens 0 is only allowed with echo (the prompt alone is returned)", "invalid_value")
+        refuse("prompt_logprobs", self.prompt_logprobs is not None and self.stream,
+               "prompt_logprobs are not available when stream is true", None)
+
+    def scored(self) -> int | None:
+        """Alternatives per prompt position to compute (None: the prompt is not scored): `prompt_logprobs`, or
+        `logprobs` when the prompt is echoed, as vLLM does."""
+        if self.prompt_logprobs is not None:
+            return max(self.prompt_logprobs, self.logprobs or 0) if self.echo else self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, a list of strings, a list of token ids, or a list of such lists."""

@@ -7,6 +7,7 @@ which typically does `loop.call_soon_threadsafe(queue.put_nowait, event)` onto a
 
 Events a sink receives, in order:
     Accepted(request_id)                         the engine took the request (add_request succeeded)
+    Scored(request_id, entries)                  the prompt's log-probabilities, when asked for (`scoring`)
     StepOutput                                   the engine's output of every step that produced something for it
     Completion                                   it finished (the engine's, stats included)
 or a single Failed(request_id, status, message) instead (bad input rejected by the engine: 400; anything else: 500).
@@ -26,12 +27,21 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dsv41.engine.engine import Completion
+from dsv41.server.scoring import prompt_logprobs
+
 log = logging.getLogger("dsv41.server")
 
 
 @dataclass
 class Accepted:
     request_id: str
+
+
+@dataclass
+class Scored:
+    request_id: str
+    entries: list
 
 
 @dataclass
@@ -68,8 +78,11 @@ class EngineRunner:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
-    def submit(self, prompt, params, request_id: str, sink: Callable[[Any], None]) -> None:
-        self._cmds.put((self._add, prompt, params, request_id, sink))
+    def submit(self, prompt, params, request_id: str, sink: Callable[[Any], None], score: int | None = None,
+               generate: bool = True) -> None:
+        """Queue a request; `score`: also compute the prompt's log-probabilities with that many alternatives;
+        `generate=False`: only score (the request then completes with no output)."""
+        self._cmds.put((self._add, prompt, params, request_id, sink, score, generate))
 
     def abort(self, request_id: str) -> None:
         self._cmds.put((self._abort, request_id))
@@ -101,11 +114,18 @@ class EngineRunner:
             block = False
             cmd[0](*cmd[1:])
 
-    def _add(self, prompt, params, rid: str, sink) -> None:
+    def _add(self, prompt, params, rid: str, sink, score: int | None, generate: bool) -> None:
         if self._stop.is_set():
             self._send(sink, Failed(rid, 503, "the server is shutting down"))
             return
         try:
+            scored = None if score is None else Scored(rid, prompt_logprobs(self.engine, prompt, score))
+            if not generate:
+                done = Completion(rid, list(prompt), [], "", "length", {"prompt_tokens": len(prompt)}, [])
+                for ev in (Accepted(rid), scored, done):
+                    if ev is not None:
+                        self._send(sink, ev)
+                return
             self.engine.add_request(prompt, params, request_id=rid)
         except ValueError as e:
             self._send(sink, Failed(rid, 400, str(e)))
@@ -115,7 +135,7 @@ class EngineRunner:
             self._send(sink, Failed(rid, 500, f"internal error while admitting the request: {type(e).__name__}"))
             return
         self._sinks[rid] = sink
-        if not self._send(sink, Accepted(rid)):
+        if not (self._send(sink, Accepted(rid)) and (scored is None or self._send(sink, scored))):
             self._abort(rid)
 
     def _abort(self, rid: str) -> None:

@@ -1,14 +1,15 @@
-"""The two generation endpoints, POST /v1/chat/completions (`ServingChat`) and POST /v1/completions
-(`ServingCompletion`), and what they share (`OpenAIServing`): a request parsed and validated into engine requests
-(`Choice`s), run as one `Job`, answered as one JSON body or streamed as server-sent events. Each endpoint says how
-a request becomes choices and how a choice looks.
+"""What the two generation endpoints, POST /v1/chat/completions (`serving_chat.ServingChat`) and POST
+/v1/completions (`serving_completion.ServingCompletion`), share (`OpenAIServing`): a request parsed and validated
+into engine requests (`Choice`s), run as one `Job`, answered as one JSON body or streamed as server-sent events.
+Each endpoint says how a request becomes choices and how a choice looks.
 
 A job (`Job`): the engine requests of one HTTP request (one per choice), submitted to the engine loop together,
 their events arriving on one asyncio queue, and the client watched while they run: a client that goes away has
 its engine requests aborted, which frees their batch slots.
 
-Extensions beyond OpenAI's fields: request `top_k`, `ignore_eos`, `stop_token_ids`, `return_prompt` (the response
-then carries the rendered `prompt`); response `engine_stats` (per choice: prefill mode, timings, KV bytes, cache
+Extensions beyond OpenAI's fields: request `top_k`, `ignore_eos`, `stop_token_ids`, `repetition_penalty`,
+`cache_salt` (vLLM's: requests with different salts never share prefix-cache entries), `prompt_logprobs`,
+`return_prompt` (the response then carries the rendered `prompt`); response `engine_stats` (per choice: prefill mode, timings, KV bytes, cache
 path); `usage.prompt_tokens_details` carries `cached_tokens_by_tier` and `cache_path` next to OpenAI's
 `cached_tokens`.
 
@@ -32,13 +33,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dsv41.engine.engine import Completion, StepOutput
 from dsv41.engine.sampling import SamplingParams
-from dsv41.server.chat import ReasoningSplitter, effort_budget
-from dsv41.server.logprobs import chat_logprobs, completion_logprobs
-from dsv41.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, merge_usage, parse,
-                                   usage_from_stats)
-from dsv41.server.runner import Accepted, Failed
+from dsv41.server.grammar import json_body
+from dsv41.server.protocol import APIError, bad_request, merge_usage, parse, usage_from_stats
+from dsv41.server.runner import Accepted, Failed, Scored
 from dsv41.server.state import ServerState
-from dsv41.server.validation import check_ids, check_model, encode, read_json
+from dsv41.server.validation import check_model, read_json
 
 log = logging.getLogger("dsv41.server")
 MAX_SEQUENCES_PER_REQUEST = 64                  # completions: prompts x n
@@ -79,6 +78,8 @@ class Choice:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    score: int | None = None   # compute the prompt's log-probabilities with this many alternatives
+    generate: bool = True      # False: the prompt is only scored (max_tokens 0)
 
 
 class ClientGone(Exception):
@@ -112,7 +113,7 @@ class Job:
         st.in_flight += n
         self._counted = n
         for c in self.choices.values():
-            st.runner.submit(c.prompt_ids, c.params, c.rid, self._sink)
+            st.runner.submit(c.prompt_ids, c.params, c.rid, self._sink, c.score, c.generate)
         pending = set(self.choices)
         failure: Failed | None = None
         try:
@@ -213,6 +214,8 @@ class OpenAIServing:
         self.rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.constraint = None                  # the grammar of `response_format` / a required tool call
+        self.scores: dict[int, list] = {}       # prompt index -> its log-probabilities (when scored)
 
     @classmethod
     async def handle(cls, request: Request) -> Response:
@@ -250,17 +253,58 @@ class OpenAIServing:
 
     def params(self, max_new: int, index: int, logprobs: int | None) -> SamplingParams:
         """The engine's sampling parameters for choice `index` (OpenAI's defaults where a field is null)."""
-        req = self.req
-        p = SamplingParams(max_tokens=max_new, temperature=1.0 if req.temperature is None else float(req.temperature),
+        req, engine = self.req, self.state.engine
+        p = SamplingParams(max_tokens=max(1, max_new),
+                           temperature=1.0 if req.temperature is None else float(req.temperature),
                            top_k=0 if req.top_k in (None, -1) else req.top_k,
                            top_p=1.0 if req.top_p is None else float(req.top_p), seed=derive_seed(req.seed, index),
                            stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []),
-                           ignore_eos=req.ignore_eos, logprobs=logprobs)
+                           ignore_eos=req.ignore_eos, logprobs=logprobs,
+                           presence_penalty=float(req.presence_penalty or 0.0),
+                           frequency_penalty=float(req.frequency_penalty or 0.0),
+                           repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+                           logit_bias=req.bias(engine.cfg.vocab_size), constraint=self.constraint,
+                           cache_salt=req.cache_salt)
         try:
-            p.validate(self.state.engine.cfg.vocab_size)
+            p.validate(engine.cfg.vocab_size)
         except ValueError as e:
             raise bad_request(str(e)) from None
+        if p.processed() and getattr(engine, "drafter", None) is not None:
+            raise bad_request("logit_bias, penalties, tools with a required call and response_format need the server "
+                              "to run without speculative decoding (--speculative off)", "logit_bias"
+                              if req.logit_bias else None, "unsupported_with_speculative")
         return p
+
+    def structured(self, reasoning: bool) -> None:
+        """`response_format` -> the grammar every choice follows (`self.constraint`; None for text)."""
+        rf, self.constraint = self.req.response_format, None
+        if rf is None or rf.get("type", "text") == "text":
+            return
+        if rf.get("type") == "json_object":
+            body = json_body(None)
+        elif rf.get("type") == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                                  "response_format")
+            body = json_body(schema)
+        else:
+            raise bad_request(f"response_format.type {rf.get('type')!r}: use text, json_object or json_schema",
+                              "response_format")
+        self.constraint = self.compile(body, reasoning, "response_format")
+
+    def compile(self, body: str, reasoning: bool, param: str):
+        try:
+            return self.state.grammars.compile(body, reasoning, param)
+        except ValueError as e:
+            raise bad_request(str(e), param, "invalid_grammar") from None
+
+    def scored(self, c: Choice, ev: Scored) -> Iterator[str]:
+        """A prompt's log-probabilities arrived (the first choice of each prompt asks for them): kept, and the
+        stream chunks they complete (default: none)."""
+        self.scores[c.prompt_index] = ev.entries
+        return iter(())
 
     def usage(self, done: list[tuple[Choice, Any]]) -> dict:
         """The usage of the finished (choice, completion) pairs."""
@@ -296,6 +340,9 @@ class OpenAIServing:
             elif isinstance(ev, Completion):
                 done.append((c, ev))
                 yield self.chunk([self.finish_choice(c, ev)])
+            elif isinstance(ev, Scored):
+                for piece in self.scored(c, ev):
+                    yield piece
             else:
                 yield error_sse(ev.message, ev.status)
                 job.abort()
@@ -348,6 +395,8 @@ class OpenAIServing:
             async for ev in job.events(request):
                 if isinstance(ev, Completion):
                     results[ev.request_id] = ev
+                elif isinstance(ev, Scored):
+                    list(self.scored(job.choices[ev.request_id], ev))
                 elif isinstance(ev, Failed):
                     raise APIError(ev.status, ev.message)
             body = self.full_body(results)
@@ -364,135 +413,3 @@ class OpenAIServing:
         status = e.status if isinstance(e, APIError) else 499
         state.metrics.observe_request(cls.endpoint, status)
         return JSONResponse(e.body(), status_code=status) if isinstance(e, APIError) else Response(status_code=499)
-
-
-# ------------------------------------------------------------------------------------------------ chat
-
-class ServingChat(OpenAIServing):
-    """POST /v1/chat/completions: messages rendered by the chat template (reasoning effort, `chat_template_kwargs`
-    {"thinking": bool}), `n` choices of one prompt, the answer split into `reasoning_content` and `content` when
-    the model thinks."""
-
-    endpoint = "chat"
-    request_model = ChatCompletionRequest
-    id_prefix = "chatcmpl"
-    object = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-
-    def prepare(self) -> None:
-        req, st = self.req, self.state
-        try:
-            effort = effort_budget(req.reasoning_effort)
-        except ValueError as e:
-            raise bad_request(str(e), "reasoning_effort", "invalid_reasoning_effort") from None
-        thinking = (req.chat_template_kwargs or {}).get("thinking")
-        if thinking is not None and not isinstance(thinking, bool):
-            raise bad_request("chat_template_kwargs.thinking must be a boolean", "chat_template_kwargs")
-        messages = [{"role": m.role, "content": m.text(), "reasoning_content": m.reasoning_content}
-                    for m in req.messages]
-        try:
-            self.prompt = st.template.render(messages, effort, thinking)
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
-        ids = encode(st.tokenizer, self.prompt, "messages")
-        check_ids(ids, st.engine.cfg.vocab_size, "messages")
-        max_new = self.max_tokens(req.max_new_tokens(), len(ids),
-                                  "max_completion_tokens" if req.max_completion_tokens else "max_tokens", "messages")
-        self.lp = (req.top_logprobs or 0) if req.logprobs else None
-        self.choices = [Choice(i, 0, f"{self.rid}-{i}", ids, self.params(max_new, i, self.lp)) for i in range(req.n)]
-        self.prompt_lens = [len(ids)]
-        self.split = st.template.name != "simple" and (thinking if thinking is not None else effort is not None)
-        self.splitters: dict[str, ReasoningSplitter] = {}
-
-    def _delta(self, c: Choice, text: str, final: bool = False) -> dict:
-        """New answer text as a delta: reasoning and answer apart when the model thinks."""
-        if not self.split:
-            return {"content": text} if text else {}
-        r, a = self.splitters.setdefault(c.rid, ReasoningSplitter(True)).feed(text, final=final)
-        return {k: v for k, v in (("reasoning_content", r), ("content", a)) if v}
-
-    def _logprobs(self, entries: list[dict]) -> dict | None:
-        return None if self.lp is None else chat_logprobs(entries, self.state.token_text)
-
-    def full_choice(self, c: Choice, comp) -> dict:
-        msg = {"role": "assistant", "content": comp.text}
-        if self.split:
-            msg["reasoning_content"], msg["content"] = ReasoningSplitter(True).feed(comp.text, final=True)
-        return {"index": c.index, "message": msg, "finish_reason": comp.finish_reason,
-                "logprobs": self._logprobs(comp.logprobs)}
-
-    def stream_head(self) -> Iterator[str]:
-        if self.req.return_prompt:
-            yield sse({"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.req.model,
-                       "choices": [], "prompt": self.prompt})
-        for c in self.choices:
-            yield self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None}])
-
-    def delta_choice(self, c: Choice, ev: StepOutput) -> dict | None:
-        delta = self._delta(c, ev.new_text)
-        if not (delta or ev.new_logprobs):
-            return None
-        return {"index": c.index, "delta": delta, "finish_reason": None, "logprobs": self._logprobs(ev.new_logprobs)}
-
-    def finish_choice(self, c: Choice, comp) -> dict:
-        return {"index": c.index, "delta": self._delta(c, "", final=True), "logprobs": None,
-                "finish_reason": comp.finish_reason}
-
-
-# ------------------------------------------------------------------------------------------------ completions
-
-class ServingCompletion(OpenAIServing):
-    """POST /v1/completions: a prompt or a batch of them (text or token ids), `n` choices each, `echo`, legacy
-    logprobs."""
-
-    endpoint = "completions"
-    request_model = CompletionRequest
-    id_prefix = "cmpl"
-    object = chunk_object = "text_completion"
-
-    def prepare(self) -> None:
-        req, st = self.req, self.state
-        prompts = req.prompts()
-        if len(prompts) * req.n > MAX_SEQUENCES_PER_REQUEST:
-            raise bad_request(f"at most {MAX_SEQUENCES_PER_REQUEST} sequences (prompts x n) per request", "n")
-        self.prompt, encoded = [], []                           # per prompt: the text to echo, the token ids
-        for k, p in enumerate(prompts):
-            param = "prompt" if len(prompts) == 1 else f"prompt.{k}"
-            if p == "":
-                raise bad_request(f"{param}: the prompt is empty", param)
-            ids = encode(st.tokenizer, p, param) if isinstance(p, str) else list(p)
-            check_ids(ids, st.engine.cfg.vocab_size, param)
-            self.prompt.append(p if isinstance(p, str) else st.tokenizer.decode(ids) if req.echo else "")
-            encoded.append(ids)
-        self.prompt_lens = [len(ids) for ids in encoded]
-        max_new = self.max_tokens(req.max_tokens, max(self.prompt_lens), "max_tokens", "prompt")
-        self.choices = [Choice(i, k, f"{self.rid}-{i}", ids, self.params(max_new, i, req.logprobs))
-                        for k, ids in enumerate(encoded)
-                        for i in range(k * req.n, (k + 1) * req.n)]
-        self.offsets = {c.rid: 0 for c in self.choices}         # text streamed so far (logprobs' text_offset)
-
-    def _echo(self, c: Choice) -> str:
-        return self.prompt[c.prompt_index] if self.req.echo else ""
-
-    def _logprobs(self, entries: list[dict], offset: int = 0) -> dict | None:
-        return None if self.req.logprobs is None else completion_logprobs(entries, self.state.token_text.text, offset)
-
-    def full_choice(self, c: Choice, comp) -> dict:
-        return {"index": c.index, "text": self._echo(c) + comp.text, "finish_reason": comp.finish_reason,
-                "logprobs": self._logprobs(comp.logprobs)}
-
-    def stream_head(self) -> Iterator[str]:
-        if self.req.echo:
-            for c in self.choices:
-                yield self.chunk([{"index": c.index, "text": self._echo(c), "logprobs": None, "finish_reason": None}])
-
-    def delta_choice(self, c: Choice, ev: StepOutput) -> dict | None:
-        if not (ev.new_text or ev.new_logprobs):
-            return None
-        lps = self._logprobs(ev.new_logprobs, self.offsets[c.rid])
-        self.offsets[c.rid] += len(ev.new_text)
-        return {"index": c.index, "text": ev.new_text, "logprobs": lps, "finish_reason": None}
-
-    def finish_choice(self, c: Choice, comp) -> dict:
-        return {"index": c.index, "text": "", "logprobs": None, "finish_reason": comp.finish_reason}

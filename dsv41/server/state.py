@@ -4,6 +4,7 @@ the live state (`ServerState`: the engine, its loop thread, metrics, chat templa
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,9 @@ from dsv41.engine.tokenizer import Tokenizer
 from dsv41.server.logprobs import TokenText
 from dsv41.server.metrics import ServerMetrics
 from dsv41.server.runner import EngineRunner
+
+
+API_KEY_ENV = "DSV41_API_KEY"
 
 
 @dataclass
@@ -25,6 +29,7 @@ class ServerSettings:
     max_in_flight: int = 1024                # engine requests queued or running; beyond: 429
     disconnect_poll_s: float = 0.5
     checkpoint: str | None = None
+    api_key: str | None = None               # when set, /v1/* and the tokenizer endpoints need it as a bearer token
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -34,7 +39,8 @@ class ServerSettings:
         name = args.served_model_name or (Path(ckpt).resolve().name if ckpt else "dsv41")
         aliases = tuple(a for a in {str(ckpt), "dsv41"} if ckpt and a != name)
         return cls(model_name=name, aliases=aliases, chat_template=args.chat_template,
-                   default_max_tokens=args.default_max_tokens, checkpoint=str(ckpt) if ckpt else None)
+                   default_max_tokens=args.default_max_tokens, checkpoint=str(ckpt) if ckpt else None,
+                   api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None)
 
 
 @dataclass
@@ -46,5 +52,6 @@ class ServerState:
     settings: ServerSettings
     template: Any                            # the chat template (`dsv41.server.chat.pick_template`)
     token_text: TokenText
+    grammars: Any = None                     # `dsv41.server.grammar.Grammars`: structured output, forced calls
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: int = 0                       # engine requests submitted and not yet released

@@ -50,14 +50,19 @@ def check_model(settings: ServerSettings, name: str) -> None:
                             f"`{settings.model_name}`", param="model", code="model_not_found")
 
 
-def encode(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
-    """Prompt text -> token ids, BOS first when the tokenizer has one."""
+def check_text(text: str, param: str) -> str:
+    """`text` when it is valid Unicode (JSON escapes can smuggle in lone surrogates), else a 400."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise bad_request(f"{param}: text is not valid Unicode (lone surrogate)", param) from None
+    return text
+
+
+def encode(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
+    """Prompt text -> token ids, BOS first when the tokenizer has one."""
     bos = tokenizer.bos_id
-    return ([bos] if bos is not None else []) + list(tokenizer.encode(text))
+    return ([bos] if bos is not None else []) + list(tokenizer.encode(check_text(text, param)))
 
 
 def check_ids(ids: list[int], vocab: int, param: str) -> None:
