@@ -111,22 +111,29 @@ def test_greedy_with_speculation_equals_greedy(debug_model, one_thread):
     assert sum(c.stats["speculative"]["drafted_tokens"] for c in got) > 0
 
 
-def test_greedy_speculation_on_the_packed_store(one_thread):
+@pytest.mark.parametrize("det", [False, True], ids=["default", "deterministic"])
+def test_greedy_speculation_on_the_packed_store(det, one_thread):
     """Quantization on (the engine's packed pool, decode through dsv41.model.packed_decode, verify chunks through
-    the dense path): still token for token on CPU."""
+    the dense path): still token for token on CPU; in the deterministic mode (tests/test_deterministic.py) the
+    log-probs too, bit for bit, for fixed:N and the scheduler."""
     cfg = load_config("debug")
     m = random_model(cfg, seed=2)
     set_tie_break(m, "recent")
     prompts = _prompts(cfg.vocab_size, (5, 17, 40))
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    want = [c.output_ids for c in Engine(m, prefill_mode="full", max_seq_len=256).generate(prompts, params)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0 if det else None)
+
+    def result(cs):
+        return [(c.output_ids, [lp["logprob"] for lp in c.logprobs] if det else None) for c in cs]
+    plain = Engine(m, prefill_mode="full", max_seq_len=256, deterministic=det).generate(prompts, params)
+    want = result(plain)
     G = cfg.dspark_block_size
-    eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative=f"fixed:{G}")
-    assert hasattr(eng.pool, "swa")                                   # the packed store
-    eng.drafter = OracleDrafter({f"req-{i}": w for i, w in enumerate(want)}, G, cfg.vocab_size)
-    got = eng.generate(prompts, params)
-    assert [c.output_ids for c in got] == want
-    assert 0 < sum(c.stats["speculative"]["accepted_tokens"] for c in got)
+    for spec in (f"fixed:{G}", "dspark") if det else (f"fixed:{G}",):
+        eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative=spec, step_profile=FLAT, deterministic=det)
+        assert hasattr(eng.pool, "swa")                               # the packed store
+        eng.drafter = OracleDrafter({f"req-{i}": c.output_ids for i, c in enumerate(plain)}, G, cfg.vocab_size)
+        got = eng.generate(prompts, params)
+        assert result(got) == want, spec
+        assert 0 < sum(c.stats["speculative"]["accepted_tokens"] for c in got)
 
 
 def test_speculation_with_ced_prefill_and_stops(debug_model, one_thread):
