@@ -53,8 +53,9 @@ DEFAULT_VAL_FRACTION = 0.05
 SPLIT_SALT = "dsv41-split-v1:"
 MAX_VAL_SHARE = 0.5             # of the characters: validation's most (a split by name that gives it more is
                                 # replaced by the tail split; a corpus that would need more is refused)
-CHARS_PER_TOKEN = 4             # validation reserves this many characters per token of a window: byte-level BPE
-                                # at the presets' vocabularies takes ~2-3.5 on code and prose
+CHARS_PER_TOKEN = 6             # validation reserves this many characters per token of a window: byte-level BPE
+                                # at the presets' vocabularies measured 3.5 on the stdlib and up to ~4 on a small
+                                # corpus, whose tokenizer has learnt its text
 
 
 @dataclass
@@ -199,10 +200,13 @@ def load_corpus(data: str | Path | None = None, val_fraction: float = DEFAULT_VA
     split, note = f"sha256('{SPLIT_SALT}' + document name)[:8] / 2^64 < {val_fraction} -> validation", ""
     if share is not None:
         split = f"by text: the last {share:.4g} of every document's characters -> validation"
-        named = sum(split_of(d.name, val_fraction) == "val" for d in docs)
-        note = (f"split: {len(docs)} documents, {named} of them validation by name: too few to split by document; "
-                f"validation is the last {share:.1%} of each document's text ({_chars(val):,} of "
-                f"{_chars(docs):,} characters), training the rest")
+        named = [d for d in docs if split_of(d.name, val_fraction) == "val"]
+        why = "none of them" if not named else "all of them" if len(named) == len(docs) else (
+            f"{len(named)} of them, {_chars(named):,} characters: "
+            + ("too few for one evaluation window" if _chars(named) < min_chars else "most of the text"))
+        note = (f"split: {len(docs)} document{'s' * (len(docs) != 1)}; by name validation would get {why}, so "
+                f"validation is the last {share:.1%} of each document's text ({_chars(val):,} of {_chars(docs):,} "
+                f"characters) and training the rest")
     return Corpus(name, train, val, {
         "corpus": name, "root": where, "python": sys.version.split()[0], "split": split,
         "val_fraction": val_fraction, "train_documents": len(train), "val_documents": len(val),

@@ -54,7 +54,8 @@ STAGES = {"pretrain": PretrainStage, "dspark": DSparkStage}
 
 class Trainer:
     """Builds everything from a TrainConfig; `run(stop_at)` trains (to `stop_at` steps if given: tests of exact
-    resume stop halfway), `finish()` evaluates, saves and reports."""
+    resume stop halfway), `replan(total)` moves the budget at the current step, `finish()` evaluates, saves and
+    reports."""
 
     def __init__(self, cfg: TrainConfig, resume: bool | dict = False):
         """`resume`: True to continue the run in `cfg.out`, or its train state already read (`read_train_state`)."""
@@ -225,8 +226,8 @@ class Trainer:
         self.dist.barrier()
 
     def _resume(self, saved: dict, total_steps: int) -> None:
-        """Load the run's state (`saved`: its train state, the weights read from the checkpoint) and re-plan it
-        for `total_steps`."""
+        """Load the run's weights, optimizer, data position, RNG and history (`saved`: its train state, already
+        read) and re-plan it for `total_steps`."""
         state = load_training_checkpoint(self.out, self.model, saved)
         if self.cfg.fsdp:
             state["optimizer"] = torch.load(self.out / f"optimizer.rank{self.dist.rank}.pt", weights_only=True)
