@@ -151,9 +151,11 @@ class Job:
 
     async def events(self, request: Request | None):
         """Events until every choice is done (or one fails)."""
-        for ev in self.early:
+        early, self.early = self.early, []
+        for ev in early:                        # a request that only scores its prompt may finish before the
+            if isinstance(ev, (Completion, Failed)):        # others are accepted
+                self.open.discard(ev.request_id)
             yield ev
-        self.early = []
         while self.open:
             ev = await self._next(request)
             if isinstance(ev, (Completion, Failed)):
