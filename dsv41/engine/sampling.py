@@ -107,6 +107,7 @@ class LogitsState:
         self.counts: torch.Tensor | None = None        # [V] fp32: output tokens so far
         self.seen: torch.Tensor | None = None          # [V] bool: prompt or output tokens
         self.bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.early: list[int] = []                     # tokens recorded before the first call
 
     def _init(self, V: int, device: torch.device) -> None:
         self.counts = torch.zeros(V, dtype=torch.float32, device=device)
@@ -117,6 +118,8 @@ class LogitsState:
             vals = torch.tensor([min(MAX_BIAS, max(-MAX_BIAS, float(b))) for b in self.p.logit_bias.values()],
                                 dtype=torch.float32, device=device)
             self.bias = ids, vals
+        for t in self.early:
+            self._count(t)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Raw logits [V] -> the processed logits (fp32, same device)."""
@@ -138,11 +141,17 @@ class LogitsState:
 
     def record(self, token: int) -> None:
         """`token` was sampled for this request (it is the next output token, or a stop)."""
-        if self.counts is not None and 0 <= token < self.counts.numel():
-            self.counts[token] += 1
-            self.seen[token] = True
+        if self.counts is None:
+            self.early.append(token)
+        else:
+            self._count(token)
         if self.matcher is not None:
             self.matcher.consume(token)
+
+    def _count(self, token: int) -> None:
+        if 0 <= token < self.counts.numel():
+            self.counts[token] += 1
+            self.seen[token] = True
 
 
 def make_generator(seed: int | None) -> torch.Generator:
