@@ -197,7 +197,8 @@ class Engine:
         ids = seq.prompt_ids
         seq.sid = self.pool.new_sequence()
         start = replay = 0
-        hit = self.prefix_cache.lookup(ids, max_len=len(ids) - 1) if self.prefix_cache and len(ids) > 1 else None
+        hit = (self.prefix_cache.lookup(ids, max_len=len(ids) - 1, salt=seq.params.cache_salt)
+               if self.prefix_cache and len(ids) > 1 else None)
         if hit is not None and hit.swa_state is None and self.deterministic:
             hit = None                                   # a replay would approximate: prefill exactly instead
         if hit is not None:
@@ -235,8 +236,9 @@ class Engine:
         if self.prefix_cache is None or len(fed) <= self.cfg.window_size:
             return
         try:
-            g = self.pool.export_global(seq.sid, len(fed), start=self.prefix_cache.export_start(fed, len(fed)))
-            self.prefix_cache.save(fed, len(fed), g, self.pool.export_swa(seq.sid))
+            salt = seq.params.cache_salt
+            g = self.pool.export_global(seq.sid, len(fed), start=self.prefix_cache.export_start(fed, len(fed), salt))
+            self.prefix_cache.save(fed, len(fed), g, self.pool.export_swa(seq.sid), salt=salt)
         except (ValueError, OSError) as e:                    # storage problems are misses, not failures
             self.prefix_cache._log_once("save", "prefix cache save skipped: %s", e)
 

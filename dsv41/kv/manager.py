@@ -211,13 +211,14 @@ class PrefixCache(Counted):
             j += 1
         return j
 
-    def lookup(self, token_ids, max_len: int | None = None) -> Hit | None:
+    def lookup(self, token_ids, max_len: int | None = None, salt: str | None = None) -> Hit | None:
         """The longest cached unit U <= min(max_len, len(token_ids)), U > n_win, whose tokens are token_ids[:U]
-        (see the module docstring), or None. Never raises on storage faults."""
+        (see the module docstring) in the namespace of `salt` (`prefix.root_key`), or None. Never raises on
+        storage faults."""
         ids = encode_ids(token_ids)
         self._count("lookups")
         limit = len(ids) if max_len is None else min(len(ids), int(max_len))
-        hit = self._guarded("prefix cache lookup", "a miss", self._lookup, ids, limit)
+        hit = self._guarded("prefix cache lookup", "a miss", self._lookup, ids, limit, salt)
         if hit is None:
             self._count("misses")
         else:
@@ -227,13 +228,13 @@ class PrefixCache(Counted):
                 self._count("hits_swa")
         return hit
 
-    def _lookup(self, ids, limit: int) -> Hit | None:
+    def _lookup(self, ids, limit: int, salt: str | None) -> Hit | None:
         if self.disk is None or limit <= self.n_win:
             return None
         if self.clock() - self._last_refresh >= self.refresh_s:
             self._note_metas(self.disk.refresh(full=False))
         I = self.interval
-        chain = chain_keys(self.fp, ids, I, limit)
+        chain = chain_keys(self.fp, ids, I, limit, salt)
         jmax = self._stored_run(chain)
         with self._mu:
             tails = [(j * I + off, j) for j in range(jmax + 1) for off in self._extras.get(chain[j], ())]
@@ -269,17 +270,19 @@ class PrefixCache(Counted):
         return None
 
     # ---------------------------------------------------------------- save
-    def export_start(self, token_ids, upto: int) -> int:
+    def export_start(self, token_ids, upto: int, salt: str | None = None) -> int:
         """The first position `save(token_ids, upto, ...)` needs the global state to cover: the end of the run of
         interval units already on disk (a multiple of every ratio). Pass it as `start` to
         `PackedKVPool.export_global` to skip copying what is stored; 0 is always correct."""
         if self.disk is None:
             return 0
         run = self._guarded("prefix cache export_start", "exporting from 0",
-                            lambda: self._stored_run(chain_keys(self.fp, encode_ids(token_ids), self.interval, upto)))
+                            lambda: self._stored_run(chain_keys(self.fp, encode_ids(token_ids), self.interval, upto,
+                                                                salt)))
         return 0 if run is None else run * self.interval
 
-    def save(self, token_ids, upto: int, global_state: GlobalState, swa_state: SwaState | None = None) -> dict:
+    def save(self, token_ids, upto: int, global_state: GlobalState, swa_state: SwaState | None = None,
+             salt: str | None = None) -> dict:
         """Persist the unit ending at `upto` (token_ids[:upto] are the tokens the sequence processed): the interval
         units up to it not yet stored, its tail unit, and the SWA snapshot (if given) in the SWA pool. Returns
         {"units_written", "bytes", "swa"}; never raises on storage faults (ValueError for inconsistent
@@ -296,7 +299,7 @@ class PrefixCache(Counted):
         if self.disk is None:
             return out
         self._count("saves")
-        self._guarded("prefix cache save", "not persisted", self._save, ids, upto, global_state, swa_state, out)
+        self._guarded("prefix cache save", "not persisted", self._save, ids, upto, global_state, swa_state, out, salt)
         return out
 
     def _put_unit(self, key: bytes, seg: GlobalState, kind: int, parent: bytes, out: dict) -> bool:
@@ -310,9 +313,9 @@ class PrefixCache(Counted):
         self._count("unit_bytes_written", len(data))
         return True
 
-    def _save(self, ids, upto: int, gs: GlobalState, swa: SwaState | None, out: dict) -> None:
+    def _save(self, ids, upto: int, gs: GlobalState, swa: SwaState | None, out: dict, salt: str | None) -> None:
         I = self.interval
-        chain = chain_keys(self.fp, ids, I, upto)
+        chain = chain_keys(self.fp, ids, I, upto, salt)
         J = upto // I
         for j in range(1, J + 1):
             if self.disk.contains(chain[j].hex()):

@@ -7,13 +7,14 @@ saves at (end of prompt, end of output).
 Keys (never pickle, never Python `hash()`):
 
     C_0 = sha256(fingerprint)                               (the fingerprint's hex string, ASCII)
+        = sha256(fingerprint || 0x00 || salt)               with a cache salt (UTF-8): a request's own namespace
     C_j = sha256(C_{j-1} || ids[(j-1)I : jI])               interval unit j, I = interval
     key(U) = C_{U/I}                                        when U is a multiple of I
            = sha256(C_{floor(U/I)} || ids[floor(U/I)I : U])  otherwise (a tail unit hanging off C_{floor(U/I)})
 
 where `ids[a:b]` is the canonical encoding of those token ids (little-endian int32, 4 bytes each). This is the
 chain key_k = sha256(key_{k-1} || ids of unit k) over the units 0..I, I..2I, ..., with the last unit ending at U.
-A key is a function of the fingerprint, U and ids[:U] only (not of which other boundaries exist), so a lookup
+A key is a function of the fingerprint, the salt, U and ids[:U] only (not of which other boundaries exist), so a lookup
 computes the keys of a new request's prefixes in one pass over its tokens. Distinct (ids[:U], U) give distinct
 keys up to SHA-256 collisions: messages are parent (32 bytes) || 4-byte ids, so equal messages mean equal parents.
 
@@ -70,19 +71,20 @@ def encode_ids(token_ids) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=_INT32)
 
 
-def root_key(fp: str) -> bytes:
-    """C_0 = sha256(fingerprint hex, ASCII)."""
+def root_key(fp: str, salt: str | None = None) -> bytes:
+    """C_0 = sha256(fingerprint hex, ASCII [|| 0x00 || salt, UTF-8]). Requests with different salts (vLLM's
+    `cache_salt`) share no key, so no entry of any tier."""
     check_key(fp)
-    return hashlib.sha256(fp.encode("ascii")).digest()
+    return hashlib.sha256(fp.encode("ascii") + (b"" if salt is None else b"\x00" + salt.encode("utf-8"))).digest()
 
 
-def chain_keys(fp: str, ids, interval: int, upto: int | None = None) -> list[bytes]:
+def chain_keys(fp: str, ids, interval: int, upto: int | None = None, salt: str | None = None) -> list[bytes]:
     """[C_0, C_1, ..., C_J] (raw 32-byte digests), J = upto // interval (upto defaults to len(ids))."""
     ids = encode_ids(ids)
     upto = len(ids) if upto is None else int(upto)
     if interval <= 0 or not 0 <= upto <= len(ids):
         raise ValueError(f"chain_keys: need interval > 0 and 0 <= upto <= {len(ids)}")
-    keys = [root_key(fp)]
+    keys = [root_key(fp, salt)]
     raw = ids.tobytes()
     step = 4 * interval
     for j in range(upto // interval):
@@ -96,12 +98,12 @@ def tail_key(parent: bytes, tail_ids) -> bytes:
     return parent if tail.size == 0 else hashlib.sha256(parent + tail.tobytes()).digest()
 
 
-def prefix_key(fp: str, token_ids, upto: int, interval: int = DEFAULT_INTERVAL) -> str:
+def prefix_key(fp: str, token_ids, upto: int, interval: int = DEFAULT_INTERVAL, salt: str | None = None) -> str:
     """Hex key of the unit ending at `upto` (the prefix token_ids[:upto])."""
     ids = encode_ids(token_ids)
     if not 0 <= upto <= len(ids):
         raise ValueError(f"prefix_key: upto {upto} outside 0..{len(ids)}")
-    chain = chain_keys(fp, ids, interval, upto)
+    chain = chain_keys(fp, ids, interval, upto, salt)
     j = upto // interval
     return tail_key(chain[j], ids[j * interval:upto]).hex()
 
