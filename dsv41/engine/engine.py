@@ -40,6 +40,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     gen: torch.Generator
+    vision: tuple | None = None              # images: (ImageRecords, token types int64 [T]) of the prompt
     sid: int | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
@@ -140,7 +141,9 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, images: tuple | None = None) -> str:
+        """images: (records, token types) of a prompt expanded by `dsv41.model.image.expand_prompt`; such a prompt
+        is prefilled in one full-mode chunk and stays out of the prefix cache (its keys do not see pixels)."""
         params = params or SamplingParams()
         params.validate(self.cfg.vocab_size)
         text, bos = isinstance(prompt, str), self.tokenizer.bos_id
@@ -155,7 +158,9 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.finished or any(s.request_id == rid for s in self.waiting + self.running):
             raise ValueError(f"duplicate request id {rid!r}")
-        self.waiting.append(Sequence(rid, ids, params.for_prompt(ids), make_generator(params.seed)))
+        if images is not None and (len(images) != 2 or images[1].numel() != len(ids)):
+            raise ValueError("images: (records, token types) with one type per prompt token")
+        self.waiting.append(Sequence(rid, ids, params.for_prompt(ids), make_generator(params.seed), images))
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -198,7 +203,7 @@ class Engine:
         seq.sid = self.pool.new_sequence()
         start = replay = 0
         hit = (self.prefix_cache.lookup(ids, max_len=len(ids) - 1, salt=seq.params.cache_salt)
-               if self.prefix_cache and len(ids) > 1 else None)
+               if self.prefix_cache and len(ids) > 1 and seq.vision is None else None)
         if hit is not None and hit.swa_state is None and self.deterministic:
             hit = None                                   # a replay would approximate: prefill exactly instead
         if hit is not None:
@@ -214,7 +219,10 @@ class Engine:
             from dsv41.kv.prefix import engram_history_at
             view.engram_history = engram_history_at(self.model.engram_hasher, ids, start - replay).view(1, -1)
         body = ids[start - replay:-1]
-        if body:
+        if body and seq.vision is not None:              # image spans: one full-mode chunk with the records
+            opts = ForwardOptions(images=[seq.vision[0]], token_types=seq.vision[1][None, :len(body)].to(self.device))
+            self.model(torch.tensor([body], device=self.device), view, opts=opts, last_only=True)
+        elif body:
             pf = prefill(self.model, torch.tensor([body], device=self.device), view, self.prefill_mode,
                          self.chunk_size, replay=replay)
             if self.drafter is not None and pf.main_hidden is not None:
@@ -233,7 +241,7 @@ class Engine:
 
     def _save_unit(self, seq: Sequence, fed: list[int]) -> None:
         """Persist the sequence's state after `fed` tokens (end of prompt / end of output); never fails a request."""
-        if self.prefix_cache is None or len(fed) <= self.cfg.window_size:
+        if self.prefix_cache is None or seq.vision is not None or len(fed) <= self.cfg.window_size:
             return
         try:
             salt = seq.params.cache_salt

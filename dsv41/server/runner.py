@@ -79,10 +79,11 @@ class EngineRunner:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     def submit(self, prompt, params, request_id: str, sink: Callable[[Any], None], score: int | None = None,
-               generate: bool = True) -> None:
+               generate: bool = True, images: tuple | None = None) -> None:
         """Queue a request; `score`: also compute the prompt's log-probabilities with that many alternatives;
-        `generate=False`: only score (the request then completes with no output)."""
-        self._cmds.put((self._add, prompt, params, request_id, sink, score, generate))
+        `generate=False`: only score (the request then completes with no output); `images`: the prompt's image
+        records and token types (`Engine.add_request`)."""
+        self._cmds.put((self._add, prompt, params, request_id, sink, score, generate, images))
 
     def abort(self, request_id: str) -> None:
         self._cmds.put((self._abort, request_id))
@@ -114,7 +115,7 @@ class EngineRunner:
             block = False
             cmd[0](*cmd[1:])
 
-    def _add(self, prompt, params, rid: str, sink, score: int | None, generate: bool) -> None:
+    def _add(self, prompt, params, rid: str, sink, score: int | None, generate: bool, images) -> None:
         if self._stop.is_set():
             self._send(sink, Failed(rid, 503, "the server is shutting down"))
             return
@@ -126,7 +127,7 @@ class EngineRunner:
                     if ev is not None:
                         self._send(sink, ev)
                 return
-            self.engine.add_request(prompt, params, request_id=rid)
+            self.engine.add_request(prompt, params, request_id=rid, **({} if images is None else {"images": images}))
         except ValueError as e:
             self._send(sink, Failed(rid, 400, str(e)))
             return

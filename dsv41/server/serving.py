@@ -80,6 +80,7 @@ class Choice:
     params: SamplingParams
     score: int | None = None   # compute the prompt's log-probabilities with this many alternatives
     generate: bool = True      # False: the prompt is only scored (max_tokens 0)
+    vision: tuple | None = None   # images: (ImageRecords, token types) of the expanded prompt
 
 
 class ClientGone(Exception):
@@ -113,7 +114,7 @@ class Job:
         st.in_flight += n
         self._counted = n
         for c in self.choices.values():
-            st.runner.submit(c.prompt_ids, c.params, c.rid, self._sink, c.score, c.generate)
+            st.runner.submit(c.prompt_ids, c.params, c.rid, self._sink, c.score, c.generate, c.vision)
         pending = set(self.choices)
         failure: Failed | None = None
         try:

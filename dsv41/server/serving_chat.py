@@ -16,6 +16,7 @@ from typing import Iterator
 
 from dsv41.engine.engine import StepOutput
 from dsv41.server.chat import IMAGE, chat_mode, encode_prompt
+from dsv41.server.images import decode_image, expand
 from dsv41.server.logprobs import chat_logprobs, prompt_logprobs_vllm
 from dsv41.server.parsing import Delta, OutputParser, parse_all
 from dsv41.server.protocol import ChatCompletionRequest, ImagePart, bad_request
@@ -42,8 +43,11 @@ class ServingChat(OpenAIServing):
         else:
             self.structured(self._reasoning_first())
         self.lp = (req.top_logprobs or 0) if req.logprobs else None
+        if self.vision is not None and req.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs are not available for prompts with images", "prompt_logprobs")
         self.choices = [Choice(i, 0, f"{self.rid}-{i}", ids, self.params(max_new, i, self.lp),
-                               score=req.prompt_logprobs if i == 0 else None) for i in range(req.n)]
+                               score=req.prompt_logprobs if i == 0 else None, vision=self.vision)
+                        for i in range(req.n)]
         self.prompt_lens = [len(ids)]
         self.parsers: dict[str, OutputParser] = {}
         self.reasoning_tokens: dict[str, int] = {}
@@ -69,21 +73,25 @@ class ServingChat(OpenAIServing):
             self.prompt = st.template.render(messages, budget, self.thinking, self.tools or None)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
-        bos = st.tokenizer.bos_id
-        ids = ([] if bos is None else [bos]) + encode_prompt(st.tokenizer, check_text(self.prompt, "messages"))
+        bos, self.vision = st.tokenizer.bos_id, None
+        if self.images:
+            ids, self.vision = expand(st.tokenizer, check_text(self.prompt, "messages"), self.images, st.engine.cfg)
+        else:
+            ids = ([] if bos is None else [bos]) + encode_prompt(st.tokenizer, check_text(self.prompt, "messages"))
         check_ids(ids, st.engine.cfg.vocab_size, "messages")
         return ids
 
     def messages(self) -> list[dict]:
         """The request's messages as the templates read them: text parts joined by a blank line, an image part
         as the image placeholder, tool calls as dicts."""
-        out = []
+        out, self.images = [], []
         for i, m in enumerate(self.req.messages):
             parts = []
-            for p in m.parts():
+            for j, p in enumerate(m.parts()):
                 if isinstance(p, ImagePart):
-                    raise bad_request(f"messages.{i}.content: images are not supported by this server yet",
-                                      f"messages.{i}.content", "unsupported_content")
+                    self.images.append(decode_image(p.image_url.url, f"messages.{i}.content.{j}.image_url"))
+                    parts.append(IMAGE)
+                    continue
                 if IMAGE in p.text:
                     raise bad_request(f"messages.{i}.content: the text holds the image placeholder {IMAGE}; send "
                                       f"images as image_url parts", f"messages.{i}.content")
