@@ -1,4 +1,4 @@
-"""The deterministic mode's figures (docs/system.md §11), side by side in one run:
+"""The deterministic mode's figures (docs/system.md §10), side by side in one run:
 
 1. Is the official GEMM order batch-invariant? A row's bits of `block_scaled_linear_ref` (the fidelity order),
    of F.linear and of the mode's `exact_block_linear` / `tiled_linear`, computed alone and inside batches of

@@ -1,4 +1,4 @@
-"""Guards the deterministic mode (dsv41.kernels.invariant, docs/system.md §11) with quantization on: a request's
+"""Guards the deterministic mode (dsv41.kernels.invariant, docs/system.md §10) with quantization on: a request's
 tokens and log-probs are the same bits alone or in a batch of 8, with one-shot, chunked or CED-exact prefill, with
 speculative decoding (fixed:N and the scheduler) or without, resumed from the prefix cache (swa-hit) or cold; and
 the engine's log-probs of the sampled tokens equal those of the training forward RL uses (train/logprobs.py).

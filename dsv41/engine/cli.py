@@ -42,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser, checkpoint_required: bool = True
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics (implies --tie-break recent): a request's tokens and log-probs do "
                         "not depend on its batch, chunking, speculation or a cache resume, and equal the training "
-                        "forward's bit for bit (docs/system.md §11); slower")
+                        "forward's bit for bit (docs/system.md §10); slower")
 
 
 def engine_args(**overrides) -> argparse.Namespace:

@@ -89,7 +89,7 @@ class Engine:
                  deterministic: bool = False):
         """deterministic: switch on the deterministic mode (process-wide) and the `recent` tie rule: a request's
         tokens and log-probs then do not depend on its batch, the chunking, speculation or a cache resume
-        (`dsv41.model.attention.use_deterministic`, docs/system.md §11). Its prefill is exact: `ced-bounded` runs
+        (`dsv41.model.attention.use_deterministic`, docs/system.md §10). Its prefill is exact: `ced-bounded` runs
         as `ced-exact`, and a prefix-cache hit without its SWA snapshot is not replayed (bounded replay is an
         approximation) but prefilled from the start."""
         if prefill_mode not in MODES:

@@ -1,5 +1,5 @@
 """The deterministic mode's primitives: reductions whose order depends on nothing but the row they compute
-(docs/system.md §11).
+(docs/system.md §10).
 
 A result of the normal mode can change in its last bit with the number of rows of a GEMM (the math library picks
 another kernel or thread split for 1-7 rows than for 512), with the width of an index list (the blocks of the

@@ -50,7 +50,7 @@ def set_tie_break(model: nn.Module, ties: str) -> None:
 
 def use_deterministic(model: nn.Module) -> None:
     """The deterministic mode (`dsv41.kernels.invariant`, process-wide) and the `recent` tie rule it implies:
-    every row's result then depends on that row alone, bit for bit (docs/system.md §11)."""
+    every row's result then depends on that row alone, bit for bit (docs/system.md §10)."""
     set_deterministic(True)
     set_tie_break(model, "recent")
 

@@ -25,7 +25,7 @@ def register(sub) -> None:
                    help="gate 1: feed every block its golden input stream from this capture file")
     p.add_argument("--images", help="comma-separated image files for {\"image\": i} items in the tokens file")
     p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant numerics (docs/system.md §11): each row's logits independent of the batch")
+                   help="batch-invariant numerics (docs/system.md §10): each row's logits independent of the batch")
     p.set_defaults(func=main)
 
 
