@@ -1,0 +1,140 @@
+"""Verifiable task families whose useful reasoning length varies by problem, with exact checkers, and the prompts
+in the official chat format (docs/system.md §7).
+
+Every family has a chain of intermediate states (running sums, pointer positions) and a final state, the answer.
+A response is `{trace}</think>{answer}<eos>` after the prompt's `<｜Assistant｜><think>`: the trace writes the state
+after every `stride`-th step of the chain (not after the last chunk: that is the answer), so stride 1 is the
+longest, most explicit reasoning and stride = n (the chain length) an empty one, where the model must do the whole
+chain in one token. More steps = harder; a longer trace = more accurate for the same model. The reasoning tokens
+are the trace's tokens (between the think tags).
+
+* `sums`: running sums mod 10 of n digits: `sum 37291` -> trace `37=0 29=1` (stride 2) -> answer `2`.
+* `chase`: pointer chasing on a map of letters: `chase a>c b>a c>d d>b from a 3` -> trace `c d` (stride 1) ->
+  answer `b` (the letter after 3 hops).
+
+Held-out problems are those whose content hashes into bucket 0 of 10 (`held_out`); training never draws them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+from dsv41.server.chat import OfficialTemplate, THINK_END, encode_prompt
+
+FAMILIES = ("sums", "chase")
+LETTERS = "abcdefghij"
+HELD_OUT_BUCKETS = 10
+
+
+@dataclass(frozen=True)
+class Problem:
+    family: str
+    content: str                 # the user message
+    states: tuple[str, ...]      # the chain's states after each step; the last one is the answer
+    pieces: tuple[str, ...]      # what each step consumes, as written in the trace (digits; "" for a hop)
+    difficulty: int              # chain length n
+
+    @property
+    def answer(self) -> str:
+        return self.states[-1]
+
+
+def held_out(content: str) -> bool:
+    return int(hashlib.sha256(content.encode()).hexdigest(), 16) % HELD_OUT_BUCKETS == 0
+
+
+def make_sums(rng: random.Random, n: int) -> Problem:
+    digits = [rng.randrange(10) for _ in range(n)]
+    states, s = [], 0
+    for d in digits:
+        s = (s + d) % 10
+        states.append(str(s))
+    return Problem("sums", "sum " + "".join(map(str, digits)), tuple(states), tuple(map(str, digits)), n)
+
+
+def make_chase(rng: random.Random, n: int, letters: int = 6) -> Problem:
+    keys = list(LETTERS[:letters])
+    targets = keys[:]
+    rng.shuffle(targets)
+    mapping = dict(zip(keys, targets))
+    start = rng.choice(keys)
+    states, at = [], start
+    for _ in range(n):
+        at = mapping[at]
+        states.append(at)
+    spec = " ".join(f"{k}>{mapping[k]}" for k in keys)
+    return Problem("chase", f"chase {spec} from {start} {n}", tuple(states), ("",) * n, n)
+
+
+MAKERS = {"sums": make_sums, "chase": make_chase}
+
+
+def check_family(family: str) -> str:
+    if family not in MAKERS:
+        raise ValueError(f"unknown task family {family!r}: choose from {', '.join(FAMILIES)}")
+    return family
+
+
+def sample_problem(rng: random.Random, family: str, lo: int, hi: int, split: str = "train") -> Problem:
+    """A problem of `family` with a chain length uniform in [lo, hi], from the train or held-out split."""
+    if split not in ("train", "held_out"):
+        raise ValueError(f"unknown split {split!r}: train or held_out")
+    while True:
+        p = MAKERS[check_family(family)](rng, rng.randint(lo, hi))
+        if held_out(p.content) == (split == "held_out"):
+            return p
+
+
+def trace(p: Problem, stride: int) -> str:
+    """The reasoning for `stride`: each chunk of `stride` steps but the last, then its state (`37=0`, `c`)."""
+    if not 1 <= stride <= p.difficulty:
+        raise ValueError(f"stride {stride} outside [1, {p.difficulty}]")
+    items = []
+    for end in range(stride, p.difficulty, stride):
+        chunk = "".join(p.pieces[end - stride:end])
+        items.append(f"{chunk}={p.states[end - 1]}" if chunk else p.states[end - 1])
+    return " ".join(items)
+
+
+def response(p: Problem, stride: int) -> str:
+    """The full response text after the prompt's `<think>` (without the end-of-sentence token)."""
+    return trace(p, stride) + THINK_END + p.answer
+
+
+def render_prompt(p: Problem, effort: int) -> str:
+    """The official V4.1 chat prompt in thinking mode with the effort line (ends with `<｜Assistant｜><think>`)."""
+    if not 1 <= effort <= 100:
+        raise ValueError(f"effort {effort} outside [1, 100]")
+    return OfficialTemplate().render([{"role": "user", "content": p.content}], effort=effort, thinking=True)
+
+
+def prompt_ids(tokenizer, p: Problem, effort: int) -> list[int]:
+    """[BOS] + the rendered prompt's ids (the engine convention: BOS as an id, not spelled in the text)."""
+    return [tokenizer.bos_id] + encode_prompt(tokenizer, render_prompt(p, effort))
+
+
+def response_ids(tokenizer, p: Problem, stride: int) -> list[int]:
+    return encode_prompt(tokenizer, response(p, stride)) + [tokenizer.eos_id]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    correct: bool
+    reasoning_tokens: int        # tokens before `</think>` (all of them when it never came)
+    closed: bool                 # the response closed its think span
+    answer: str
+
+
+def check(tokenizer, p: Problem, out_ids: list[int]) -> Verdict:
+    """Score a sampled response (token ids after the prompt, EOS excluded or included): correct when it closes
+    the think span and the text after it, stripped, is exactly the answer."""
+    end = tokenizer.think_end_id
+    eos = tokenizer.eos_id
+    ids = out_ids[:out_ids.index(eos)] if eos in out_ids else list(out_ids)
+    if end not in ids:
+        return Verdict(False, len(ids), False, "")
+    k = ids.index(end)
+    answer = tokenizer.decode(ids[k + 1:]).strip()
+    return Verdict(answer == p.answer, k, True, answer)
