@@ -158,6 +158,8 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.finished or any(s.request_id == rid for s in self.waiting + self.running):
             raise ValueError(f"duplicate request id {rid!r}")
+        if self.drafter is not None and params.processed():
+            raise ValueError("logit bias, penalties and grammar constraints need speculative decoding off")
         if images is not None and (len(images) != 2 or images[1].numel() != len(ids)):
             raise ValueError("images: (records, token types) with one type per prompt token")
         self.waiting.append(Sequence(rid, ids, params.for_prompt(ids), make_generator(params.seed), images))
