@@ -114,3 +114,16 @@ def test_structured_output_parses_and_validates(client, seed):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     c = client.completions.create(prompt="x", extra_body={"response_format": fmt}, **common).choices[0]
     assert _valid(json.loads(c.text))
+
+
+def test_processing_refused_while_speculating(tmp_path):
+    import openai
+    ckpt = make_checkpoint(tmp_path / "ck", seed=6)
+    with running_server(ckpt, speculative="fixed:2") as (handle, _):
+        client = openai_client(handle)
+        for kw in ({"logit_bias": {"5": 1}}, {"frequency_penalty": 0.5},
+                   {"extra_body": {"response_format": {"type": "json_object"}}}):
+            with pytest.raises(openai.BadRequestError) as ei:
+                client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kw)
+            assert ei.value.body["code"] == "unsupported_with_speculative"
+        assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].finish_reason
