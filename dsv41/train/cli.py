@@ -55,6 +55,9 @@ def register(subparsers) -> None:
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=d.fast,
                    help="the training-only fast forward (same function as the model's, dense masked attention, "
                         "batched experts; dsv41/train/fast.py); --no-fast: the reference forward")
+    p.add_argument("--indexer-loss-weight", type=float, default=d.indexer_loss_weight,
+                   help="weight of the indexers' KL objective against the attention (the only gradient the "
+                        "indexers get; the rest of the model does not see it); 0: indexers stay at their init")
     p.add_argument("--qat", action="store_true", help="fake-quantize the FP4 main KV (straight-through)")
     p.add_argument("--replay", choices=REPLAY_MODES, default=d.replay,
                    help="simulate bounded replay: truncate the sliding windows of the decoder / encoder / all "

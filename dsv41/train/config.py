@@ -40,6 +40,7 @@ class TrainConfig:
     qat: bool = False
     replay: str = "off"                    # bounded-replay simulation: off | decoder | encoder | both (qat.py)
     fast: bool = True                      # the training-only fast forward (fast.py; not under FSDP2)
+    indexer_loss_weight: float = 1.0       # the indexer objective (indexer_loss.py); 0: indexers stay frozen
     balance_rate: float = 1e-2             # 10x DeepSeek-V3's 1e-3: runs here last 10^2, not 10^5 steps
     seed: int = 0
     eval_every: int | None = None          # default: 8 evaluations per run
@@ -64,6 +65,8 @@ class TrainConfig:
             raise ValueError(f"--minutes must be > 0, got {self.minutes}")
         if self.steps is not None and self.minutes is not None:
             raise ValueError("give --steps or --minutes, not both")
+        if self.indexer_loss_weight < 0:
+            raise ValueError(f"--indexer-loss-weight must be >= 0, got {self.indexer_loss_weight}")
         if self.lr <= 0 or self.clip < 0 or self.weight_decay < 0:
             raise ValueError(f"--lr {self.lr}, --clip {self.clip}, --weight-decay {self.weight_decay}: out of range")
         if self.stage == "dspark" and not self.init:

@@ -56,15 +56,28 @@ def dense_sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx
     window lists and top-k are both duplicate-free) -> [B,T,H,D] in q's dtype."""
     (B, T, H, D), N = q.shape, kv.size(1)
     with _no_autocast(q.device):
-        col = torch.where(idx >= 0, idx.long(), N)                                 # -1 -> a dummy column N
-        mask = torch.zeros(B, T, N + 1, dtype=torch.bool, device=q.device).scatter_(-1, col, True)[..., :N]
-        kvf = kv.float()
-        s = torch.matmul(q.float().reshape(B, T * H, D), kvf.transpose(1, 2)).view(B, T, H, N)
+        p = attn_probs(q, kv, sink, index_mask(idx, N), scale)
+        out = torch.matmul(p.reshape(B, T * H, N), kv.float()).view(B, T, H, D)
+    return out.to(q.dtype)
+
+
+def index_mask(idx: torch.Tensor, N: int) -> torch.Tensor:
+    """Index lists idx [B,T,K] (-1 = nothing) as a bool mask [B,T,N] over the KV axis."""
+    col = torch.where(idx >= 0, idx.long(), N)                                     # -1 -> a dummy column N
+    return torch.zeros(*idx.shape[:2], N + 1, dtype=torch.bool, device=idx.device).scatter_(-1, col, True)[..., :N]
+
+
+def attn_probs(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, mask: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """The attention probabilities [B,T,H,N] fp32 of queries q [B,T,H,D] over the keys kv [B,N,D] that `mask`
+    [B,T,N] shows, with the per-head sink as one more logit whose probability is dropped (a row that sees nothing
+    gives zeros). Also the indexer objective's target (`dsv41.train.indexer_loss`)."""
+    (B, T, H, D), N = q.shape, kv.size(1)
+    with _no_autocast(q.device):
+        s = torch.matmul(q.float().reshape(B, T * H, D), kv.float().transpose(1, 2)).view(B, T, H, N)
         s = s.masked_fill(~mask.unsqueeze(2), -torch.inf) * scale
         logits = torch.cat([s, sink.float().view(1, 1, H, 1).expand(B, T, H, 1)], dim=-1)
-        p = torch.softmax(logits, dim=-1)[..., :N]
-        out = torch.matmul(p.reshape(B, T * H, N), kvf).view(B, T, H, D)
-    return out.to(q.dtype)
+        return torch.softmax(logits, dim=-1)[..., :N]
 
 
 def attention_forward(attn: Attention, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:

@@ -10,6 +10,7 @@ the QDQ evaluation at the end and the greedy sample run the model's own forward 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -27,6 +28,7 @@ from dsv41.model.step import ForwardOptions
 from dsv41.model.transformer import Transformer
 from dsv41.train import data as D
 from dsv41.train.fast import fast_applies, fast_forward
+from dsv41.train.indexer_loss import IndexerTap, indexer_kl
 from dsv41.train.qat import TrainCache
 from dsv41.train.stage import Stage, Validation, greedy_continue
 
@@ -34,21 +36,31 @@ _REPLAY_STREAM = 0x7265706C                 # tags the replay-start seed (seed, 
 
 
 class LMTrainModule(nn.Module):
-    """forward(ids [B,T], targets [B,T], floor [B] or None) -> (mean cross-entropy, {}): a training prefill at
-    position 0; with `floor`, the sliding windows of `replay_layers` are truncated at each row's replay start
-    for the queries at or after it (the bounded-replay simulation, qat.py)."""
+    """forward(ids [B,T], targets [B,T], floor [B] or None) -> (loss, metrics): a training prefill at position 0;
+    the mean cross-entropy, plus `indexer_loss_weight` x the indexer objective (indexer_loss.py: the indexers
+    learn from it alone, the rest of the model does not see it; metric `indexer_kl`). With `floor`, the sliding
+    windows of `replay_layers` are truncated at each row's replay start for the queries at or after it (the
+    bounded-replay simulation, qat.py)."""
 
-    def __init__(self, model, kv_qat: bool = False, replay_layers: frozenset | None = None, fast: bool = False):
+    def __init__(self, model, kv_qat: bool = False, replay_layers: frozenset | None = None, fast: bool = False,
+                 indexer_loss_weight: float = 0.0):
         super().__init__()
         self.model, self.kv_qat, self.replay_layers, self.fast = model, kv_qat, replay_layers, fast
+        self.indexer_loss_weight = indexer_loss_weight
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, floor: torch.Tensor | None = None):
         m = self.model
         cache = TrainCache(m.cfg, ids.size(0), m.dtype, ids.device, kv_qat=self.kv_qat)
         opts = ForwardOptions(window_floor=floor, window_floor_layers=self.replay_layers)
-        # the fast forward is the same function, faster (fast.py)
-        logits = fast_forward(m, ids, cache, opts) if self.fast and fast_applies(m) else m(ids, cache, 0, opts).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()), {}
+        with IndexerTap(m) if self.indexer_loss_weight else contextlib.nullcontext() as tap:
+            # the fast forward is the same function, faster (fast.py)
+            logits = (fast_forward(m, ids, cache, opts) if self.fast and fast_applies(m)
+                      else m(ids, cache, 0, opts).logits)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        if tap is None:
+            return loss, {}
+        kl = indexer_kl(m, tap)
+        return loss + self.indexer_loss_weight * kl, {"indexer_kl": float(kl.detach())}
 
 
 def replay_layers(mcfg, mode: str) -> frozenset | None:
@@ -142,7 +154,13 @@ class PretrainStage(Stage):
                 f"sequence uniform over [{self.window}, {cfg.seq_len - 1}]" if cfg.seq_len - 1 >= self.window else
                 f"bounded-replay simulation ({cfg.replay}): skipped, --seq-len {cfg.seq_len} leaves no start in "
                 f"[W={self.window}, seq_len-1]")
-        return LMTrainModule(model, kv_qat=cfg.qat, replay_layers=self.replay_layers, fast=cfg.fast and not cfg.fsdp)
+        weight = cfg.indexer_loss_weight
+        if weight and cfg.fsdp:
+            weight = 0.0
+            say("indexer objective: off under --fsdp (it recomputes from the modules outside their forwards, "
+                "where FSDP2 holds the parameters sharded)")
+        return LMTrainModule(model, kv_qat=cfg.qat, replay_layers=self.replay_layers, fast=cfg.fast and not cfg.fsdp,
+                             indexer_loss_weight=weight)
 
     def micro_extras(self, step, dist):
         """The replay starts of this rank's rows, one [B] tensor per micro-batch (none without replay)."""
