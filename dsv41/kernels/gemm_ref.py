@@ -2,8 +2,9 @@
 
 The official CPU GEMM for fp8 / fp4 weights sums each 32-wide K block of the quantized operands on its own (one
 small matmul per block), scales the block partial by the two power-of-two scales and accumulates the partials in
-float32, block by block in K order, then casts to the output dtype. Our operands are held dequantized (the FP8
-activation QDQ'd, the weight dequantized at load), i.e. code x power-of-two scale: scaling by a power of two
+float32, block by block in K order, then casts to the output dtype. Our operands are dequantized values (the FP8
+activation QDQ'd; the weight held dequantized, or held packed as the checkpoint stores it and dequantized here one
+chunk of blocks at a time), i.e. code x power-of-two scale: scaling by a power of two
 commutes with every rounding of the block sum, so `partial(x_blk, w_blk)` here has the bits of the official
 `partial(codes) * a_scale * w_scale`, and the accumulation below is the official one.
 
@@ -17,27 +18,48 @@ is not batch-invariant, and results across machines agree to the gates (docs/gol
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
-__all__ = ["GEMM_BLOCK", "block_scaled_linear_ref"]
+from dsv41.codecs.weights import PackedWeight
+
+__all__ = ["GEMM_BLOCK", "block_scaled_linear_ref", "weight_column_chunks"]
 
 GEMM_BLOCK = 32
+CHUNK_BYTES = 1 << 22          # fp32 bytes of one dequantized column chunk of a packed weight
 
 
-def block_scaled_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def weight_column_chunks(weight: torch.Tensor | PackedWeight) -> Iterator[tuple[int, torch.Tensor]]:
+    """(k0, fp32 [N, kc]) column chunks of the weight in K order, kc a multiple of 32: the whole weight as fp32
+    when it is held dequantized, chunks of about CHUNK_BYTES dequantized on the fly when it is packed (the values
+    of the dequantized twin, docs/model.md §9)."""
+    if isinstance(weight, torch.Tensor):
+        yield 0, weight.float()
+        return
+    N, K = weight.shape
+    step = max(GEMM_BLOCK, CHUNK_BYTES // (4 * N) // GEMM_BLOCK * GEMM_BLOCK)
+    for k0 in range(0, K, step):
+        yield k0, weight.cols(k0, min(K, k0 + step))
+
+
+def block_scaled_linear_ref(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) summed per 32-wide K block, the blocks accumulated in fp32 in K order.
 
-    x [..., K] (already FP8 QDQ'd when the weight is of a quantized kind), weight [N, K] (dequantized), K a
-    multiple of 32. The result is cast to the weight's dtype, as the Linear's F.linear."""
+    x [..., K] (already FP8 QDQ'd when the weight is of a quantized kind), weight [N, K] (dequantized, or a
+    `PackedWeight` read block by block: the same products, the same order, the same bits), K a multiple of 32.
+    The result is cast to the weight's dtype, as the Linear's F.linear."""
     K = x.size(-1)
-    N = weight.size(0)
+    N = weight.shape[0]
     if K % GEMM_BLOCK:
         raise ValueError(f"block-scaled GEMM needs K divisible by {GEMM_BLOCK}, got {K}")
     a = x.reshape(-1, K).float().contiguous()
-    w = weight.float()
     acc = torch.zeros(a.size(0), N, dtype=torch.float32, device=x.device)
-    for k0 in range(0, K, GEMM_BLOCK):
-        acc += a[:, k0:k0 + GEMM_BLOCK] @ w[:, k0:k0 + GEMM_BLOCK].T      # one block's partial, then the add
+    for c0, w in weight_column_chunks(weight):
+        for k0 in range(0, w.size(1), GEMM_BLOCK):
+            k = c0 + k0
+            acc += a[:, k:k + GEMM_BLOCK] @ w[:, k0:k0 + GEMM_BLOCK].T      # one block's partial, then the add
     y = acc.to(weight.dtype)
     if bias is not None:
         y = y + bias

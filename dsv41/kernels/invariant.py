@@ -107,7 +107,11 @@ class _ExactBlockLinear(torch.autograd.Function):
 
 def exact_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias) for a quantized-kind weight, exact per 32-wide K block (see the module docstring).
-    x [..., K] already FP8 QDQ'd, weight [N, K] dequantized; the result in the weight's dtype."""
+    x [..., K] already FP8 QDQ'd, weight [N, K] dequantized (a packed checkpoint-storage weight,
+    `dsv41.codecs.weights.PackedWeight`, is dequantized first: exact sums do not depend on how); the result in the
+    weight's dtype."""
+    if not isinstance(weight, torch.Tensor):
+        weight = weight.dequant()
     K, N = x.size(-1), weight.size(0)
     if K % EXACT_BLOCK:
         raise ValueError(f"block-scaled GEMM needs K divisible by {EXACT_BLOCK}, got {K}")

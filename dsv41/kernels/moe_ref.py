@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from dsv41.codecs import qdq_fp8 as qdq_fp8_ref
+from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.gemm_ref import block_scaled_linear_ref
 from dsv41.kernels.invariant import exact_block_linear, is_deterministic, linear, silu
 
@@ -61,14 +62,14 @@ def moe_experts_ref(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tenso
                     quant_mid: bool) -> torch.Tensor:
     """Routed + shared experts -> [N,D] in x's dtype. x [N,D]; indices [N,K] routed expert ids (distinct per
     token); weights [N,K] fp32 routing weights; w1, w3 [F,D] and w2 [D,F] per expert, E routed then the shared
-    expert last (E+1 each); limit the SwiGLU clamp; quant_in / quant_mid: the FP8 activation QDQ in front of
-    w1 and w3 / of w2."""
+    expert last (E+1 each), each dequantized or a `PackedWeight` (checkpoint storage, read block by block);
+    limit the SwiGLU clamp; quant_in / quant_mid: the FP8 activation QDQ in front of w1 and w3 / of w2."""
     xq = qdq_fp8_ref(x) if quant_in else x
 
-    def lin(a: torch.Tensor, weight: torch.Tensor, quantized: bool) -> torch.Tensor:
+    def lin(a: torch.Tensor, weight: torch.Tensor | PackedWeight, quantized: bool) -> torch.Tensor:
         if quantized:
             return exact_block_linear(a, weight) if is_deterministic() else block_scaled_linear_ref(a, weight)
-        return linear(a, weight)
+        return linear(a, weight if isinstance(weight, torch.Tensor) else weight.dequant())
 
     def run(e: int, xe: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         gate, up = lin(xe, w1[e], quant_in), lin(xe, w3[e], quant_in)

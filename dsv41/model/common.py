@@ -10,20 +10,44 @@ the model a continuous function of its inputs: dataflow equalities such as chunk
 
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import cache, lru_cache
 
 import torch
 from torch import nn
 
+from dsv41.codecs.weights import PackedWeight, pack_weight, stored_shapes
 from dsv41.kernels import qdq_fp8, quant_linear
 from dsv41.kernels.invariant import linear
 from dsv41.kernels.ref import rms_norm
 
 # Checkpoint storage kinds of a Linear weight (docs/model.md §9). Quantized kinds quantize their activation to FP8
-# (per 32 along K, ue8m0 scales) before the matmul; the weight itself is held dequantized (exact in bf16).
+# (per 32 along K, ue8m0 scales) before the matmul; the weight itself is held dequantized (exact in bf16, "dense",
+# what training updates) or as the checkpoint stores it ("packed": codes + e8m0 scales, for serving).
 QUANT_KINDS = ("fp8", "fp4")
 WEIGHT_KINDS = ("fp8", "fp4", "bf16", "fp32")
+STORAGES = ("dense", "packed")
+_construction = {"storage": "dense"}
+
+
+@contextlib.contextmanager
+def weight_storage(storage: str):
+    """Modules built inside `with weight_storage("packed"):` allocate their quantized weights (fp8 / fp4 Linears,
+    Engram tables) in the checkpoint storage directly (uninitialised), so that no dequantized copy ever exists."""
+    if storage not in STORAGES:
+        raise ValueError(f"weight storage {storage!r}: expected one of {', '.join(STORAGES)}")
+    prev = _construction["storage"]
+    _construction["storage"] = storage
+    try:
+        yield
+    finally:
+        _construction["storage"] = prev
+
+
+def building_packed() -> bool:
+    """Whether modules constructed now hold their quantized weights packed (see `weight_storage`)."""
+    return _construction["storage"] == "packed"
 
 
 def lin_kind(cfg) -> str:
@@ -61,25 +85,81 @@ class Linear(QuantSite):
 
     Quantized kinds compute (QDQ_fp8 a) . (dequant W)^T with fp32 accumulation in the official block-scaled
     GEMM's summation order (`dsv41.kernels.quant_linear`, docs/model.md §9); bf16 / fp32 kinds (and quantized kinds with
-    the QDQ switched off) are one plain matmul."""
+    the QDQ switched off) are one plain matmul.
+
+    Storage of a quantized kind: `weight` a float Parameter [out, in] holding the dequantized values (dense), or,
+    after `pack()` (or built under `weight_storage("packed")`), the checkpoint's own tensors as uint8 buffers under
+    the checkpoint's names: `weight` the codes (fp8 [out, in] e4m3, fp4 [out, in/2] two e2m1 a byte) and `scale`
+    the e8m0 scales (per 32 x 32 tile / per row and 32 inputs). The CPU GEMMs read the packed bytes block by block
+    and give the dense twin's bits (`dsv41/kernels/gemm_ref.py`); CUDA tensors and autograd dequantize the whole
+    weight per call until GPU kernels read the bytes."""
 
     def __init__(self, in_features: int, out_features: int, kind: str = "fp8", dtype: torch.dtype | None = None,
                  bias: bool = False):
         super().__init__()
         assert kind in WEIGHT_KINDS, kind
         self.in_features, self.out_features, self.kind = in_features, out_features, kind
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.held_dtype = dtype or torch.get_default_dtype()      # the dequantized weight's dtype
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        if building_packed() and self.packable:
+            codes, scales = stored_shapes(kind, out_features, in_features)
+            self.register_buffer("weight", torch.empty(codes, dtype=torch.uint8))
+            self.register_buffer("scale", torch.empty(scales, dtype=torch.uint8))
+        else:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+
+    @property
+    def packable(self) -> bool:
+        """A quantized kind without a bias: the weights the checkpoint stores quantized (docs/model.md §9)."""
+        return self.kind in QUANT_KINDS and self.bias is None
+
+    @property
+    def packed(self) -> bool:
+        return "scale" in self._buffers
 
     @property
     def quantizes_input(self) -> bool:
         return self.quant and self.kind in QUANT_KINDS
 
+    def stored_weight(self) -> torch.Tensor | PackedWeight:
+        """The weight as held: the dense Parameter, or a `PackedWeight` view of the packed buffers."""
+        if not self.packed:
+            return self.weight
+        return PackedWeight(self.weight, self.scale, self.kind, (self.out_features, self.in_features),
+                            self.held_dtype)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The dequantized weight [out, in] (the Parameter itself when dense; a new tensor when packed)."""
+        return self.stored_weight().dequant() if self.packed else self.weight
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Hold the weight as the checkpoint stores it (quantizing it: exact for checkpoint-representable values,
+        else the release's rounding, e.g. for a trained model's master weights)."""
+        if self.packed or not self.packable:
+            return
+        codes, scale = pack_weight(self.weight, self.kind)
+        self.held_dtype = self.weight.dtype
+        del self.weight
+        self.register_buffer("weight", codes)
+        self.register_buffer("scale", scale)
+
+    @torch.no_grad()
+    def unpack(self) -> None:
+        """Back to a dense Parameter holding the dequantized values (e.g. to train from a packed model)."""
+        if self.packed:
+            dense = self.dense_weight()
+            del self.weight, self.scale
+            self.weight = nn.Parameter(dense)
+
     def forward(self, x: torch.Tensor, input_quantized: bool = False) -> torch.Tensor:
         """input_quantized: x is already `qdq_fp8`'d (a caller feeding one input to several Linears)."""
         if not self.quantizes_input:
-            return linear(x, self.weight, self.bias)
-        return quant_linear(x if input_quantized else qdq_fp8(x), self.weight, self.bias, self.training)
+            return linear(x, self.dense_weight(), self.bias)
+        w = self.stored_weight()
+        if self.packed and (x.is_cuda or (self.training and torch.is_grad_enabled())):
+            w = w.dequant()                  # no GPU / autograd GEMM reads the packed bytes yet
+        return quant_linear(x if input_quantized else qdq_fp8(x), w, self.bias, self.training)
 
 
 # ------------------------------------------------------------------------------------------------ RoPE

@@ -20,7 +20,8 @@ Differences in form (not in values) from the official code:
     and one-token decode all give the same hash ids.
   * The official table stays fp8 (+ one ue8m0 scale per 32) and is dequantized then cast to bf16 on lookup. Here
     `embed.weight` holds the dequantized table (every such value is exact in bf16, so holding it in bf16 or fp32
-    loses nothing), and the looked-up rows are cast to the stream's dtype.
+    loses nothing), or, packed (`PackedTable`), the checkpoint's bytes with only the looked-up rows decoded; the
+    looked-up rows are cast to the stream's dtype.
   * A config whose `engram_num_embeddings` disagree with the prime layout raises ValueError (the official code
     would silently read zero rows for out-of-range ids).
 """
@@ -226,6 +227,37 @@ class NgramHasher(nn.Module):
 
 # ------------------------------------------------------------------------------------------------ 6.3 lookup, gate
 
+class PackedTable(nn.Module):
+    """An Engram hash table as the checkpoint stores it (docs/model.md §9): `weight` e4m3 codes [R, W] and `scale`
+    one e8m0 per row and 32 values [R, W/32] (uint8 buffers under the checkpoint's names). A lookup gathers the
+    rows' bytes and decodes only those, to the values the dequantized table holds in `held_dtype`."""
+
+    def __init__(self, rows: int, width: int, held_dtype: torch.dtype):
+        super().__init__()
+        codes, scales = stored_shapes("fp8_rows", rows, width)
+        self.register_buffer("weight", torch.empty(codes, dtype=torch.uint8))
+        self.register_buffer("scale", torch.empty(scales, dtype=torch.uint8))
+        self.held_dtype = held_dtype
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, table: torch.Tensor) -> "PackedTable":
+        """The packed storage of a dense table [R, W] (exact for checkpoint-representable rows)."""
+        out = cls(*table.shape, table.dtype).to(table.device)
+        codes, scale = pack_weight(table, "fp8_rows")
+        out.weight.copy_(codes)
+        out.scale.copy_(scale)
+        return out
+
+    def dense(self) -> torch.Tensor:
+        """The dequantized table [R, W] in `held_dtype`."""
+        return rows_values(self.weight, self.scale).to(self.held_dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] int64 -> rows [..., W] in `held_dtype`."""
+        return rows_values(self.weight[ids], self.scale[ids]).to(self.held_dtype)
+
+
 class Engram(nn.Module):
     """One engram layer: X [B,T,S,D] -> X' [B,T,S,D] (docs/model.md §6.3), applied before its block.
 
@@ -248,12 +280,29 @@ class Engram(nn.Module):
         self.eps = cfg.norm_eps
         self.n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         S, D, W = cfg.hc_mult, cfg.dim, cfg.engram_head_dim
-        # the hash table [R, W], held dequantized (official: e4m3 rows times one ue8m0 scale per 32, exact in bf16)
-        self.embed = nn.Embedding.from_pretrained(
-            torch.empty(cfg.engram_num_embeddings[self.layer_index], W, dtype=dtype), freeze=False)
+        # the hash table [R, W]: held dequantized (official: e4m3 rows times one ue8m0 scale per 32, exact in bf16)
+        # or packed as the checkpoint stores it (`PackedTable`)
+        R = cfg.engram_num_embeddings[self.layer_index]
+        if building_packed():
+            self.embed = PackedTable(R, W, dtype or torch.get_default_dtype())
+        else:
+            self.embed = nn.Embedding.from_pretrained(torch.empty(R, W, dtype=dtype), freeze=False)
         self.wkv = Linear(self.n_cols * W, D * (S + 1), kind="fp8", dtype=dtype)
         self.q_weight = nn.Parameter(torch.ones(S, D, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(S, D, dtype=dtype))
+
+    @property
+    def packed(self) -> bool:
+        return isinstance(self.embed, PackedTable)
+
+    def pack(self) -> None:
+        """Hold the table as the checkpoint stores it (`PackedTable`); `unpack` goes back to the dense Embedding."""
+        if not self.packed:
+            self.embed = PackedTable.of(self.embed.weight.detach())
+
+    def unpack(self) -> None:
+        if self.packed:
+            self.embed = nn.Embedding.from_pretrained(self.embed.dense(), freeze=False)
 
     def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, S, D = x.shape

@@ -6,13 +6,17 @@ Official layout: a directory with `config.json` (either spelling), `*.safetensor
   fp4 experts     `X.weight` I8 [out,in/2] (two E2M1 codes a byte, even element low) + `X.scale` F8_E8M0 [out,in/32],
   Engram table    `engram.embed.weight` F8_E4M3 [rows,hd] + `engram.embed.scale` F8_E8M0 [rows,hd/32],
   everything else plain bf16 / fp32 tensors.
-Our model holds every weight dequantized (exact in bf16), so loading = decode + copy; the writer quantizes
-(power-of-two e8m0 scales, RNE codes) and is used by tests to make official-format checkpoints. `attn.wo_a`
-is fp8 in the checkpoint and dequantized to bf16 at load, as upstream convert.py does. Tied copies
-`mtp.*.embed.weight` / `mtp.*.head.weight` are accepted and dropped.
+A model holds its quantized weights dequantized (storage "dense", exact in bf16: loading = decode + copy) or as
+the checkpoint stores them (storage "packed", `dsv41/model/packed_weights.py`: loading = a byte copy). Either way
+the shards are read one tensor at a time through a memory map (`dsv41/model/shards.py`), so a packed load needs
+about the model's own bytes and no dequantized copy. The writer quantizes (power-of-two e8m0 scales, RNE codes)
+and is used by tests to make official-format checkpoints. `attn.wo_a` is fp8 in the checkpoint and dequantized to
+bf16 at load, as upstream convert.py does. Tied copies `mtp.*.embed.weight` / `mtp.*.head.weight` are accepted and
+dropped.
 
-Our own format: `config.json` (official spelling) + `model.safetensors` with every parameter as stored in the
-model (float), plus optional `tokenizer.json`.
+Our own format: `config.json` (official spelling) + `model.safetensors` with every tensor as held by the model
+(a dense model's floats, or a packed model's codes + scales under the checkpoint's names), plus optional
+`tokenizer.json`; either loads into either storage.
 """
 
 from __future__ import annotations
@@ -21,15 +25,17 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dsv41.codecs import (e2m1_to_float, e4m3_to_float, e8m0_to_float, float_to_e2m1, float_to_e4m3,
-                          float_to_e8m0, pack_nibbles, unpack_nibbles)
+from dsv41.codecs.weights import CODECS, non_finite_codes, stored_shapes
 from dsv41.config import ModelConfig
-from dsv41.model.common import Linear
+from dsv41.model.common import Linear, weight_storage
+from dsv41.model.engram import PackedTable
+from dsv41.model.shards import ShardReader
 
 OWN_FORMAT = "dsv41"
 FP32_PLAIN = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias(_vl)?)$")
@@ -38,13 +44,33 @@ TIED_COPIES = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")
 
 # ------------------------------------------------------------------------------------------------ storage map
 
+class Slot(NamedTuple):
+    """Where a checkpoint weight's values live in the model."""
+
+    tensor: torch.Tensor                  # the dense parameter, or the packed codes buffer
+    scales: torch.Tensor | None           # the packed scales buffer (None: dense)
+    shape: tuple[int, ...]                # the weight's (dequantized) shape
+
+
+def weight_slots(model: torch.nn.Module) -> dict[str, Slot]:
+    """Checkpoint weight name -> its Slot: a dense parameter, or a packed weight's codes and scales buffers
+    (`X.weight`, `X.scale`). Every weight of the checkpoint once; scales are not listed apart."""
+    out = {n: Slot(p, None, tuple(p.shape)) for n, p in model.named_parameters()}
+    for n, m in model.named_modules():
+        if isinstance(m, Linear) and m.packed:
+            out[f"{n}.weight"] = Slot(m.weight, m.scale, (m.out_features, m.in_features))
+        elif isinstance(m, PackedTable):
+            out[f"{n}.weight"] = Slot(m.weight, m.scale, tuple(m.weight.shape))
+    return out
+
+
 def storage_map(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, str]:
     """Parameter name -> official storage: 'fp8' (weight + 32x32 scale), 'fp4' (packed + per-32 scale),
     'fp8_rows' (Engram table, per-32 scale along rows), 'f32' or 'bf16' (plain)."""
     linear_kinds = {f"{name}.weight": "fp8" if name.endswith("attn.wo_a") and cfg.dtype == "fp8" else mod.kind
                     for name, mod in model.named_modules() if isinstance(mod, Linear) and mod.bias is None}
     out: dict[str, str] = {}
-    for name, _ in model.named_parameters():
+    for name in weight_slots(model):
         if linear_kinds.get(name) in ("fp8", "fp4"):
             out[name] = linear_kinds[name]
         elif name.endswith("engram.embed.weight"):
@@ -61,85 +87,17 @@ def scale_name(weight_name: str) -> str:
     return weight_name.removesuffix("weight") + "scale"
 
 
-# ------------------------------------------------------------------------------------------------ quantizers
-
-def _tile_scales(scale: torch.Tensor, rows: int, cols: int, tile: int) -> torch.Tensor:
-    return scale.repeat_interleave(tile, 0)[:rows].repeat_interleave(tile, 1)[:, :cols]
-
-
-def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, tile: int = 32) -> torch.Tensor:
-    w = e4m3_to_float(weight)
-    return w * _tile_scales(e8m0_to_float(scale), *w.shape, tile)
-
-
-def _row_scaled(w: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    return w * e8m0_to_float(scale).repeat_interleave(group, 1)[:, :w.size(1)]
-
-
-def dequant_fp4(weight: torch.Tensor, scale: torch.Tensor, group: int = 32) -> torch.Tensor:
-    return _row_scaled(e2m1_to_float(unpack_nibbles(weight.view(torch.uint8))), scale, group)
-
-
-def dequant_rows(weight: torch.Tensor, scale: torch.Tensor, group: int = 32) -> torch.Tensor:
-    return _row_scaled(e4m3_to_float(weight), scale, group)
-
-
-def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """Smallest power of two s with amax / s <= qmax (s >= 2^-127), as the release's weight scales."""
-    amax = amax.float().clamp_min(2.0 ** -120)
-    return torch.exp2(torch.ceil(torch.log2(amax / qmax))).clamp(2.0 ** -127, 2.0 ** 127)
-
-
-def quant_fp8(w: torch.Tensor, tile: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [out,in] -> (e4m3 bytes [out,in], e8m0 bytes [ceil(out/32), ceil(in/32)])."""
-    w = w.float()
-    R, C = w.shape
-    pr, pc = -R % tile, -C % tile
-    t = torch.nn.functional.pad(w, (0, pc, 0, pr)).view((R + pr) // tile, tile, (C + pc) // tile, tile)
-    s = _pow2_scale(t.abs().amax(dim=(1, 3)), 448.0)
-    codes = float_to_e4m3(w / _tile_scales(s, R, C, tile))
-    return codes.view(torch.float8_e4m3fn), float_to_e8m0(s).view(torch.float8_e8m0fnu)
-
-
-def _quant_row_groups(w: torch.Tensor, group: int, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [out,in] -> (values divided by their scale [out,in], e8m0 bytes [out,in/group]): one power-of-two
-    scale per `group` along each row, the smallest that brings the group's amax within qmax."""
-    w = w.float()
-    R, C = w.shape
-    g = w.view(R, C // group, group)
-    s = _pow2_scale(g.abs().amax(-1), qmax)
-    return (g / s.unsqueeze(-1)).view(R, C), float_to_e8m0(s).view(torch.float8_e8m0fnu)
-
-
-def quant_fp4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [out,in] -> (int8 [out,in/2] two E2M1 codes a byte, e8m0 bytes [out,in/32])."""
-    x, s = _quant_row_groups(w, group, 6.0)
-    return pack_nibbles(float_to_e2m1(x.clamp(-6, 6))).view(torch.int8), s
-
-
-def quant_rows(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [out,in] -> (e4m3 bytes [out,in], e8m0 bytes [out,in/32]): the Engram table's storage."""
-    x, s = _quant_row_groups(w, group, 448.0)
-    return float_to_e4m3(x).view(torch.float8_e4m3fn), s
-
-
-# quantized storage kind -> (quantizer, decoder, (codes shape, scales shape) of an [R, C] parameter)
-CODECS = {
-    "fp8": (quant_fp8, dequant_fp8, lambda R, C: ((R, C), (math.ceil(R / 32), math.ceil(C / 32)))),
-    "fp4": (quant_fp4, dequant_fp4, lambda R, C: ((R, C // 2), (R, C // 32))),
-    "fp8_rows": (quant_rows, dequant_rows, lambda R, C: ((R, C), (R, C // 32))),
-}
-
-
 def representable(model: torch.nn.Module, cfg: ModelConfig) -> None:
     """Round every quantized-storage weight of `model` in place to what the official layout can hold, so
     that writing then loading is the identity (used for random models meant to be written)."""
-    params = dict(model.named_parameters())
+    slots = weight_slots(model)
     with torch.no_grad():
         for name, kind in storage_map(model, cfg).items():
-            p = params[name]
+            p, scales, _ = slots[name]
+            if scales is not None:                     # packed: representable by construction
+                continue
             if kind in CODECS:
-                quant, dequant, _ = CODECS[kind]
+                quant, dequant = CODECS[kind]
                 p.copy_(dequant(*quant(p)))
             elif kind == "bf16":
                 p.copy_(p.to(torch.bfloat16))
@@ -169,68 +127,99 @@ def is_own_format(path: Path) -> bool:
         return (st.metadata() or {}).get("format") == OWN_FORMAT
 
 
-def _decode(name: str, kind: str, shape: torch.Size, tensors: dict[str, torch.Tensor], used: set[str]):
-    """One parameter from the official tensors (the names read are added to `used`); ValueError naming the
-    offending tensor."""
-    def take(n: str) -> torch.Tensor:
-        if n not in tensors:
+def _check(name: str, kind: str, shape: tuple[int, ...], reader: ShardReader, used: set[str]) -> None:
+    """ValueError naming the offending tensor unless the checkpoint holds parameter `name` (of `shape`) as `kind`
+    stores it; the names read are added to `used`. Headers only: nothing is read."""
+    def info(n: str):
+        if n not in reader:
             raise ValueError(f"missing tensor {n!r}")
         used.add(n)
-        return tensors[n]
+        return reader.info(n)
 
-    t = take(name)
+    dtype, got = info(name)
     if kind not in CODECS:
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"tensor {name!r}: got shape {tuple(t.shape)}, want {tuple(shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"tensor {name!r}: got dtype {t.dtype}, want a float tensor")
-        return t.float()
+        if got != tuple(shape):
+            raise ValueError(f"tensor {name!r}: got shape {got}, want {tuple(shape)}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"tensor {name!r}: got dtype {dtype}, want a float tensor")
+        return
     sname = scale_name(name)
-    s = take(sname)
-    _, decode, shapes = CODECS[kind]
-    want_w, want_s = shapes(*shape)
-    ok_dtype = (t.dtype in (torch.int8, torch.uint8) or "float4" in str(t.dtype) if kind == "fp4"
-                else t.dtype in (torch.float8_e4m3fn, torch.uint8))
-    if tuple(t.shape) != want_w or not ok_dtype:
-        raise ValueError(f"tensor {name!r}: got {t.dtype} {tuple(t.shape)}, want {kind} {want_w}")
-    if tuple(s.shape) != want_s:
-        raise ValueError(f"tensor {sname!r}: got shape {tuple(s.shape)}, want {want_s}")
-    return decode(t, s)
+    _, sgot = info(sname)
+    want_w, want_s = stored_shapes(kind, *shape)
+    ok_dtype = (dtype in (torch.int8, torch.uint8) or "float4" in str(dtype) if kind == "fp4"
+                else dtype in (torch.float8_e4m3fn, torch.uint8))
+    if got != want_w or not ok_dtype:
+        raise ValueError(f"tensor {name!r}: got {dtype} {got}, want {kind} {want_w}")
+    if sgot != want_s:
+        raise ValueError(f"tensor {sname!r}: got shape {sgot}, want {want_s}")
 
 
-def load_official_state(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
-    """Decode official-layout tensors into `model`'s parameters; every problem is one ValueError naming
-    each offending tensor."""
-    params = dict(model.named_parameters())
+def _load_weight(name: str, kind: str, slot: Slot, reader: ShardReader) -> None:
+    """Copy checkpoint weight `name` into its slot, one tensor resident at a time: packed codes and scales byte for
+    byte into a packed slot (or quantized from a float tensor of our own format), decoded into a dense one;
+    ValueError for non-finite values."""
+    dst, dst_scale, _ = slot
+    stored = kind in CODECS and scale_name(name) in reader
+    if not stored:                                   # a plain tensor (or a dense one of our own format)
+        with reader.tensor(name) as t:
+            if not torch.isfinite(t).all():
+                raise ValueError(f"tensor {name!r}: non-finite values")
+            if dst_scale is None:
+                dst.copy_(t)
+            else:
+                codes, scales = CODECS[kind][0](t)
+                dst.copy_(codes.view(torch.uint8))
+                dst_scale.copy_(scales.view(torch.uint8))
+        return
+    with reader.tensor(name) as w, reader.tensor(scale_name(name)) as s:
+        if non_finite_codes(kind, w, s):
+            raise ValueError(f"tensor {name!r}: non-finite values")
+        if dst_scale is not None:
+            dst.copy_(w.view(torch.uint8))
+            dst_scale.copy_(s.view(torch.uint8))
+        else:
+            dst.copy_(CODECS[kind][1](w, s))
+
+
+def load_official_state(model: torch.nn.Module, cfg: ModelConfig, reader: ShardReader) -> None:
+    """Copy official-layout tensors into `model` tensor by tensor (packed slots take the bytes as stored, dense
+    ones the decoded values); every problem is one ValueError naming each offending tensor."""
+    slots = weight_slots(model)
     problems: list[str] = []
     used: set[str] = set()
-    decoded: dict[str, torch.Tensor] = {}
-    for name, kind in storage_map(model, cfg).items():
+    smap = storage_map(model, cfg)
+    for name, kind in smap.items():
         try:
-            dec = _decode(name, kind, params[name].shape, tensors, used)
-            if not torch.isfinite(dec).all():
-                raise ValueError(f"tensor {name!r}: non-finite values")
-            decoded[name] = dec
+            _check(name, kind, slots[name].shape, reader, used)
         except ValueError as e:
             problems.append(str(e))
-        except (RuntimeError, TypeError) as e:
-            problems.append(f"tensor {name!r}: cannot decode ({e})")
-    problems += [f"unexpected tensor {k!r}" for k in sorted(tensors) if k not in used and not TIED_COPIES.match(k)]
+    problems += [f"unexpected tensor {k!r}" for k in reader.keys() if k not in used and not TIED_COPIES.match(k)]
+    if not problems:
+        order = {k: i for i, k in enumerate(reader.keys())}
+        with torch.no_grad():
+            for name, kind in sorted(smap.items(), key=lambda item: order[item[0]]):    # each file read once
+                try:
+                    _load_weight(name, kind, slots[name], reader)
+                except (ValueError, RuntimeError, TypeError) as e:
+                    problems.append(str(e) if isinstance(e, ValueError) else f"tensor {name!r}: cannot decode ({e})")
     if problems:
         raise ValueError(f"bad checkpoint ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
-    with torch.no_grad():
-        for name, dec in decoded.items():
-            params[name].copy_(dec.to(params[name].dtype))
 
 
 # ------------------------------------------------------------------------------------------------ official write
 
 def official_tensors(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    smap = storage_map(model, cfg)
+    """The official layout's tensors of `model`: quantized weights as codes + scales (a packed model's own bytes,
+    a dense model's weights quantized as the release stores them), the rest plain bf16 / fp32."""
+    slots = weight_slots(model)
     out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        kind, p = smap[name], p.detach()
-        if kind in CODECS:
+    for name, kind in storage_map(model, cfg).items():
+        p, scales, _ = slots[name]
+        p = p.detach()
+        if scales is not None:
+            out[name] = p.view(torch.int8 if kind == "fp4" else torch.float8_e4m3fn)
+            out[scale_name(name)] = scales.view(torch.float8_e8m0fnu)
+        elif kind in CODECS:
             out[name], out[scale_name(name)] = CODECS[kind][0](p)
         else:
             out[name] = p.to(torch.float32 if kind == "f32" else torch.bfloat16).contiguous()
@@ -280,9 +269,39 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, path: str | Path, 
     return path
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_own_state(model: torch.nn.Module, cfg: ModelConfig, reader: ShardReader, path: Path) -> None:
+    """Copy our own format's tensors into `model` tensor by tensor. Quantized weights may be stored either way
+    (dense floats: a trained model; codes + scales: a packed one) and are converted to the model's storage."""
+    slots, smap = weight_slots(model), storage_map(model, cfg)
+    state = model.state_dict()
+    scales = {scale_name(n) for n, k in smap.items() if k in CODECS}
+    want = {n for n in state if n not in scales} | set(slots)
+    have = {k for k in reader.keys() if k not in scales}
+    missing, unexpected = sorted(want - have), sorted(have - want)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path}: missing {missing}, unexpected {unexpected}")
+    order = {k: i for i, k in enumerate(reader.keys())}
+    with torch.no_grad():
+        for name in sorted(want, key=order.__getitem__):
+            stored = name in slots and smap[name] in CODECS and scale_name(name) in reader
+            shape = slots[name].shape if name in slots else tuple(state[name].shape)
+            if not stored and reader.info(name)[1] != shape:
+                raise ValueError(f"checkpoint {path}: tensor {name!r} has shape {reader.info(name)[1]}, want {shape}")
+            if name in slots:
+                _load_weight(name, smap[name], slots[name], reader)
+            else:                                             # a persistent buffer
+                with reader.tensor(name) as t:
+                    state[name].copy_(t)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               storage: str = "dense"):
     """Load a checkpoint directory (official layout or ours) -> (model, cfg). Engram's token map comes from
-    the directory's tokenizer.json when the model has Engram and the file exists."""
+    the directory's tokenizer.json when the model has Engram and the file exists.
+
+    storage "dense": quantized weights held dequantized (training, today's GPU kernels); "packed": held as the
+    checkpoint stores them (docs/model.md §9), the model built packed and the shards read tensor by tensor through
+    a memory map, so that loading needs about the model's own bytes (`benchmarks/load_memory.py`)."""
     from dsv41.config import load_config
     from dsv41.model.transformer import Transformer
 
@@ -297,14 +316,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
         from dsv41.model.engram import build_compressed_token_map
         token_map = build_compressed_token_map(Tokenizer.from_file(str(tok)))     # the hasher checks its size
-    model = Transformer(cfg, dtype=dtype, token_map=token_map)
-    if is_own_format(path):
-        tensors = read_tensors(path)
-        missing = sorted(set(model.state_dict()) - set(tensors))
-        unexpected = sorted(set(tensors) - set(model.state_dict()))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {path}: missing {missing}, unexpected {unexpected}")
-        model.load_state_dict(tensors)
-    else:
-        load_official_state(model, cfg, read_tensors(path))
+    with weight_storage(storage):
+        model = Transformer(cfg, dtype=dtype, token_map=token_map)
+    with ShardReader(path) as reader:
+        if is_own_format(path):
+            load_own_state(model, cfg, reader, path)
+        else:
+            load_official_state(model, cfg, reader)
     return model.to(device), cfg

@@ -83,13 +83,16 @@ class MoE(nn.Module):
 
     def fused_weights(self):
         """(w1s, w3s, w2s, quant_in, quant_mid) for `moe_experts` (routed experts, then the shared one) when every
-        expert's Linears agree on the activation QDQ, have no bias and no expert has forward hooks; else None.
+        expert's Linears agree on the activation QDQ, have no bias and hold dense weights (the op's Triton kernels
+        read dequantized weights; packed experts take the module loop) and no expert has forward hooks; else None.
         Checked on every call (flags and hooks can change), through the modules' own dicts: this runs once per
         layer and decode step, where nn.Module attribute lookups would cost ~200 per layer."""
         mods = (*self.experts._modules.values(), self.shared_experts)
         lins = [(m._modules["w1"], m._modules["w3"], m._modules["w2"]) for m in mods]
         for mod in (*mods, *(w for ls in lins for w in ls)):
             if mod._forward_pre_hooks or mod._forward_hooks or mod._parameters.get("bias") is not None:
+                return None
+            if "scale" in mod._buffers:      # packed storage: the module loop (each Linear reads its own bytes)
                 return None
         q_in = {w.quantizes_input for w1, w3, _ in lins for w in (w1, w3)}
         q_mid = {w2.quantizes_input for _, _, w2 in lins}
