@@ -19,7 +19,8 @@ the model and the kernels take these forms instead:
                       rows padded to tiles of ROW_TILE and computed as one batched matmul of identical
                       [ROW_TILE, K] x [K, N] problems, fp32 accumulation, so a row's sum has the same order
                       whatever the other rows are (vLLM's and SGLang's batch-invariant mode fixes the GEMM tile
-                      in the same way).
+                      in the same way). On CUDA the tiles go in calls of CUDA_TILE_GROUP (zero tiles pad the
+                      last), since cuBLAS also chooses its kernel by the batch count.
   index_scores        the indexer's I[t] = sum_j w_j ReLU(q_j . k_t) with exact 32-wide blocks (MXFP4 q and
                       keys make them exact), blocks then heads added in a fixed order.
   canonical_lists     attention index lists in one layout per query (the window's valid entries oldest first,
@@ -27,6 +28,12 @@ the model and the kernels take these forms instead:
                       online softmax sees the same blocks in prefill, decode, chunks and verification.
   sparse attention    (`dsv41.kernels.ref.sparse_attn_ref`) dot products and P.V as products summed along a
                       fixed last axis instead of batched GEMMs.
+  row_sum, row_mean,  sums along an axis in a shape-independent order: a last axis in blocks of 32 (each block,
+  small_sum           then the blocks, summed by reductions of at most 32 values), a short axis (mHC streams,
+                      routed experts) as sequential adds. CUDA's reduction kernels otherwise choose how many
+                      threads and blocks share one row from the whole tensor's shape (few rows: a row is split
+                      further), so a row's order changed with the batch; the CPU's are row-invariant already,
+                      and take the same forms in this mode.
   sigmoid, silu,      written with exp / log1p: torch's own kernels compute the elements of a vector loop's tail
   softplus            with a scalar formula that differs in the last bit from the vector one (measured: ~5% of
                       elements), so an element's value depended on the tensor's size; exp and log1p take one
@@ -45,9 +52,11 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["ROW_TILE", "set_deterministic", "is_deterministic", "deterministic", "exact_block_linear",
-           "tiled_linear", "linear", "index_scores", "canonical_lists", "sigmoid", "silu", "softplus"]
+           "tiled_linear", "linear", "index_scores", "canonical_lists", "sigmoid", "silu", "softplus", "row_sum",
+           "row_mean", "small_sum"]
 
 ROW_TILE = 16                 # rows per GEMM problem of `tiled_linear` (a decode batch of up to 16 is one problem)
+CUDA_TILE_GROUP = 8           # tiles per batched GEMM call on CUDA (one batch count: one cuBLAS kernel choice)
 EXACT_BLOCK = 32              # K block of the quantized GEMMs (the checkpoint's scale block)
 _EXACT_ROWS = 256             # rows per float64 pass of exact_block_linear (bounds the [K/32, rows, N] partials)
 
@@ -127,9 +136,13 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     K, N = x.size(-1), weight.size(0)
     a = x.reshape(-1, K).to(weight.dtype)
     M = a.size(0)
-    tiles = F.pad(a, (0, 0, 0, -M % ROW_TILE)).float().view(-1, ROW_TILE, K)
-    wt = weight.float().T
-    y = torch.bmm(tiles, wt.unsqueeze(0).expand(tiles.size(0), K, N)).view(-1, N)[:M].to(weight.dtype)
+    # CUDA: cuBLAS picks its kernel by the batch count too, so the tiles go in groups of a fixed count
+    group = ROW_TILE * (CUDA_TILE_GROUP if a.is_cuda else 1)
+    tiles = F.pad(a, (0, 0, 0, -M % group)).float().view(-1, ROW_TILE, K)
+    wt = weight.float().T.unsqueeze(0).expand(tiles.size(0) if group == ROW_TILE else CUDA_TILE_GROUP, K, N)
+    step = tiles.size(0) if group == ROW_TILE else CUDA_TILE_GROUP
+    y = torch.cat([torch.bmm(tiles[i:i + step], wt) for i in range(0, tiles.size(0), step)])
+    y = y.view(-1, N)[:M].to(weight.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], N)
@@ -141,6 +154,44 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _state["on"]:
         return tiled_linear(x, weight, bias)
     return F.linear(x.to(weight.dtype), weight, bias)
+
+
+# ------------------------------------------------------------------------------------------------ reductions
+
+_SUM_BLOCK = 32
+
+
+def _blocked_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis: zero-padded to blocks of 32, each block summed, then the block sums (recursively)."""
+    while x.size(-1) > _SUM_BLOCK:
+        x = F.pad(x, (0, -x.size(-1) % _SUM_BLOCK)).unflatten(-1, (-1, _SUM_BLOCK)).sum(-1)
+    return x.sum(-1)
+
+
+def row_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """x.sum(-1), in a shape-independent order in the deterministic mode."""
+    if not _state["on"]:
+        return x.sum(-1, keepdim=keepdim)
+    s = _blocked_sum(x)
+    return s.unsqueeze(-1) if keepdim else s
+
+
+def row_mean(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """x.mean(-1); the deterministic mode's row_sum / n."""
+    if not _state["on"]:
+        return x.mean(-1, keepdim=keepdim)
+    return row_sum(x, keepdim) / x.size(-1)
+
+
+def small_sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """x.sum(dim) over a short axis; in the deterministic mode x[0] + x[1] + ... in index order."""
+    if not _state["on"]:
+        return x.sum(dim=dim, keepdim=keepdim)
+    parts = x.unbind(dim)
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out.unsqueeze(dim) if keepdim else out
 
 
 # ------------------------------------------------------------------------------------------------ elementwise

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.kernels.invariant import is_deterministic
+from dsv41.kernels.invariant import is_deterministic, row_mean, row_sum
 
 SPARSE_ATTN_BLOCK = 64
 
@@ -16,7 +16,7 @@ SPARSE_ATTN_BLOCK = 64
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, cast back to x's dtype (docs/model.md §2)."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    xf = xf * torch.rsqrt(row_mean(xf.square(), keepdim=True) + eps)
     return (weight * xf).to(x.dtype)
 
 
@@ -52,7 +52,7 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
         valid = blk >= 0
         kv_blk = kvf[batch, blk.clamp_min(0)] * valid.unsqueeze(-1)            # [B,T,k,D]
         if det:
-            s = (qf.unsqueeze(3) * kv_blk.unsqueeze(2)).sum(-1)                   # [B,T,H,k]
+            s = row_sum(qf.unsqueeze(3) * kv_blk.unsqueeze(2))                   # [B,T,H,k]
         else:
             s = torch.einsum("bthd,btkd->bthk", qf, kv_blk)
         s = torch.where(valid.unsqueeze(2), s, -torch.inf) * scale
@@ -60,10 +60,10 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
         run_max = torch.maximum(prev, s.amax(dim=-1))
         rescale = torch.exp(prev - run_max)
         p = torch.exp(s - run_max.unsqueeze(-1))
-        den = den * rescale + p.sum(dim=-1)
+        den = den * rescale + row_sum(p)
         if round_p:
             p = p.to(torch.bfloat16).float()
-        pv = ((p.unsqueeze(3) * kv_blk.transpose(-1, -2).unsqueeze(2)).sum(-1) if det    # [B,T,H,D]
+        pv = (row_sum(p.unsqueeze(3) * kv_blk.transpose(-1, -2).unsqueeze(2)) if det    # [B,T,H,D]
               else torch.einsum("bthk,btkd->bthd", p, kv_blk))
         acc = acc * rescale.unsqueeze(-1) + pv
     den = den + torch.exp(sink.float() - run_max)

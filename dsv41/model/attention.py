@@ -25,7 +25,7 @@ from dsv41.config import LayerRole, ModelConfig
 from dsv41.devices import h2d
 from dsv41.kernels import qdq_fp8, sparse_attn
 from dsv41.kernels.invariant import (canonical_lists, index_scores, is_deterministic, set_deterministic,
-                                     tiled_linear)
+                                     small_sum, tiled_linear)
 from dsv41.kernels.packed_ref import top_blocks, topk_indices
 from dsv41.model import packed_decode
 from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope, lin_kind
@@ -150,7 +150,7 @@ class Compressor(nn.Module):
         if n == 0:
             return None, count
         g_kv, g_sc = (t[:, :n * m].unflatten(1, (n, m)) for t in (seq_kv, seq_sc))
-        pooled = (g_kv * g_sc.softmax(dim=2)).sum(dim=2)
+        pooled = small_sum(g_kv * g_sc.softmax(dim=2), 2)
         return self.norm(pooled.to(u.dtype)), count
 
 

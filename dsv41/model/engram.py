@@ -37,8 +37,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from dsv41.kernels.invariant import sigmoid
-from dsv41.model.common import Linear
+from dsv41.codecs.weights import pack_weight, rows_values, stored_shapes
+from dsv41.kernels.invariant import row_mean, row_sum, sigmoid
+from dsv41.model.common import Linear, building_packed
 
 DEAD = -1           # compressed id of a position that takes no part in an n-gram (docs/model.md §6.2)
 GATE_CLAMP = 1e-6   # |dot| floor before the signed square root (docs/model.md §6.3, §10.1)
@@ -230,7 +231,13 @@ class NgramHasher(nn.Module):
 class PackedTable(nn.Module):
     """An Engram hash table as the checkpoint stores it (docs/model.md §9): `weight` e4m3 codes [R, W] and `scale`
     one e8m0 per row and 32 values [R, W/32] (uint8 buffers under the checkpoint's names). A lookup gathers the
-    rows' bytes and decodes only those, to the values the dequantized table holds in `held_dtype`."""
+    rows' bytes and decodes only those, to the values the dequantized table holds in `held_dtype`.
+
+    `host` (set by `dsv41.model.packed_weights.engram_tables_on_host`): the table stays in host memory when the
+    model moves to an accelerator; a lookup gathers the rows there and copies only those rows' bytes to the ids'
+    device. On the CPU this is the same code path without the copy."""
+
+    host = False
 
     def __init__(self, rows: int, width: int, held_dtype: torch.dtype):
         super().__init__()
@@ -238,6 +245,11 @@ class PackedTable(nn.Module):
         self.register_buffer("weight", torch.empty(codes, dtype=torch.uint8))
         self.register_buffer("scale", torch.empty(scales, dtype=torch.uint8))
         self.held_dtype = held_dtype
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)` / `.cuda()` of the model: a host table stays where it is (its buffers are uint8, so no
+        dtype conversion applies to them either)."""
+        return self if self.host else super()._apply(fn, recurse)
 
     @classmethod
     @torch.no_grad()
@@ -254,8 +266,12 @@ class PackedTable(nn.Module):
         return rows_values(self.weight, self.scale).to(self.held_dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [...] int64 -> rows [..., W] in `held_dtype`."""
-        return rows_values(self.weight[ids], self.scale[ids]).to(self.held_dtype)
+        """ids [...] int64 -> rows [..., W] in `held_dtype`, on the ids' device."""
+        at = ids.to(self.weight.device)
+        codes, scale = self.weight[at], self.scale[at]
+        if codes.device != ids.device:              # a host table: only the looked-up rows cross to the device
+            codes, scale = codes.to(ids.device, non_blocking=True), scale.to(ids.device, non_blocking=True)
+        return rows_values(codes, scale).to(self.held_dtype)
 
 
 class Engram(nn.Module):
@@ -314,8 +330,8 @@ class Engram(nn.Module):
         w = self.q_weight.float() * self.k_weight.float()                    # [S, D]
         h = x.float()
         # normalised per (token, stream) over D, applied after the dot product (docs/model.md §10.2 item 6)
-        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (h * w * key).sum(-1) * rstd * D ** -0.5                       # [B, T, S]
+        rstd = torch.rsqrt(row_mean(h.square()) + self.eps) * torch.rsqrt(row_mean(key.square()) + self.eps)
+        dot = row_sum(h * w * key) * rstd * D ** -0.5                       # [B, T, S]
         gate = sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask.to(torch.bool).unsqueeze(-1), 0.0)

@@ -11,7 +11,7 @@ from torch import nn
 
 from dsv41.kernels import expert_act, moe_combine, moe_experts, qdq_fp8
 from dsv41.kernels.choice import fused_moe
-from dsv41.kernels.invariant import linear, sigmoid, softplus
+from dsv41.kernels.invariant import linear, sigmoid, small_sum, softplus
 from dsv41.model.common import Linear, lin_kind
 
 
@@ -47,7 +47,7 @@ class Gate(nn.Module):
         indices = (scores + bias).detach().topk(self.topk, dim=-1).indices
         weights = scores.gather(1, indices)
         if self.norm_topk_prob and self.topk > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # literal 1e-20, not norm_eps
+            weights = weights / (small_sum(weights, -1, keepdim=True) + 1e-20)  # literal 1e-20, not norm_eps
         return weights * self.route_scale, indices, scores
 
 

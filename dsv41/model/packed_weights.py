@@ -15,12 +15,13 @@ checkpoint formats as the release's quantizer does.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from dsv41.model.common import Linear
-from dsv41.model.engram import Engram
+from dsv41.model.engram import Engram, PackedTable
 
-__all__ = ["pack_weights", "unpack_weights", "is_packed", "resident_weight_bytes"]
+__all__ = ["pack_weights", "unpack_weights", "is_packed", "resident_weight_bytes", "engram_tables_on_host"]
 
 
 def _switchable(model: nn.Module):
@@ -60,3 +61,18 @@ def resident_weight_bytes(model: nn.Module) -> dict[str, int]:
         out[key] += t.numel() * t.element_size()
     return out
 
+
+def engram_tables_on_host(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Keep the packed Engram tables in host memory (pinned where a CUDA device exists, so the looked-up rows copy
+    asynchronously) when the model moves to an accelerator, or let them move with it (`enabled=False`, the default:
+    small models and tests). Call on a packed model still in host memory; ValueError otherwise."""
+    for m in model.modules():
+        if isinstance(m, Engram):
+            if not isinstance(m.embed, PackedTable):
+                raise ValueError("Engram tables in host memory need the packed storage: pack_weights(model) first")
+            if m.embed.weight.device.type != "cpu":
+                raise ValueError(f"Engram table on {m.embed.weight.device}: set the placement before moving the model")
+            m.embed.host = enabled
+            if enabled and torch.cuda.is_available():
+                m.embed.weight, m.embed.scale = m.embed.weight.pin_memory(), m.embed.scale.pin_memory()
+    return model
