@@ -24,7 +24,8 @@ from dsv41.model.cache import DenseCache
 from dsv41.model.common import Linear
 from dsv41.model.init import random_model
 from dsv41.model.loading import load_model, official_tensors, representable, save_checkpoint, write_official
-from dsv41.model.packed_weights import is_packed, pack_weights, resident_weight_bytes, unpack_weights
+from dsv41.model.packed_weights import (engram_tables_on_host, is_packed, pack_weights, resident_weight_bytes,
+                                        unpack_weights)
 from dsv41.model.shards import ShardReader
 from tests.conftest import GOLDEN
 from tests.test_golden import (blocks, test_gate1_official_artifact_is_localised,  # noqa: F401  (re-run, packed)
@@ -195,3 +196,19 @@ def test_shard_reader_views_and_errors(tmp_path):
     (tmp_path / "bad" / "x.safetensors").write_bytes(b"\x05")
     with pytest.raises(ValueError, match="not a safetensors file"):
         ShardReader(tmp_path / "bad")
+
+
+def test_engram_tables_stay_in_host_memory():
+    """Host tables: the same lookups on the CPU (no copy), and they stay behind when the model moves."""
+    cfg = load_config("debug")
+    m = pack_weights(random_model(cfg, seed=1))
+    ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = m(ids, DenseCache(cfg, 2, torch.float32)).logits
+        engram_tables_on_host(m)
+        assert torch.equal(m(ids, DenseCache(cfg, 2, torch.float32)).logits, before)
+    m.to("meta")
+    assert m.layers[1].engram.embed.weight.device.type == "cpu"
+    assert m.layers[1].engram.wkv.weight.device.type == "meta"
+    with pytest.raises(ValueError, match="packed storage"):
+        engram_tables_on_host(random_model(cfg, seed=1))
