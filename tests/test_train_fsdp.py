@@ -32,8 +32,10 @@ def _run(tmp_path: Path, *args: str, procs: int = 0) -> None:
 def test_two_process_fsdp2_gloo_matches_single_process(tmp_path):
     small_corpus(tmp_path)
     # FSDP2 runs the reference forward (the fast one bypasses its unshard hooks): so does the single process here;
-    # fp32 Newton-Schulz on both sides, so that bf16 rounding does not amplify the gradients' reduction order
-    _run(tmp_path, "--batch-size", "4", "--no-fast", "--muon-ns", "fp32", "--out", str(tmp_path / "one"))
+    # fp32 Newton-Schulz on both sides, so that bf16 rounding does not amplify the gradients' reduction order;
+    # the indexer objective is off under --fsdp (dsv41/train/pretrain.py), so off in the single process too
+    _run(tmp_path, "--batch-size", "4", "--no-fast", "--muon-ns", "fp32", "--indexer-loss-weight", "0",
+         "--out", str(tmp_path / "one"))
     _run(tmp_path, "--batch-size", "2", "--fsdp", "--muon-ns", "fp32", "--out", str(tmp_path / "fsdp"), procs=2)
     a, b = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "fsdp")
     assert len(a) == len(b) == 6
