@@ -22,6 +22,12 @@ def add_engine_args(p: argparse.ArgumentParser, checkpoint_required: bool = True
     if checkpoint_required:
         p.add_argument("--checkpoint", required=True, help="checkpoint directory (ours or the official layout)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--storage", choices=["dense", "packed"], default="dense",
+                   help="quantized weights held dequantized (dense) or as the checkpoint stores them (packed: FP8 "
+                        "codes + e8m0 tile scales, FP4 experts, e4m3 Engram tables; loading needs about the model's "
+                        "own bytes; the GPU dequantizes per call until its kernels read the bytes). Same outputs on "
+                        "an official-layout checkpoint; a dsv41 training checkpoint holds master weights, which "
+                        "packed rounds to the checkpoint formats as the official writer does")
     p.add_argument("--prefill-mode", choices=MODES, default="ced-bounded")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (continuous batching)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
@@ -68,7 +74,7 @@ def engine_from_args(args: argparse.Namespace, model=None, tokenizer=None) -> En
     from dsv41.model.loading import load_model
 
     if model is None:
-        model, _ = load_model(args.checkpoint, dtype=parse_dtype(args.dtype))
+        model, _ = load_model(args.checkpoint, dtype=parse_dtype(args.dtype), storage=args.storage)
     if args.tie_break == "recent":
         set_tie_break(model, "recent")
     tokenizer = tokenizer or load_tokenizer(args.checkpoint, model.cfg.vocab_size)

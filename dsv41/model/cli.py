@@ -24,6 +24,9 @@ def register(sub) -> None:
     p.add_argument("--teacher-force", metavar="BLOCKS.safetensors",
                    help="gate 1: feed every block its golden input stream from this capture file")
     p.add_argument("--images", help="comma-separated image files for {\"image\": i} items in the tokens file")
+    p.add_argument("--storage", choices=["dense", "packed"], default="dense",
+                   help="quantized weights dequantized (dense) or in their checkpoint formats (packed): the same "
+                        "logits on an official-layout checkpoint (a training checkpoint's master weights get rounded)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics (docs/system.md §10): each row's logits independent of the batch")
     p.set_defaults(func=main)
@@ -36,7 +39,7 @@ def main(args) -> int:
     if args.decode_steps < 0:
         raise ValueError(f"--decode-steps must be >= 0, got {args.decode_steps}")
     t0 = time.perf_counter()
-    model, cfg = load_model(args.checkpoint, dtype=parse_dtype(args.dtype))
+    model, cfg = load_model(args.checkpoint, dtype=parse_dtype(args.dtype), storage=args.storage)
     model.eval()
     if args.deterministic:
         from dsv41.model.attention import use_deterministic
