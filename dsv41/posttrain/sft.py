@@ -1,0 +1,125 @@
+"""SFT: supervised fine-tuning on rendered task samples, the first post-training stage (docs/system.md §7).
+
+Each example is a problem of a family drawn uniformly, an effort level b drawn uniformly from the levels and,
+independently of b, a trace stride drawn uniformly from 1..n: the reasoning length does not depend on b before
+RL (the effort line is in the prompt, but nothing in the data ties it to the length; RL's length term does that).
+The loss is the mean cross-entropy over the response tokens (trace, `</think>`, answer, EOS), the prompt masked.
+The forward is the pretraining one (`dsv41.train.fast.fast_forward`, FP8 / FP4 QDQ off); the schedule is the
+pretraining recipe's (`dsv41.train.schedule.lr_factor`). A batch is a pure function of (seed, step), so a
+resumed run draws what the uninterrupted run drew; the checkpoint holds the weights, the optimizer and the step.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dsv41.model.common import set_quantization
+from dsv41.model.step import ForwardOptions
+from dsv41.posttrain import tasks as T
+from dsv41.posttrain.model import build_model, load, save
+from dsv41.posttrain.tokenizer import PostTokenizer, load_post_tokenizer
+from dsv41.train.fast import fast_forward
+from dsv41.train.qat import TrainCache
+from dsv41.train.schedule import default_warmup, lr_factor
+
+IGNORE = -100
+
+
+@dataclass
+class TaskMix:
+    """Which problems a stage draws: families, chain lengths [lo, hi] and the training effort levels."""
+    families: tuple[str, ...] = T.FAMILIES
+    lo: int = 2
+    hi: int = 6
+    levels: tuple[int, ...] = (1, 25, 50, 75, 100)
+
+    def check(self) -> "TaskMix":
+        for f in self.families:
+            T.check_family(f)
+        if not 1 <= self.lo <= self.hi:
+            raise ValueError(f"chain lengths need 1 <= lo <= hi, got [{self.lo}, {self.hi}]")
+        if not self.levels or any(not 1 <= b <= 100 for b in self.levels):
+            raise ValueError(f"effort levels must be integers in [1, 100], got {self.levels}")
+        return self
+
+
+@dataclass
+class SFTConfig:
+    out: str = "runs/post-sft"
+    steps: int = 300
+    minutes: float = 4.0
+    batch: int = 32
+    lr: float = 3e-3
+    seed: int = 0
+    mix: TaskMix = field(default_factory=TaskMix)
+
+
+def sft_example(rng: random.Random, tok: PostTokenizer, mix: TaskMix) -> tuple[list[int], list[int]]:
+    """(ids, targets): one rendered example, the prompt's targets masked."""
+    p = T.sample_problem(rng, rng.choice(mix.families), mix.lo, mix.hi)
+    b = rng.choice(mix.levels)
+    stride = rng.randint(1, p.difficulty)
+    prompt, resp = T.prompt_ids(tok, p, b), T.response_ids(tok, p, stride)
+    ids = prompt + resp
+    return ids[:-1], [IGNORE] * (len(prompt) - 1) + resp
+
+
+def pad_batch(rows: list[list[int]], fill: int) -> torch.Tensor:
+    T_ = max(map(len, rows))
+    return torch.tensor([r + [fill] * (T_ - len(r)) for r in rows])
+
+
+def sft_batch(seed: int, step: int, tok: PostTokenizer, mix: TaskMix, batch: int):
+    rng = random.Random(f"sft:{seed}:{step}")
+    ex = [sft_example(rng, tok, mix) for _ in range(batch)]
+    return pad_batch([e[0] for e in ex], tok.pad_id), pad_batch([e[1] for e in ex], IGNORE)
+
+
+def sft_loss(model, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = fast_forward(model, ids, TrainCache(model.cfg, ids.size(0), model.dtype, ids.device), ForwardOptions())
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+
+
+def run_sft(cfg: SFTConfig, say=print) -> Path:
+    """Train (or resume) the SFT checkpoint in cfg.out; returns its directory."""
+    cfg.mix.check()
+    out = Path(cfg.out)
+    tok = load_post_tokenizer(out)
+    model, step, opt_state, losses = build_model(tok, cfg.seed), 0, None, []
+    if (out / "posttrain.json").is_file():
+        model, tok, meta = load(out)
+        step, losses = int(meta.get("step", 0)), list(meta.get("losses", []))
+        opt_state = torch.load(out / "optimizer.pt") if (out / "optimizer.pt").is_file() else None
+        say(f"sft: resuming {out} at step {step}")
+    model.train()
+    set_quantization(model, False)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    t0, warm = time.time(), default_warmup(cfg.steps)
+    while step < cfg.steps and time.time() - t0 < cfg.minutes * 60:
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * lr_factor(step, cfg.steps, warm)
+        ids, tg = sft_batch(cfg.seed, step, tok, cfg.mix, cfg.batch)
+        loss = sft_loss(model, ids, tg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        losses.append(float(loss))
+        if step % 20 == 0 or step == cfg.steps:
+            say(f"sft step {step}/{cfg.steps} loss {sum(losses[-20:]) / len(losses[-20:]):.4f} "
+                f"({time.time() - t0:.0f}s)")
+    model.eval()
+    set_quantization(model, True)
+    meta = {"stage": "sft", "step": step, "config": asdict(cfg), "losses": losses}
+    save(model, tok, out, meta)
+    torch.save(opt.state_dict(), out / "optimizer.pt")
+    return out
