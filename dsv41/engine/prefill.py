@@ -74,55 +74,98 @@ def prefill(model, input_ids: torch.Tensor, cache, mode: str = "ced-bounded", ch
 
     replay > 0: the first `replay` tokens of input_ids are the last tokens of the restored prefix (positions
     cache.pos - replay ..): re-run for window KV only, with every window truncated at their start."""
-    if mode not in MODES:
-        raise ValueError(f"unknown prefill mode {mode!r}; choose one of {', '.join(MODES)}")
-    N = input_ids.size(1)
-    if N == 0:
-        raise ValueError("empty prompt")
-    chunk = chunk_size or N
-    if chunk <= 0:
-        raise ValueError(f"chunk size must be positive, got {chunk_size}")
-    if not 0 <= replay <= N or replay > int(cache.pos.min()):
-        raise ValueError(f"replay of {replay} tokens needs a restored prefix at least that long")
-    floor = None
-    if replay:
-        cache.pos = cache.pos - replay
-        floor = cache.pos.clone()
-    rings_valid = replay == 0 and int(cache.pos.min()) > 0
-    pieces = _chunks(N, chunk, replay, floor)
-    if mode == "full":
-        return _prefill_full(model, input_ids, cache, pieces)
-    return _prefill_ced(model, input_ids, cache, mode, pieces, rings_valid)
+    job = PrefillJob(model, input_ids, cache, mode, replay)
+    job.feed(cache, input_ids.size(1), chunk_size)
+    return job.finish(cache)
 
 
-def _chunks(N: int, chunk: int, replay: int, floor) -> list[tuple[int, int, ForwardOptions]]:
-    """(lo, hi, options) pieces: replayed rows never produce global KV, so they form their own chunks."""
-    return [(lo, min(b, lo + chunk), ForwardOptions(window_floor=floor, produce_kv=produce))
-            for a, b, produce in ((0, replay, False), (replay, N, True)) for lo in range(a, b, chunk)]
+class PrefillJob:
+    """One prefill fed in parts across calls (the engine's scheduler interleaves a long prompt's chunks with decode
+    steps): `feed` runs the next tokens, `finish` the rest of the mode's dataflow once all are fed. Between calls
+    the state lives in the store (global KV, rings, position; bind it again for each call) and here (the tail rows
+    the CED decoder needs, the drafter taps), so every split into parts gives the result of one `prefill` call."""
+
+    def __init__(self, model, input_ids: torch.Tensor, cache, mode: str = "ced-bounded", replay: int = 0):
+        if mode not in MODES:
+            raise ValueError(f"unknown prefill mode {mode!r}; choose one of {', '.join(MODES)}")
+        N = input_ids.size(1)
+        if N == 0:
+            raise ValueError("empty prompt")
+        if not 0 <= replay <= N or replay > int(cache.pos.min()):
+            raise ValueError(f"replay of {replay} tokens needs a restored prefix at least that long")
+        self.model, self.ids, self.mode, self.replay, self.fed = model, input_ids, mode, replay, 0
+        self.floor = None
+        if replay:
+            cache.pos = cache.pos - replay
+            self.floor = cache.pos.clone()
+        self.rings_valid = replay == 0 and int(cache.pos.min()) > 0
+        self.tail: dict[str, list[torch.Tensor]] = {"x": [], "pre": [], "hash": []}
+        self.taps: dict[int, list[torch.Tensor]] = {}
+        self.full_taps: list[torch.Tensor] = []
+        self.tap_start, self.out = None, None
+
+    @property
+    def remaining(self) -> int:
+        return self.ids.size(1) - self.fed
+
+    @torch.no_grad()
+    def feed(self, cache, n: int, chunk_size: int | None = None) -> None:
+        """Run the next n tokens (pieces of at most chunk_size) into `cache`."""
+        chunk = chunk_size or n
+        if chunk <= 0:
+            raise ValueError(f"chunk size must be positive, got {chunk_size}")
+        if not 0 < n <= self.remaining:
+            raise ValueError(f"feed of {n} tokens: {self.remaining} remain")
+        pieces = _chunks(self.fed, self.fed + n, chunk, self.replay, self.floor)
+        self.fed += n
+        if self.mode == "full":
+            _feed_full(self, cache, pieces)
+        else:
+            split = check_ced(self.model.cfg)
+            _encode(self.model, self.ids, cache, split, decoder_rows(self.model.cfg, self.mode, self.ids.size(1))[0],
+                    pieces, self.tail, self.taps)
+
+    @torch.no_grad()
+    def finish(self, cache) -> PrefillOut:
+        if self.remaining:
+            raise ValueError(f"prefill not fed to the end: {self.remaining} tokens remain")
+        if self.mode == "full":
+            return _finish_full(self)
+        return _prefill_ced(self.model, self.ids, cache, self.mode, self.tail, self.taps, self.rings_valid)
 
 
-def _prefill_full(model, ids, cache, pieces) -> PrefillOut:
-    N, W = ids.size(1), model.cfg.window_size
-    taps, tap_start, out = [], None, None
+def _chunks(lo: int, hi: int, chunk: int, replay: int, floor) -> list[tuple[int, int, ForwardOptions]]:
+    """(lo, hi, options) pieces of positions lo..hi of the call: replayed rows never produce global KV, so they
+    form their own chunks."""
+    return [(a0, min(b, a0 + chunk), ForwardOptions(window_floor=floor, produce_kv=produce))
+            for a, b, produce in ((lo, min(hi, replay), False), (max(lo, replay), hi, True))
+            for a0 in range(a, b, chunk)]
+
+
+def _feed_full(job: PrefillJob, cache, pieces) -> None:
     for lo, hi, opts in pieces:
         start = cache.pos.clone()
-        out = model(ids[:, lo:hi], cache, opts=opts, last_only=True)
-        if out.main_hidden is not None:
-            taps.append(out.main_hidden)
-            tap_start = start if tap_start is None else tap_start
-    main_hidden = torch.cat(taps, 1) if taps else None
+        job.out = job.model(job.ids[:, lo:hi], cache, opts=opts, last_only=True)
+        if job.out.main_hidden is not None:
+            job.full_taps.append(job.out.main_hidden)
+            job.tap_start = start if job.tap_start is None else job.tap_start
+
+
+def _finish_full(job: PrefillJob) -> PrefillOut:
+    N, W = job.ids.size(1), job.model.cfg.window_size
+    main_hidden, tap_start = (torch.cat(job.full_taps, 1) if job.full_taps else None), job.tap_start
     if main_hidden is not None and main_hidden.size(1) > W:                 # the drafter's ring holds W rows
         tap_start = tap_start + main_hidden.size(1) - W
         main_hidden = main_hidden[:, -W:]
-    return PrefillOut(out.logits[:, -1], main_hidden, tap_start, {L: N for L in range(model.cfg.n_layers)})
+    return PrefillOut(job.out.logits[:, -1], main_hidden, tap_start, {L: N for L in range(job.model.cfg.n_layers)})
 
 
-def _prefill_ced(model, ids, cache, mode, pieces, rings_valid) -> PrefillOut:
+def _prefill_ced(model, ids, cache, mode, tail, enc_taps, rings_valid) -> PrefillOut:
+    """The decoder segment of a CED prefill whose encoder has run (`_encode`) on every row."""
     cfg = model.cfg
     split = check_ced(cfg)
     N = ids.size(1)
     seg_rows = decoder_rows(cfg, mode, N)
-    tail, enc_taps = _encode(model, ids, cache, split, seg_rows[0], pieces)
     x = torch.cat(tail["x"], 1)
     pre = torch.cat(tail["pre"], 1)
     hashes = torch.cat(tail["hash"], 1) if tail["hash"] else None
@@ -151,14 +194,13 @@ def _prefill_ced(model, ids, cache, mode, pieces, rings_valid) -> PrefillOut:
     return PrefillOut(logits[:, -1], main_hidden, tap_start, rows)
 
 
-def _encode(model, ids, cache, split, R0, pieces):
+def _encode(model, ids, cache, split, R0, pieces, tail, enc_taps) -> None:
     """The encoder chunk by chunk: layers below the split on every prompt row, then the split layer's block input
-    (its Engram and tap) and its global-KV production. Returns the tail rows the decoder needs ({"x", "pre",
-    "hash"}: lists of chunk pieces) and the encoder-side drafter taps (layer -> list of chunk pieces)."""
+    (its Engram and tap) and its global-KV production. Appends the tail rows the decoder needs to `tail` ({"x",
+    "pre", "hash"}: lists of chunk pieces) and the encoder-side drafter taps to `enc_taps` (layer -> list of chunk
+    pieces)."""
     cfg = model.cfg
     N = ids.size(1)
-    tail: dict[str, list[torch.Tensor]] = {"x": [], "pre": [], "hash": []}
-    enc_taps: dict[int, list[torch.Tensor]] = {}
     below, at = model.layers[:split], model.layers[split]
     for lo, hi, opts in pieces:
         part = ids[:, lo:hi]
@@ -183,4 +225,3 @@ def _encode(model, ids, cache, split, R0, pieces):
                 tail["hash"].append(hashes[:, T - keep:])
         for L, t in (chunk_taps or {}).items():                              # encoder-side drafter taps
             enc_taps.setdefault(L, []).append(t[:, -cfg.window_size:])
-    return tail, enc_taps

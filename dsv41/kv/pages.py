@@ -36,11 +36,42 @@ def page_table(page_lists: list[list[int]], width: int, dtype: torch.dtype) -> t
     return table
 
 
+def pages_at(ratios, page_size: int, tokens: int) -> int:
+    """Pages a sequence of `tokens` positions holds over KV-source layers of these compression ratios: one entry
+    per completed group of m positions, pages of page_size entries (what `PagedLayer.ensure` allocates)."""
+    return sum(-(-(tokens // m) // page_size) for m in ratios)
+
+
+class PoolFull(RuntimeError):
+    """The pool's page limit would be exceeded. The engine's scheduler admits and preempts by pages so that it never
+    is (docs/system.md §3); raised by direct users of a limited pool."""
+
+
+class PageLimit:
+    """Pages all KV-source layers of one pool hold together, against an optional limit (None: the layers grow
+    freely)."""
+
+    def __init__(self, limit: int | None = None):
+        if limit is not None and limit <= 0:
+            raise ValueError(f"page limit must be positive, got {limit}")
+        self.limit, self.used = limit, 0
+
+    def take(self, k: int) -> None:
+        if self.limit is not None and self.used + k > self.limit:
+            raise PoolFull(f"{k} more pages exceed the pool's limit of {self.limit} ({self.used} held)")
+        self.used += k
+
+    def give(self, k: int) -> None:
+        self.used -= k
+
+
 class PagedLayer:
     """One KV-source layer's global store: uint8 pages for main and index records and a free list."""
 
-    def __init__(self, spec: LayerCacheSpec, page_size: int, n_pages: int, device: torch.device):
+    def __init__(self, spec: LayerCacheSpec, page_size: int, n_pages: int, device: torch.device,
+                 limit: PageLimit | None = None):
         self.spec, self.page_size, self.device = spec, page_size, device
+        self.limit = limit or PageLimit()
         self.record_bytes = {"main": main_kv_bytes(spec.width), "index": index_k_bytes(spec.index_width)}
         self.data = {k: torch.zeros(n_pages, page_size, b, dtype=torch.uint8, device=device)
                      for k, b in self.record_bytes.items()}
@@ -60,11 +91,13 @@ class PagedLayer:
         return -(-entries // self.page_size)
 
     def alloc(self, k: int) -> list[int]:
+        self.limit.take(k)
         while len(self.free) < k:
             self._grow()
         return [self.free.pop() for _ in range(k)]
 
     def release(self, pages: list[int]) -> None:
+        self.limit.give(len(pages))
         self.free.extend(reversed(pages))
         self.page_epoch += 1
         self.version += 1

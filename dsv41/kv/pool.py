@@ -49,7 +49,7 @@ import torch
 from dsv41.codecs import swa_kv_bytes
 from dsv41.config import ModelConfig
 from dsv41.kv.batch_view import BatchView
-from dsv41.kv.pages import KINDS, PagedLayer, grown
+from dsv41.kv.pages import KINDS, PageLimit, PagedLayer, grown
 from dsv41.kv.state_format import GlobalLayerState, GlobalState, SwaState, carry_rows
 from dsv41.model.cache import LayerCacheSpec, cache_spec
 
@@ -75,17 +75,20 @@ class PackedKVPool:
     initial_pages  pages per KV-source layer to start with (doubling afterwards)
     initial_slots  sequence slots (rings, pending state) to start with (doubling afterwards)
     strict         verify every packed write decodes to the written values (one host sync); ValueError if not
+    max_pages      pages all KV-source layers may hold together (None: no limit); beyond it an allocation raises
+                   `PoolFull` (the engine's scheduler keeps within it, docs/system.md §3)
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", page_size: int = 64,
                  dtype: torch.dtype = torch.float32, initial_pages: int = 4, initial_slots: int = 2,
-                 strict: bool = False):
+                 strict: bool = False, max_pages: int | None = None):
         if page_size <= 0 or initial_pages <= 0 or initial_slots <= 0:
             raise ValueError("page_size, initial_pages and initial_slots must be positive")
         self.cfg, self.device, self.page_size = cfg, torch.device(device), page_size
         self.dtype, self.strict = dtype, strict
         self.specs: dict[int, LayerCacheSpec] = {s.layer: s for s in cache_spec(cfg)}
-        self.global_layers = {L: PagedLayer(s, page_size, initial_pages, self.device)
+        self.page_limit = PageLimit(max_pages)
+        self.global_layers = {L: PagedLayer(s, page_size, initial_pages, self.device, self.page_limit)
                               for L, s in self.specs.items() if s.ratio > 0}
         self.swa = {L: torch.zeros(initial_slots, s.window_rows, swa_kv_bytes(s.width), dtype=torch.uint8,
                                    device=self.device) for L, s in self.specs.items()}
