@@ -8,23 +8,39 @@
     cache.save(ids_processed, upto=pos, global_state=pool.export_global(sid, pos, start=cache.export_start(...)),
                swa_state=pool.export_swa(sid, extras={"logits": last_logits}))   # end of prompt, end of output
 
-Storage. Units follow `dsv41.kv.prefix`: interval units (every `interval` tokens) and tail units (an extra boundary
-U hanging off the last interval unit before it). Each unit is one `DiskStore` entry holding only its own segment of
-global KV, a `GlobalState` covering positions start..U-1 (start = the previous interval boundary), with the
-compressor carry and Engram history at U when it ends a save. A prefix at U is the join of interval units
-1..floor(U/I) and, when U is not a multiple of I, its tail unit: the bytes on disk grow linearly with the tokens
-cached (not quadratically), and prompts sharing a prefix share its interval units.
+Storage: segments shared by the units that cover them. Units follow `dsv41.kv.prefix`: interval units (every
+`interval` tokens) and tail units (an extra boundary U hanging off the last interval unit before it). Each unit is
+one `DiskStore` entry, under its key, holding only the segment of global KV between the nearest stored boundary
+below it on the same token path and U: a `GlobalState` covering start..U-1, with the compressor carry and Engram
+history at U when U ends a save. Its meta names that lower boundary's key (the link), so a prefix at U is the join
+of the segments along the links from U down to 0. Every position of a token path is stored once however many
+units cover it: an end-of-prompt unit at P, then the end-of-output unit at O > P store 0..P and P..O (not 0..O
+again), and the interval unit at I*k between them stores only its own piece. Prompts sharing a prefix share every
+segment below their last common boundary. A start need not be a multiple of the compression ratios: an entry
+belongs to the segment holding its group's last position (`GlobalState.slice`), and the carry a segment holds for
+its own end is dropped when it is read as an inner part.
 
-Entry meta (56 bytes, little-endian): magic b"DSPU", kind (u8: 0 interval, 1 tail), version (u8) = 1, reserved
-(u16), start (u64), boundary U (u64), parent key (32 bytes: C_{j-1} for interval unit j, C_j for a tail off C_j).
+Entry meta (88 bytes, little-endian): magic b"DSPU", kind (u8: 0 interval, 1 tail), version (u8) = 2, reserved
+(u16), start (u64), boundary U (u64), chain parent (32 bytes: C_{j-1} for interval unit j, C_j for a tail off C_j),
+link (32 bytes: the key of the unit at start; zeros when start is 0). A reader checks every field against the keys
+it computes from the request's own tokens, so a unit is only ever joined to segments of the same token path.
 
 How lookup finds boundaries (O(units), not O(tokens^2)). Interval boundaries are known (multiples of I): one pass
 over the request's tokens computes C_1..C_J (a hash of each block), and the longest run C_1..C_j present on disk
-(one stat each) bounds every hit. Extra boundaries (end of prompt / output) are arbitrary positions, so the cache
-keeps a boundary index: parent key -> set of tail offsets, built from the entries' metas when the store is scanned
-at start-up and refreshed (new entries of other processes) at most every `refresh_s`; for each present C_j the
-lookup hashes only the tails recorded under it. Candidates are tried longest first: the longest unit whose
-segments all load and check wins.
+(one stat each) bounds every hit (a save writes every interval unit below its boundary). Extra boundaries (end of
+prompt / output) are arbitrary positions, so the cache keeps a boundary index: parent key -> set of tail offsets,
+built from the entries' metas when the store is scanned at start-up and refreshed (new entries of other processes)
+at most every `refresh_s`; for each present C_j the lookup hashes only the tails recorded under it. Candidates are
+tried longest first: the longest unit whose segments all load and check wins (a segment evicted under a unit makes
+that unit a miss and a shorter one is tried; segments loaded for one candidate are reused for the next).
+
+How a save picks segments. It walks the boundaries of its path in ascending order (the interval ones, the tails the
+index knows, its own U): a stored unit whose meta checks and whose link is a boundary already found usable is
+usable; a required boundary (every interval one up to U, and U) that is not is written as the segment from the
+highest usable boundary below it. `export_start` runs the same walk without writing, so the caller exports only
+from the first segment it needs. Two writers of one unit each write a complete, self-consistent entry (the last
+rename wins); a unit whose link was evicted is rewritten by the next save through it. After a hit or a save the
+path's entries are touched leaf first, so LRU eviction takes a path's deepest segments before the ones they need.
 
 SWA snapshots live in the SWA pool under the unit's key, wrapped as magic b"DSWE" || unit key (32 bytes) ||
 SHA-256 of the payload (32 bytes) || `SwaState` bytes, so a damaged, truncated or misfiled value is a miss.
@@ -45,6 +61,7 @@ import shutil
 import struct
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from dsv41.kv.counted import Counted
 from dsv41.kv.disk import DiskStore
@@ -55,14 +72,36 @@ from dsv41.kv.swa_pool import SwaPool, make_swa_pool
 
 log = logging.getLogger("dsv41.kv.manager")
 
-UNIT_META = struct.Struct("<4sBBHQQ32s")          # 56 bytes: see the module docstring
+UNIT_META = struct.Struct("<4sBBHQQ32s32s")       # 88 bytes: see the module docstring
 _UNIT_MAGIC = b"DSPU"
-_UNIT_VERSION = 1
+_UNIT_VERSION = 2
+_NO_LINK = bytes(32)                              # the link of a segment starting at 0
 KIND_INTERVAL, KIND_TAIL = 0, 1
 SWA_ENVELOPE = struct.Struct("<4s32s32s")         # magic, unit key, sha256(payload)
 _SWA_MAGIC = b"DSWE"
 COUNTERS = ("lookups", "hits", "hits_swa", "misses", "short_hits", "hit_tokens", "saves", "units_written",
             "unit_bytes_written", "units_existing", "save_gaps", "bad_units", "swa_puts", "swa_bad", "errors")
+
+
+class UnitMeta(NamedTuple):
+    kind: int
+    start: int
+    boundary: int
+    parent: bytes
+    link: bytes
+
+
+def parse_unit_meta(meta) -> UnitMeta | None:
+    """The fields of a unit entry's meta, or None for anything that is not one of this layout version (another
+    program's entry, an older layout: such units are misses and the next save through them rewrites them)."""
+    if not meta or len(meta) != UNIT_META.size:
+        return None
+    magic, kind, version, _, start, boundary, parent, link = UNIT_META.unpack(meta)
+    if magic != _UNIT_MAGIC or version != _UNIT_VERSION or kind not in (KIND_INTERVAL, KIND_TAIL):
+        return None
+    if not start < boundary or (start == 0) != (link == _NO_LINK):
+        return None
+    return UnitMeta(kind, start, boundary, parent, link)
 
 
 @dataclass(eq=False)
@@ -117,7 +156,7 @@ class PrefixCache(Counted):
             raise ValueError(f"interval {interval} must be a positive multiple of {align} (the compression ratios)")
         if n_win < 0:
             raise ValueError("n_win must be >= 0")
-        self.interval, self.n_win = int(interval), int(n_win)
+        self.interval, self.n_win, self.align = int(interval), int(n_win), int(align)
         self.clock, self.hasher, self.refresh_s = clock, hasher, float(refresh_s)
         self._extras: dict[bytes, set[int]] = {}          # parent chain key -> tail offsets (the boundary index)
         self._last_refresh = float("-inf")
@@ -153,35 +192,76 @@ class PrefixCache(Counted):
         """Record the tail units among (key, meta) entries (the store's at start-up, then those each refresh finds
         new) in the boundary index; metas not ours are ignored."""
         for _key, meta in entries:
-            if not meta or len(meta) != UNIT_META.size:
-                continue
-            magic, kind, version, _, start, boundary, parent = UNIT_META.unpack(meta)
-            off = boundary - start
-            if (magic == _UNIT_MAGIC and version == _UNIT_VERSION and kind == KIND_TAIL and 0 < off < self.interval
-                    and start % self.interval == 0):
+            f = parse_unit_meta(meta)
+            if f is not None and f.kind == KIND_TAIL and f.boundary % self.interval:
                 with self._mu:
-                    self._extras.setdefault(parent, set()).add(int(off))
+                    self._extras.setdefault(f.parent, set()).add(f.boundary % self.interval)
         self._last_refresh = self.clock()
 
+    def _drop_tail(self, chain: list[bytes], U: int) -> None:
+        """Forget tail boundary U of this path in the boundary index (its entry is gone or unusable)."""
+        if U % self.interval:
+            with self._mu:
+                self._extras.get(chain[U // self.interval], set()).discard(U % self.interval)
+
+    # ---------------------------------------------------------------- keys along one token path
+    def _key_at(self, chain: list[bytes], ids, b: int) -> bytes:
+        """The key of the unit ending at boundary b of this path (chain: C_0..C_J with J >= b // interval)."""
+        j = b // self.interval
+        return chain[j] if b % self.interval == 0 else tail_key(chain[j], ids[j * self.interval:b])
+
+    def _expected(self, chain: list[bytes], U: int) -> tuple[int, bytes]:
+        """(kind, chain parent) a unit ending at U must carry in its meta."""
+        j = U // self.interval
+        return (KIND_INTERVAL, chain[j - 1]) if U % self.interval == 0 else (KIND_TAIL, chain[j])
+
+    def _check_meta(self, meta, chain: list[bytes], ids, U: int, links: dict[int, bytes] | None = None):
+        """The unit meta of the entry ending at U if it belongs to this path, else None. Its link must be the key
+        of its start on this path (`links`: boundary -> key of the boundaries allowed as a start; None: any)."""
+        f = parse_unit_meta(meta)
+        if f is None or f.boundary != U or (f.kind, f.parent) != self._expected(chain, U):
+            return None
+        if links is not None:
+            return f if links.get(f.start) == f.link else None
+        return f if f.link == (self._key_at(chain, ids, f.start) if f.start else _NO_LINK) else None
+
     # ---------------------------------------------------------------- loading
-    def _load_unit(self, key: bytes, kind: int, start: int, boundary: int, parent: bytes) -> GlobalState | None:
-        """The segment of one unit, fully checked (store checksum, meta, layout, positions), or None."""
+    def _load_unit(self, chain: list[bytes], ids, U: int) -> GlobalState | None:
+        """The segment of the unit ending at U on this path, fully checked (store checksum, meta, link, layout,
+        positions), or None (absent: a miss; unusable: removed and counted)."""
+        key = self._key_at(chain, ids, U)
         entry = self.disk.get_entry(key.hex())
         if entry is None:
+            self._drop_tail(chain, U)
             return None
         meta, payload = entry
         try:
-            if meta != UNIT_META.pack(_UNIT_MAGIC, kind, _UNIT_VERSION, 0, start, boundary, parent):
-                raise ValueError("unit meta does not match its key's position")
+            f = self._check_meta(meta, chain, ids, U)
+            if f is None:
+                raise ValueError("unit meta does not match its key's position and path")
             st = GlobalState.from_bytes(payload)
-            if st.start != start or st.upto != boundary:
-                raise ValueError(f"unit covers {st.start}..{st.upto}, expected {start}..{boundary}")
+            if st.start != f.start or st.upto != U:
+                raise ValueError(f"unit covers {st.start}..{st.upto}, expected {f.start}..{U}")
         except ValueError as e:
             self._count("bad_units")
             log.warning("prefix cache: unit %s is unusable (%s): removed", key.hex()[:16], e)
             self.disk.remove(key.hex())
+            self._drop_tail(chain, U)
             return None
         return st
+
+    def _resolve(self, chain: list[bytes], ids, U: int, loaded: dict) -> list[GlobalState] | None:
+        """The segments of the prefix at U in position order, following the links down to 0, or None when one is
+        missing or unusable. `loaded`: boundary -> segment (or None), shared by the candidates of one lookup."""
+        parts, b = [], U
+        while b > 0:
+            if b not in loaded:
+                loaded[b] = self._load_unit(chain, ids, b)
+            if loaded[b] is None:
+                return None
+            parts.append(loaded[b])
+            b = loaded[b].start
+        return parts[::-1]
 
     def _swa_get(self, key: bytes, boundary: int) -> SwaState | None:
         raw = None if self.swa is None else self._guarded("SWA pool get", "a miss", self.swa.get, key.hex())
@@ -237,49 +317,79 @@ class PrefixCache(Counted):
         chain = chain_keys(self.fp, ids, I, limit, salt)
         jmax = self._stored_run(chain)
         with self._mu:
-            tails = [(j * I + off, j) for j in range(jmax + 1) for off in self._extras.get(chain[j], ())]
-        cands = [(j * I, j, chain[j]) for j in range(1, jmax + 1)]      # (U, j, unit key)
-        cands += [(U, j, tail_key(chain[j], ids[j * I:U])) for U, j in tails if U <= limit]
-        adoptable = sorted((c for c in cands if c[0] > self.n_win), reverse=True)
+            tails = {j * I + off for j in range(jmax + 1) for off in self._extras.get(chain[j], ())}
+        cands = {j * I for j in range(1, jmax + 1)} | {U for U in tails if U <= limit}
+        adoptable = sorted((U for U in cands if U > self.n_win), reverse=True)
         if cands and not adoptable:
             self._count("short_hits")
-        segs: list[GlobalState] = []                      # interval units 1..len(segs), up to the first unusable
-        for k in range(1, max((j for _, j, _ in adoptable), default=0) + 1):
-            st = self._load_unit(chain[k], KIND_INTERVAL, (k - 1) * I, k * I, chain[k - 1])
-            if st is None:
-                break
-            segs.append(st)
-        for U, j, key in adoptable:                       # longest first
-            if j > len(segs):
+        loaded: dict[int, GlobalState | None] = {}
+        for U in adoptable:                               # longest first
+            parts = self._resolve(chain, ids, U, loaded)
+            if parts is None:
                 continue
-            parts = segs[:j]
-            if U != j * I:
-                tail = self._load_unit(key, KIND_TAIL, j * I, U, chain[j])
-                if tail is None:
-                    with self._mu:
-                        self._extras.get(chain[j], set()).discard(U - j * I)
-                    continue
-                parts.append(tail)
+            key = self._key_at(chain, ids, U)
             swa = self._swa_get(key, U)
             if U == len(ids) and (swa is None or "logits" not in swa.extras):
                 continue                                  # nothing left to prefill: needs the stored logits
-            state = GlobalState.join(parts)
+            state = GlobalState.join([p.records_only() for p in parts[:-1]] + parts[-1:])
             if state.engram_history is None and self.hasher is not None:
                 state.engram_history = engram_history_at(self.hasher, ids, U)
+            self._touch_path(chain, ids, [p.upto for p in parts])
             return Hit(U, state, swa, {"disk": U, "swa": U if swa is not None else 0}, key.hex())
         return None
 
+    def _touch_path(self, chain: list[bytes], ids, bounds: list[int]) -> None:
+        """Mark the units ending at `bounds` (one path, ascending) used, the deepest first: under LRU a path's
+        longer units are evicted before the segments they need."""
+        self.disk.touch([self._key_at(chain, ids, b).hex() for b in reversed(bounds)])
+
     # ---------------------------------------------------------------- save
     def export_start(self, token_ids, upto: int, salt: str | None = None) -> int:
-        """The first position `save(token_ids, upto, ...)` needs the global state to cover: the end of the run of
-        interval units already on disk (a multiple of every ratio). Pass it as `start` to
-        `PackedKVPool.export_global` to skip copying what is stored; 0 is always correct."""
+        """The first position `save(token_ids, upto, ...)` needs the global state to cover: the start of the first
+        segment it would write (see the module docstring), rounded down to a multiple of every ratio. Pass it as
+        `start` to `PackedKVPool.export_global` to skip copying what is stored; 0 is always correct."""
         if self.disk is None:
             return 0
-        run = self._guarded("prefix cache export_start", "exporting from 0",
-                            lambda: self._stored_run(chain_keys(self.fp, encode_ids(token_ids), self.interval, upto,
-                                                                salt)))
-        return 0 if run is None else run * self.interval
+        ids, upto = encode_ids(token_ids), int(upto)
+        if not 0 < upto <= len(ids):
+            return 0
+        plan = self._guarded("prefix cache export_start", "exporting from 0",
+                             lambda: self._plan(ids, upto, chain_keys(self.fp, ids, self.interval, upto, salt)))
+        if plan is None:
+            return 0
+        first = plan[0][0][0] if plan[0] else upto
+        return first - first % self.align
+
+    def _plan(self, ids, upto: int, chain: list[bytes]):
+        """(writes, existing, path, links): the segments a save of the unit at `upto` writes, [(start, boundary)]
+        ascending; the number of required units already stored; the boundaries of the prefix at `upto` after the
+        save (ascending, down from upto along the links); boundary -> key of every usable boundary after the
+        save, 0 included (its link value). Reads metas only."""
+        I = self.interval
+        with self._mu:
+            tails = {j * I + off for j in range(upto // I + 1) for off in self._extras.get(chain[j], ())}
+        required = set(range(I, upto + 1, I)) | {upto}
+        links: dict[int, bytes] = {0: _NO_LINK}           # usable boundary -> its key (the link to it)
+        via: dict[int, int] = {}                           # usable boundary -> its segment's start
+        writes, existing = [], 0
+        for b in sorted(required | {t for t in tails if t < upto}):
+            key = self._key_at(chain, ids, b)
+            f = self._check_meta(self.disk.meta(key.hex()), chain, ids, b, links) \
+                if self.disk.contains(key.hex()) else None
+            if f is not None:
+                existing += b in required
+                via[b] = f.start
+            elif b in required:
+                via[b] = max(links)
+                writes.append((via[b], b))
+            else:
+                continue
+            links[b] = key
+        path, b = [], upto
+        while b > 0:
+            path.append(b)
+            b = via[b]
+        return writes, existing, path[::-1], links
 
     def save(self, token_ids, upto: int, global_state: GlobalState, swa_state: SwaState | None = None,
              salt: str | None = None) -> dict:
@@ -302,9 +412,11 @@ class PrefixCache(Counted):
         self._guarded("prefix cache save", "not persisted", self._save, ids, upto, global_state, swa_state, out, salt)
         return out
 
-    def _put_unit(self, key: bytes, seg: GlobalState, kind: int, parent: bytes, out: dict) -> bool:
+    def _put_unit(self, chain: list[bytes], seg: GlobalState, links: dict[int, bytes], out: dict) -> bool:
+        key = links[seg.upto]
+        kind, parent = self._expected(chain, seg.upto)
         data = seg.to_bytes()
-        meta = UNIT_META.pack(_UNIT_MAGIC, kind, _UNIT_VERSION, 0, seg.start, seg.upto, parent)
+        meta = UNIT_META.pack(_UNIT_MAGIC, kind, _UNIT_VERSION, 0, seg.start, seg.upto, parent, links[seg.start])
         if not self.disk.put(key.hex(), data, meta):
             return False
         out["units_written"] += 1
@@ -316,26 +428,19 @@ class PrefixCache(Counted):
     def _save(self, ids, upto: int, gs: GlobalState, swa: SwaState | None, out: dict, salt: str | None) -> None:
         I = self.interval
         chain = chain_keys(self.fp, ids, I, upto, salt)
-        J = upto // I
-        for j in range(1, J + 1):
-            if self.disk.contains(chain[j].hex()):
-                self._count("units_existing")
-                continue
-            s0 = (j - 1) * I
-            if gs.start > s0:
+        writes, existing, path, links = self._plan(ids, upto, chain)
+        self._count("units_existing", existing)
+        for start, b in writes:
+            if start < gs.start:
                 self._count("save_gaps")                  # evicted since export_start: the rest is unreachable
                 return
-            if not self._put_unit(chain[j], gs.slice(s0, j * I), KIND_INTERVAL, chain[j - 1], out):
+            if not self._put_unit(chain, gs.slice(start, b), links, out):
                 return
-        key = chain[J]
         if upto % I:
-            key = tail_key(chain[J], ids[J * I:upto])
-            if self.disk.contains(key.hex()):
-                self._count("units_existing")
-            elif not self._put_unit(key, gs.slice(J * I, upto), KIND_TAIL, chain[J], out):
-                return
             with self._mu:
-                self._extras.setdefault(chain[J], set()).add(upto - J * I)
+                self._extras.setdefault(chain[upto // I], set()).add(upto % I)
+        self._touch_path(chain, ids, path)
+        key = self._key_at(chain, ids, upto)
         if swa is not None and self.swa is not None:
             body = swa.to_bytes()
             env = SWA_ENVELOPE.pack(_SWA_MAGIC, key, hashlib.sha256(body).digest()) + body

@@ -172,14 +172,17 @@ class GlobalState:
 
     # ---------------------------------------------------------------- segments
     def slice(self, start: int, upto: int) -> "GlobalState":
-        """The segment of positions start..upto-1 (self.start <= start <= upto <= self.upto). `start` must be a
-        multiple of every ratio; so must `upto` unless it is self.upto. The carry and the Engram history belong
-        to self.upto and are kept only when upto == self.upto."""
+        """The segment of positions start..upto-1 (self.start <= start <= upto <= self.upto). An entry belongs to
+        the segment holding its group's last position (entries start//m .. upto//m - 1), so `start` may be any
+        position: segments cut at a position that is not a multiple of m still partition the entries. `upto`
+        must be a multiple of every ratio unless it is self.upto (entries of a group open at upto are not
+        formed yet). The carry and the Engram history belong to self.upto and are kept only when upto ==
+        self.upto."""
         if not self.start <= start <= upto <= self.upto:
             raise ValueError(f"slice {start}..{upto} outside {self.start}..{self.upto}")
         ratios = {ls.ratio for ls in self.layers}
-        if any(start % m for m in ratios) or (upto != self.upto and any(upto % m for m in ratios)):
-            raise ValueError(f"slice {start}..{upto}: positions must be multiples of every ratio {sorted(ratios)}")
+        if upto != self.upto and any(upto % m for m in ratios):
+            raise ValueError(f"slice {start}..{upto}: upto must be a multiple of every ratio {sorted(ratios)}")
         end = upto == self.upto
         layers = []
         for ls in self.layers:
@@ -189,6 +192,13 @@ class GlobalState:
             layers.append(GlobalLayerState(ls.layer, m, ls.main[e0:e1].clone(), ls.index[e0:e1].clone(),
                                            ls.carry_kv[:r].clone(), ls.carry_score[:r].clone()))
         return GlobalState(start, upto, layers, self.engram_history if end else None, self.index_k_publisher)
+
+    def records_only(self) -> "GlobalState":
+        """The same records without what resuming at `upto` needs (carry, Engram history): a segment read as
+        the inner part of a longer prefix, where that state of its end is never used."""
+        layers = [GlobalLayerState(ls.layer, ls.ratio, ls.main, ls.index, ls.carry_kv[:0], ls.carry_score[:0])
+                  for ls in self.layers]
+        return GlobalState(self.start, self.upto, layers, None, self.index_k_publisher)
 
     @staticmethod
     def join(parts: list["GlobalState"]) -> "GlobalState":
