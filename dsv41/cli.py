@@ -14,6 +14,7 @@ COMMANDS = [
     "dsv41.train.cli",
     "dsv41.server.cli",
     "dsv41.kv.cache_cli",
+    "dsv41.posttrain.cli",
     "dsv41.experiments.cli",
 ]
 

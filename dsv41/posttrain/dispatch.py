@@ -217,15 +217,17 @@ class Dispatcher:
 class EngineBackend:
     """The project's engine as a dispatch backend: one request per sample (its own seed), tokens and the engine's
     log-probs streamed per step; a sampled EOS is appended with its log-prob from the training forward at the
-    current weights (`rollout.fill_stop_logprobs`: the engine does not report it)."""
+    current weights (`rollout.fill_stop_logprobs`: the engine does not report it). max_tokens: one limit, or a
+    function of the sample id."""
 
-    def __init__(self, engine, tok, max_tokens: int):
+    def __init__(self, engine, tok, max_tokens):
         self.engine, self.tok, self.max_tokens = engine, tok, max_tokens
         self.capacity = engine.max_batch
 
     def submit(self, sid: str, prompt: list[int], seed: int) -> None:
         from dsv41.posttrain.rollout import sampling
-        self.engine.add_request(prompt, sampling(self.max_tokens, seed), request_id=sid)
+        n = self.max_tokens(sid) if callable(self.max_tokens) else self.max_tokens
+        self.engine.add_request(prompt, sampling(n, seed), request_id=sid)
 
     def step(self) -> list[Emit]:
         import torch

@@ -127,7 +127,7 @@ def train_step(model, opt, rs: list[Rollout], adv: list[float], cfg: RLConfig, p
         opt.step()
     finally:
         model.eval()
-    return {"loss": float(loss), **stats}
+    return {"loss": float(loss.detach()), **stats}
 
 
 def step_items(cfg: RLConfig, step: int) -> list[tuple[T.Problem, int, int]]:

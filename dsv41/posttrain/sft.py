@@ -113,7 +113,7 @@ def run_sft(cfg: SFTConfig, say=print) -> Path:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 20 == 0 or step == cfg.steps:
             say(f"sft step {step}/{cfg.steps} loss {sum(losses[-20:]) / len(losses[-20:]):.4f} "
                 f"({time.time() - t0:.0f}s)")

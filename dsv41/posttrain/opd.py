@@ -1,0 +1,189 @@
+"""On-policy distillation (docs/system.md §7, docs/report.md §10.2): the student samples its own responses on the
+engine, and at every response position it is pulled toward a teacher by the full-vocabulary reverse KL
+
+    KL(pi_s || pi_t) = sum_v pi_s(v) (log pi_s(v) - log pi_t(v)),   d KL / d z_v = pi_s(v) (log pi_s(v) - log pi_t(v) - KL)
+
+(z: the student's logits; the closed form is checked against autograd in the tests). Teachers are routed by task
+family and share the tokenizer, and neither has the student's architecture:
+
+* `SolverTeacher` — an exact solver that returns a distribution: the valid responses of the problem (one per
+  trace stride) that agree with the student's prefix share the mass of their next tokens; when the prefix has left
+  every valid response, the responses closest to it (most positions equal) say what comes next; `eps` of the mass
+  is spread over the whole vocabulary, so the KL stays finite.
+* `DenseTeacher` — a dense causal transformer (pre-norm, GELU MLPs, learned positions; no MoE, no compressed
+  attention, no mHC), trained by SFT on its family.
+
+The loss is token-level normalised over every response position of the batch.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv41.model.step import ForwardOptions
+from dsv41.posttrain import tasks as T
+from dsv41.posttrain.model import load, save
+from dsv41.posttrain.rollout import Rollout, make_engine, rollouts
+from dsv41.posttrain.sft import IGNORE, TaskMix, pad_batch, sft_example
+from dsv41.train.qat import TrainCache
+
+
+def reverse_kl(student_logits: torch.Tensor, teacher_lp: torch.Tensor) -> torch.Tensor:
+    """KL(pi_s || pi_t) per row: logits [N, V], teacher log-probs [N, V] -> [N]."""
+    lp = torch.log_softmax(student_logits.float(), -1)
+    return (lp.exp() * (lp - teacher_lp)).sum(-1)
+
+
+def reverse_kl_grad(student_logits: torch.Tensor, teacher_lp: torch.Tensor) -> torch.Tensor:
+    """The closed-form gradient of reverse_kl with respect to the student's logits, [N, V]."""
+    lp = torch.log_softmax(student_logits.float(), -1)
+    p = lp.exp()
+    kl = (p * (lp - teacher_lp)).sum(-1, keepdim=True)
+    return p * (lp - teacher_lp - kl)
+
+
+class SolverTeacher:
+    def __init__(self, tok, eps: float = 0.02):
+        self.tok, self.eps = tok, eps
+
+    def logprobs(self, p: T.Problem, output: list[int]) -> torch.Tensor:
+        """log pi_t of each position of `output` given the prefix before it: [len(output), V]."""
+        V = self.tok.vocab_size
+        valid = [T.response_ids(self.tok, p, s) for s in range(1, p.difficulty + 1)]
+        out = torch.full((len(output), V), self.eps / V, dtype=torch.float64)
+        for t in range(len(output)):
+            prefix = output[:t]
+            match = [r for r in valid if len(r) > t and r[:t] == prefix]
+            if not match:
+                cand = [r for r in valid if len(r) > t]
+                if not cand:
+                    cand = valid
+                    t_ = [len(r) - 1 for r in cand]
+                else:
+                    t_ = [t] * len(cand)
+                score = [sum(a == b for a, b in zip(r, prefix)) for r in cand]
+                best = max(score)
+                nxt = [r[k] for r, k, s in zip(cand, t_, score) if s == best]
+            else:
+                nxt = [r[t] for r in match]
+            for v in nxt:
+                out[t, v] += (1 - self.eps) / len(nxt)
+        return out.log().float()
+
+
+class DenseTeacher(nn.Module):
+    """A dense causal transformer over the shared tokenizer's ids (see the module docstring)."""
+
+    def __init__(self, vocab: int, dim: int = 96, layers: int = 3, heads: int = 4, max_len: int = 256):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        T_ = ids.size(1)
+        h = self.embed(ids) + self.pos(torch.arange(T_, device=ids.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(T_, device=ids.device)
+        return self.head(self.norm(self.body(h, mask=mask, is_causal=True)))
+
+    def logprobs(self, p: T.Problem, output: list[int], prompt: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            lg = self(torch.tensor([prompt + output]))[0, len(prompt) - 1:len(prompt) - 1 + len(output)]
+        return torch.log_softmax(lg.float(), -1)
+
+
+def train_dense_teacher(tok, family: str, mix: TaskMix, steps: int, seed: int = 0, say=print) -> DenseTeacher:
+    """SFT of a DenseTeacher on one family's examples (every stride, every level)."""
+    torch.manual_seed(seed)
+    model = DenseTeacher(tok.vocab_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    fam = TaskMix((family,), mix.lo, mix.hi, mix.levels)
+    t0 = time.time()
+    for step in range(steps):
+        rng = random.Random(f"teacher:{family}:{seed}:{step}")
+        ex = [sft_example(rng, tok, fam) for _ in range(32)]
+        ids, tg = pad_batch([e[0] for e in ex], tok.pad_id), pad_batch([e[1] for e in ex], IGNORE)
+        loss = F.cross_entropy(model(ids).flatten(0, 1), tg.flatten(), ignore_index=IGNORE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if (step + 1) % 50 == 0:
+            say(f"teacher {family} step {step + 1}/{steps} loss {float(loss):.4f} ({time.time() - t0:.0f}s)")
+    return model.eval()
+
+
+def teacher_logprobs(teachers: dict, r: Rollout) -> torch.Tensor:
+    t = teachers[r.problem.family]
+    if isinstance(t, DenseTeacher):
+        return t.logprobs(r.problem, r.output_ids, r.prompt_ids)
+    return t.logprobs(r.problem, r.output_ids)
+
+
+def opd_loss(model, rs: list[Rollout], teachers: dict, pad: int) -> torch.Tensor:
+    """Mean reverse KL over every response position of the batch (the student's reference forward, QDQ on)."""
+    rows = [r.prompt_ids + r.output_ids for r in rs]
+    ids = pad_batch(rows, pad)
+    logits = model(ids, TrainCache(model.cfg, ids.size(0), model.dtype, ids.device), 0, ForwardOptions()).logits
+    z, lt = [], []
+    for i, r in enumerate(rs):
+        a = len(r.prompt_ids) - 1
+        z.append(logits[i, a:a + len(r.output_ids)])
+        lt.append(teacher_logprobs(teachers, r))
+    return reverse_kl(torch.cat(z), torch.cat(lt)).mean()
+
+
+@dataclass
+class OPDConfig:
+    init: str = "runs/post-rl"
+    out: str = "runs/post-opd"
+    steps: int = 30
+    minutes: float = 4.0
+    prompts: int = 16
+    max_tokens: int = 32
+    lr: float = 1e-3
+    teacher_steps: int = 300
+    seed: int = 0
+    mix: TaskMix = field(default_factory=TaskMix)
+
+
+def run_opd(cfg: OPDConfig, say=print) -> Path:
+    """Distil the teachers into the checkpoint cfg.init on the student's own samples; sums -> the exact solver,
+    chase -> a dense transformer trained here."""
+    cfg.mix.check()
+    model, tok, _ = load(cfg.init)
+    teachers = {"sums": SolverTeacher(tok)}
+    if "chase" in cfg.mix.families:
+        teachers["chase"] = train_dense_teacher(tok, "chase", cfg.mix, cfg.teacher_steps, cfg.seed, say)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    eng = make_engine(model, tok, max_batch=cfg.prompts)
+    t0, step, history = time.time(), 0, []
+    while step < cfg.steps and time.time() - t0 < cfg.minutes * 60:
+        rng = random.Random(f"opd:{cfg.seed}:{step}")
+        items = [(T.sample_problem(rng, cfg.mix.families[i % len(cfg.mix.families)], cfg.mix.lo, cfg.mix.hi),
+                  rng.choice(cfg.mix.levels), rng.randrange(2 ** 31)) for i in range(cfg.prompts)]
+        rs = rollouts(eng, tok, items, cfg.max_tokens)
+        model.train()
+        try:
+            loss = opd_loss(model, rs, teachers, tok.pad_id)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        finally:
+            model.eval()
+        step += 1
+        history.append({"step": step, "kl": float(loss), "sampled_tokens": sum(len(r.output_ids) for r in rs),
+                        "accuracy": sum(r.verdict.correct for r in rs) / len(rs)})
+        say(f"opd step {step}/{cfg.steps} kl {float(loss):.4f} acc {history[-1]['accuracy']:.2f} "
+            f"({time.time() - t0:.0f}s)")
+    save(model, tok, Path(cfg.out), {"stage": "opd", "step": step, "history": history, "config": asdict(cfg)})
+    return Path(cfg.out)
