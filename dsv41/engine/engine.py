@@ -1,8 +1,10 @@
 """The inference engine: requests in, tokens out, with continuous batching.
 
-Each `step()` admits waiting requests (prefill, one sequence at a time, in the configured CED mode and chunk
-size), then runs ONE batched decode step for every running sequence (rows at different positions), samples,
-applies stop conditions, and returns what each request produced. Sequences join and leave between steps.
+Each `step()` runs what the scheduler (`dsv41.engine.scheduler`) plans within its token and KV page budgets:
+chunks of admitted prompts (chunked prefill in the configured CED mode; prompts of one length admitted together
+prefill as one batch), then ONE batched decode step for every running sequence (rows at different positions,
+prompts' last tokens joining), samples, applies stop conditions, and returns what each request produced.
+Sequences join and leave between steps; when the pages run out the youngest is preempted and recomputed later.
 With speculative decoding (`speculative="fixed:N"` or `"dspark"`, `dsv41.engine.speculative`) that step is one
 draft-verify step instead: each row may emit several tokens, with exactly the target's distribution.
 Bad requests are rejected at `add_request` with a ValueError and never reach the batch.
@@ -19,8 +21,9 @@ from typing import Iterator
 
 import torch
 
-from dsv41.engine.prefill import MODES, check_ced, prefill
+from dsv41.engine.prefill import MODES, PrefillJob, check_ced
 from dsv41.engine.sampling import SamplingParams, make_generator, sample_token, top_logprobs
+from dsv41.engine.scheduler import Group, Scheduler, StepPlan, target
 from dsv41.engine.speculative.drafter import DSparkDrafter
 from dsv41.engine.speculative.policy import Speculation
 from dsv41.engine.speculative.rejection import accept_drafts
@@ -59,6 +62,10 @@ class Sequence:
     drafted: int = 0                         # speculative decoding: drafts verified / accepted, target forwards
     accepted: int = 0
     target_steps: int = 0
+    arrival: int = 0                         # scheduling: arrival order (the youngest is preempted first)
+    fed: int = 0                             # tokens run into the store
+    group: Group | None = None               # set while admitted (its body job until the body is done)
+    preemptions: int = 0
 
 
 @dataclass
@@ -86,8 +93,13 @@ class Engine:
     def __init__(self, model, tokenizer=None, prefill_mode: str = "ced-bounded", max_batch: int = 8,
                  max_seq_len: int = DEFAULT_MAX_SEQ_LEN, chunk_size: int | None = None, device=None,
                  cache_dir=None, swa_pool=None, cache_interval: int = 4096, speculative="off", step_profile=None,
-                 deterministic: bool = False):
-        """deterministic: switch on the deterministic mode (process-wide) and the `recent` tie rule: a request's
+                 deterministic: bool = False, max_step_tokens: int | None = None, kv_pages: int | None = None,
+                 kv_page_size: int = 64):
+        """max_step_tokens: tokens one step feeds (decode rows, prompt chunks; default max(2048, max_batch));
+        kv_pages: the global-store pages all sequences may hold together (None: unbounded), of kv_page_size entries
+        (docs/system.md §3, `dsv41.engine.scheduler`).
+
+        deterministic: switch on the deterministic mode (process-wide) and the `recent` tie rule: a request's
         tokens and log-probs then do not depend on its batch, the chunking, speculation or a cache resume
         (`dsv41.model.attention.use_deterministic`, docs/system.md §10). Its prefill is exact: `ced-bounded` runs
         as `ced-exact`, and a prefix-cache hit without its SWA snapshot is not replayed (bounded replay is an
@@ -111,7 +123,7 @@ class Engine:
         self.prefill_mode, self.max_batch, self.chunk_size = prefill_mode, max_batch, chunk_size
         self.max_seq_len = max_seq_len
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.pool: SequencePool = make_pool(model, self.device)
+        self.pool: SequencePool = make_pool(model, self.device, kv_page_size, kv_pages)
         self.prefix_cache = None
         if cache_dir is not None or swa_pool is not None:
             if not self.pool.packed:
@@ -134,10 +146,15 @@ class Engine:
         online = self.speculation.mode == "dspark" and self.speculation.online
         self.calibration = AcceptanceCalibration(G) if online else None
         self.step_cost = MeasuredCost(step_profile) if online else step_profile
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        max_drafts = 0 if self.drafter is None else (self.speculation.n if self.speculation.mode == "fixed" else G)
+        self.scheduler = Scheduler(self.cfg, max_batch, max_step_tokens, kv_page_size, kv_pages, max_drafts,
+                                   group_prompts=self.prefix_cache is None)
+        self.last_plan: StepPlan | None = None
+        self.waiting: list[Sequence] = []            # arrival order
+        self.running: list[Sequence] = []            # admitted (prefilling or decoding), admission order
         self.finished: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -155,6 +172,7 @@ class Engine:
         if len(ids) + params.max_tokens > self.max_seq_len:
             raise ValueError(f"prompt of {len(ids)} tokens plus max_tokens {params.max_tokens} exceeds the "
                              f"maximum context of {self.max_seq_len} tokens")
+        self.scheduler.check_fits(len(ids) + params.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.finished or any(s.request_id == rid for s in self.waiting + self.running):
             raise ValueError(f"duplicate request id {rid!r}")
@@ -162,7 +180,8 @@ class Engine:
             raise ValueError("logit bias, penalties and grammar constraints need speculative decoding off")
         if images is not None and (len(images) != 2 or images[1].numel() != len(ids)):
             raise ValueError("images: (records, token types) with one type per prompt token")
-        self.waiting.append(Sequence(rid, ids, params.for_prompt(ids), make_generator(params.seed), images))
+        self.waiting.append(Sequence(rid, ids, params.for_prompt(ids), make_generator(params.seed), images,
+                                     arrival=next(self._arrivals)))
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -170,6 +189,10 @@ class Engine:
             for s in [s for s in lst if s.request_id == request_id]:
                 lst.remove(s)
                 s.finish_reason = "abort"
+                if s.group is not None and s.group.job is not None:     # its batch-mates prefill again without it
+                    for o in [o for o in s.group.seqs if o is not s]:
+                        self.running.remove(o)
+                        self._preempt(o)
                 self._release(s)
 
     def has_unfinished(self) -> bool:
@@ -179,31 +202,33 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
         outs: list[StepOutput] = []
-        decoding = list(self.running)
-        while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting.pop(0)
-            logits = self._prefill(seq)
-            self.running.append(seq)
-            outs.append(self._emit(seq, [seq.pending], logits.view(1, -1)))
-        self._decode(decoding, outs)
+        plan = self.scheduler.plan(self.running, self.waiting, self._admit, self._preempt,
+                                   can_join=self.drafter is None)
+        self.last_plan = plan
+        for g, n in plan.bodies:
+            self._feed_body(g, n)
+        for s, n in plan.tails:
+            self._feed_tail(s, n, outs)
+        self._decode(plan.decode, plan.join, plan.drafts, outs)
         for s in [s for s in self.running if s.finish_reason]:
             self.running.remove(s)
             self._release(s)
             self.finished[s.request_id] = s
         return outs
 
-    def _prefill(self, seq: Sequence) -> torch.Tensor:
-        """Prefill all prompt tokens but the last in the configured mode, then run the last one as the first
-        decode step (all layers), which yields the first sampled token. The state after N-1 tokens is the
-        end-of-prompt unit that prefix caching stores, so a repeated prompt resumes exactly there.
+    def _admit(self, seqs: list[Sequence]) -> Group:
+        """Give these sequences (one prompt length; several only without prefix caching) their store and their
+        body's prefill job: all prompt tokens but the last, in the configured mode, fed over the next steps. The
+        last token runs as a decode row (all layers) and yields the first sampled token; the state after N-1
+        tokens is the end-of-prompt unit that prefix caching stores, so a repeated prompt resumes exactly there.
 
         With prefix caching (docs/system.md §4): the longest persistent hit U is restored; with its SWA snapshot the
         prefill continues exactly (swa-hit), without it the last n_win cached tokens are replayed through the
         layers for window KV only (replay)."""
-        t0 = time.perf_counter()
-        ids = seq.prompt_ids
-        seq.sid = self.pool.new_sequence()
-        start = replay = 0
+        g, seq = Group(list(seqs), vision=seqs[0].vision is not None), seqs[0]
+        ids, start, replay = seq.prompt_ids, 0, 0
+        for s in seqs:
+            s.sid, s.group = self.pool.new_sequence(), g
         hit = (self.prefix_cache.lookup(ids, max_len=len(ids) - 1, salt=seq.params.cache_salt)
                if self.prefix_cache and len(ids) > 1 and seq.vision is None else None)
         if hit is not None and hit.swa_state is None and self.deterministic:
@@ -216,30 +241,70 @@ class Engine:
             else:
                 replay = min(self.cfg.window_size, start)
             seq.cache_path, seq.cached_tokens, seq.cached_tiers = hit.path, hit.boundary, dict(hit.tiers)
-        view = self.pool.bind([seq.sid])
+        sids = [s.sid for s in seqs]
+        view = self.pool.bind(sids)
         if replay and self.model.engram_hasher is not None:
             from dsv41.kv.prefix import engram_history_at
             view.engram_history = engram_history_at(self.model.engram_hasher, ids, start - replay).view(1, -1)
-        body = ids[start - replay:-1]
-        if body and seq.vision is not None:              # image spans: one full-mode chunk with the records
-            opts = ForwardOptions(images=[seq.vision[0]], token_types=seq.vision[1][None, :len(body)].to(self.device))
-            self.model(torch.tensor([body], device=self.device), view, opts=opts, last_only=True)
-        elif body:
-            pf = prefill(self.model, torch.tensor([body], device=self.device), view, self.prefill_mode,
-                         self.chunk_size, replay=replay)
-            if self.drafter is not None and pf.main_hidden is not None:
+        if len(ids) > 1 + start:
+            body = torch.tensor([s.prompt_ids[start - replay:-1] for s in seqs], device=self.device)
+            g.job = (ImageBody(self.model, body, seq.vision) if g.vision else
+                     PrefillJob(self.model, body, view, self.prefill_mode, replay=replay))
+        self.pool.release(view, sids)
+        for s in seqs:
+            s.fed = start
+        return g
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a sequence's store; it waits again (in arrival order) and is recomputed from its prompt and its
+        generated tokens when admitted again (its sampled tokens are kept, so it continues with the same output)."""
+        self.pool.free(seq.sid)
+        seq.sid, seq.group, seq.fed = None, None, 0
+        seq.preemptions += 1
+        self.waiting.insert(sum(1 for w in self.waiting if w.arrival < seq.arrival), seq)
+
+    def _feed_body(self, g: Group, n: int) -> None:
+        """The next n tokens of each row's prompt body; at its end the mode's remaining dataflow, the drafter
+        seeded with its taps, the end-of-prompt unit saved."""
+        t0 = time.perf_counter()
+        sids = [s.sid for s in g.seqs]
+        view = self.pool.bind(sids)
+        g.job.feed(view, n, self.chunk_size)
+        if not g.job.remaining:
+            pf = g.job.finish(view)
+            if self.drafter is not None and pf is not None and pf.main_hidden is not None:
                 self.drafter.seed(view, pf.main_hidden, pf.tap_start)
-        self._save_unit(seq, ids[:-1])
-        last_pos = view.pos.clone()
-        out = self.model(torch.tensor([ids[-1:]], device=self.device), view, last_only=True)
-        if self.drafter is not None and out.main_hidden is not None:
-            self.drafter.seed(view, out.main_hidden, last_pos)
+            g.job = None
+        self.pool.release(view, sids)
+        for s in g.seqs:
+            if g.job is None:
+                s.fed = len(s.prompt_ids) - 1
+                self._save_unit(s, s.prompt_ids[:-1])
+            s.prefill_s += time.perf_counter() - t0
+
+    def _feed_tail(self, seq: Sequence, n: int, outs: list[StepOutput]) -> None:
+        """The next n tokens after the body (all layers): the prompt's last token and, when the sequence resumes
+        after a preemption, its generated tokens; the last of a fresh prompt's yields its first sampled token."""
+        t0 = time.perf_counter()
+        ids = (seq.prompt_ids + seq.output_ids)[seq.fed:seq.fed + n]
+        view = self.pool.bind([seq.sid])
+        for lo in range(0, n, self.chunk_size or n):
+            start = view.pos.clone()
+            out = self.model(torch.tensor([ids[lo:lo + (self.chunk_size or n)]], device=self.device), view,
+                             last_only=True)
+            if self.drafter is not None and out.main_hidden is not None:
+                self.drafter.seed(view, out.main_hidden[:, -self.cfg.window_size:],
+                                  start + max(0, out.main_hidden.size(1) - self.cfg.window_size))
         self.pool.release(view, [seq.sid])
-        logits = out.logits[0, -1]
+        seq.fed += n
+        if seq.fed == target(seq) and seq.pending is None:
+            self._first_token(seq, out.logits[0, -1], outs)
+        seq.prefill_s += time.perf_counter() - t0
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor, outs: list[StepOutput]) -> None:
         seq.pending = sample_token(logits, seq.params, seq.gen)
-        seq.prefill_s = time.perf_counter() - t0
         seq.t_first_token = time.perf_counter()
-        return logits
+        outs.append(self._emit(seq, [seq.pending], logits.view(1, -1)))
 
     def _save_unit(self, seq: Sequence, fed: list[int]) -> None:
         """Persist the sequence's state after `fed` tokens (end of prompt / end of output); never fails a request."""
@@ -252,40 +317,51 @@ class Engine:
         except (ValueError, OSError) as e:                    # storage problems are misses, not failures
             self.prefix_cache._log_once("save", "prefix cache save skipped: %s", e)
 
-    def _decode(self, seqs: list[Sequence], outs: list[StepOutput]) -> None:
-        """One batched decode step for the running rows, or one draft-verify step with speculative decoding."""
+    def _decode(self, seqs: list[Sequence], join: list[Sequence], drafts: int, outs: list[StepOutput]) -> None:
+        """One batched decode step for the running rows, or one draft-verify step (at most `drafts` drafts a row)
+        with speculative decoding; `join`: rows feeding their last prompt (or recomputed) token in the same
+        forward (without speculation)."""
         live = [s for s in seqs if not s.finish_reason]
-        if not live:
+        rows = live + join
+        if not rows:
             return
         t0 = time.perf_counter()
-        sids = [s.sid for s in live]
+        sids = [s.sid for s in rows]
         view = self.pool.bind(sids)
         if self.drafter is None:
-            n_tokens = len(live)
-            ids = torch.tensor([[s.pending] for s in live], device=self.device)
+            n_tokens = len(rows)
+            ids = torch.tensor([[(s.prompt_ids + s.output_ids)[s.fed]] for s in rows], device=self.device)
             logits = self.model(ids, view, last_only=True).logits[:, -1]
             for b, s in enumerate(live):
                 s.pending = sample_token(logits[b], s.params, s.gen)
                 outs.append(self._emit(s, [s.pending], logits[b:b + 1]))
+            for b, s in enumerate(join, len(live)):
+                s.fed += 1
+                if s.pending is None:
+                    self._first_token(s, logits[b], outs)
         else:
-            n_tokens = self._verify(view, live, outs)
+            n_tokens = self._verify(view, live, outs, drafts)
         self.pool.release(view, sids)
         dt = time.perf_counter() - t0
         if isinstance(self.step_cost, MeasuredCost):
             self.step_cost.record(n_tokens, dt)
         for s in live:
+            s.fed = target(s)
             s.decode_s += dt
             s.target_steps += 1
+        for s in join:
+            s.prefill_s += dt
 
-    def _verify(self, view, live: list[Sequence], outs: list[StepOutput]) -> int:
+    def _verify(self, view, live: list[Sequence], outs: list[StepOutput], drafts: int) -> int:
         """One draft-verify step for every row of `view` (`dsv41.engine.speculative`); -> tokens the forward ran."""
         pos = view.pos.clone()
         prop = self.drafter.propose(view, live, pos)
         caps = [max(0, s.params.max_tokens - len(s.output_ids) - 1) for s in live]   # drafts that could be emitted
         if self.speculation.mode == "fixed":
-            V = min(self.speculation.n, prop.tokens.size(1), max(caps))
+            V = min(self.speculation.n, prop.tokens.size(1), max(caps), drafts)
         else:
-            V = choose_verify_lengths(prop.survival(self.calibration), self.step_cost, caps, ragged=False)[0]
+            V = min(drafts, choose_verify_lengths(prop.survival(self.calibration), self.step_cost, caps,
+                                                  ragged=False)[0])
         ids = torch.cat([torch.tensor([[s.pending] for s in live]), prop.tokens[:, :V]], dim=1).to(self.device)
         journal = VerifyJournal(self.model, view, pos, 1 + V)
         out = self.model(ids, view, opts=ForwardOptions(journal=journal.model_journal))
@@ -364,6 +440,7 @@ class Engine:
                  "prefill_mode": self.prefill_mode, "prefill_s": s.prefill_s, "decode_s": s.decode_s,
                  "ttft_s": (s.t_first_token or s.t_arrival) - s.t_arrival, "kv_bytes": s.kv,
                  "cache_path": s.cache_path, "cached_tokens": s.cached_tokens, "cached_tokens_by_tier": s.cached_tiers,
+                 "preemptions": s.preemptions,
                  "speculative": {"mode": str(self.speculation), "drafted_tokens": s.drafted,
                                  "accepted_tokens": s.accepted, "target_forwards": s.target_steps}}
         return Completion(s.request_id, s.prompt_ids, s.output_ids, s.text, s.finish_reason, stats, s.logprobs)
@@ -383,6 +460,23 @@ class Engine:
                     yield o
                     if o.finished:
                         return
+
+
+class ImageBody:
+    """An image prompt's body as a prefill job: one full-mode forward with its image records (the spans must be in
+    the first chunk, so it is never split)."""
+
+    def __init__(self, model, body: torch.Tensor, vision: tuple):
+        self.model, self.body, self.vision, self.remaining = model, body, vision, body.size(1)
+
+    def feed(self, view, n: int, chunk_size: int | None = None) -> None:
+        assert n == self.remaining, "an image body runs whole"
+        types = self.vision[1][None, :n].to(self.body.device)
+        self.model(self.body, view, opts=ForwardOptions(images=[self.vision[0]], token_types=types), last_only=True)
+        self.remaining = 0
+
+    def finish(self, view) -> None:
+        return None
 
 
 def partial_suffix(text: str, s: str) -> int:

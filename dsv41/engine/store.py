@@ -76,8 +76,9 @@ class DensePool(SequencePool):
         return {"global_bytes": c.global_bytes(), "tokens": int(c.pos[0]), "packed": False}
 
 
-def make_pool(model, device="cpu") -> SequencePool:
-    """The packed pool when the model quantizes (official numerics), else the dense reference store."""
+def make_pool(model, device="cpu", page_size: int = 64, max_pages: int | None = None) -> SequencePool:
+    """The packed pool when the model quantizes (official numerics), else the dense reference store (which holds
+    no pages: the engine's scheduler counts its pages by the same rule, `dsv41.kv.pages.pages_at`)."""
     if all(m.quant for m in model.modules() if isinstance(m, QuantSite)):
-        return PackedPool(model.cfg, device=device, dtype=model.dtype)
+        return PackedPool(model.cfg, device=device, dtype=model.dtype, page_size=page_size, max_pages=max_pages)
     return DensePool(model.cfg, model.dtype, device)
