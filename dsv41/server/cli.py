@@ -3,7 +3,7 @@ engine's (`dsv41.engine.cli`); these add the server's own."""
 
 from __future__ import annotations
 
-from dsv41.engine.cli import add_engine_args, engine_from_args
+from dsv41.engine.cli import add_engine_args
 from dsv41.server import demo
 
 
@@ -37,15 +37,21 @@ def register(sub) -> None:
 def serve_main(args) -> int:
     import uvicorn
 
+    from dsv41.parallel.lockstep import release_ranks, serving_engine
     from dsv41.server.app import create_app
     from dsv41.server.state import ServerSettings
 
-    engine = engine_from_args(args)
+    engine = serving_engine(args)           # under torchrun: rank 0's lockstep engine; other ranks follow, then None
+    if engine is None:
+        return 0
     settings = ServerSettings.from_args(args)
     app = create_app(engine, settings)
     print(f"dsv41 serve: model `{settings.model_name}` ({engine.cfg.n_layers} layers, vocab {engine.cfg.vocab_size},"
           f" prefill {engine.prefill_mode}, max batch {engine.max_batch}, context {engine.max_seq_len}, chat template"
           f" {app.state.dsv41.template.name}, speculative {engine.speculation}) on http://{args.host}:{args.port}/v1",
           flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        release_ranks(engine)
     return 0
