@@ -5,7 +5,7 @@ corrupt is ever served, no exception escapes, and the counters record each fault
 
 Setup (random `debug` model, n_win = window = 8, interval 16): turn 1 is a 37-token prompt, saved at its end
 (global units 0-16, 16-32, tail 32-37, and an SWA snapshot carrying the last logits) and, after 4 greedy tokens,
-at the end of the output (tail 32-41 and a snapshot). Per fault, a fresh cache directory gets turn 1's saves, the
+at the end of the output (the unit at 41, whose segment 37-41 links to the tail at 37, and a snapshot). Per fault, a fresh cache directory gets turn 1's saves, the
 fault is injected, then two requests are served through the hit flow:
 
   continuation  turn 2 = turn 1 + its output + 6 new tokens; reference: the original sequence continuing
@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 from pathlib import Path
@@ -44,7 +45,7 @@ import torch  # noqa: E402
 from dsv41.config import load_config  # noqa: E402
 from dsv41.kv.manager import PrefixCache  # noqa: E402
 from dsv41.kv.pool import PackedKVPool  # noqa: E402
-from dsv41.kv.prefix import chain_keys, engram_history_at  # noqa: E402
+from dsv41.kv.prefix import chain_keys, engram_history_at, prefix_key  # noqa: E402
 from dsv41.kv.swa_pool import MemorySwaPool, RedisSwaPool  # noqa: E402
 from dsv41.model.init import random_model  # noqa: E402
 
@@ -262,6 +263,40 @@ def evicted_unit(h, d) -> dict:
     return {"count": 1, "requests": h.requests(cache), "cache": cache}
 
 
+def evicted_link(h, d) -> dict:
+    """The end-of-prompt segment (32-37) that the end-of-output unit (41) needs is evicted; then turn 1's saves
+    again (the next conversation through it repairs the path) and the requests once more."""
+    cache = h.cache(d)
+    h.turn1(cache)
+    (cache.disk.dir / (prefix_key(cache.fp, h.p1, 37, INTERVAL) + ".kv")).unlink()
+    reqs = h.requests(cache)
+    h.turn1(cache)
+    return {"count": 1, "requests": reqs + h.requests(cache), "cache": cache}
+
+
+def two_writers(h, d) -> dict:
+    """Several writers of the same units on one directory: one with a stale boundary index (it stores 41 from 32,
+    not knowing 37), then four threads saving turn 1 at once, each both units in both orders."""
+    swa = MemorySwaPool(1 << 24, 600)
+    stale = h.cache(d, swa=swa, refresh_s=1e9)
+    caches = [h.cache(d, swa=swa), stale] + [h.cache(d, swa=swa) for _ in range(2)]
+    caches[0].save(*h.saves[0])
+    stale.save(*h.saves[1])
+    barrier = threading.Barrier(len(caches))
+
+    def writer(cache):
+        barrier.wait()
+        for ids, U, g, sw in h.saves[::-1] + h.saves:
+            cache.save(ids, U, g, sw)
+    threads = [threading.Thread(target=writer, args=(c,)) for c in caches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reader = h.cache(d, swa=swa)
+    return {"count": 2 + 4 * len(caches), "requests": h.requests(reader) + h.requests(stale), "cache": caches[0]}
+
+
 def swa_corrupt_memory(h, d) -> dict:
     swa = MemorySwaPool(1 << 24, 600)
     cache = h.cache(d, swa=swa)
@@ -339,6 +374,8 @@ SCENARIOS = [
     ("EIO on fsync", lambda h, d: write_fault(h, d, "_os_fsync", errno.EIO), "write_errors"),
     ("disk below free-space watermark", disk_full, "skipped_full"),
     ("evicted middle unit", evicted_unit, "cache.hit_tokens"),
+    ("segment evicted under a unit", evicted_link, "cache.hits_swa"),
+    ("two writers of one segment", two_writers, "cache.units_existing"),
     ("SWA snapshot corrupt (memory pool)", swa_corrupt_memory, "swa_bad"),
     ("SWA snapshot expired (TTL)", swa_expired, "expired"),
     ("Redis server stopped mid-run", lambda h, d: redis_scenario(h, d, "stopped"), "swa.errors"),

@@ -1,6 +1,9 @@
 """`dsv41 cache stats|verify|clear --cache-dir DIR [--json]`: operate on a prefix cache's persistent tier.
 
-  stats    entries, bytes, fingerprints (namespaces), age of the oldest / newest entry, free disk
+  stats    entries, bytes, fingerprints (namespaces), age of the oldest / newest entry, free disk; per namespace
+           the token positions its prefix units store and the bytes per stored token beside the analytic global
+           KV bytes per token of the stored records (sum over KV-source layers of (main + index record bytes) /
+           m, `dsv41.analysis.kv_bytes`'s formula read off one entry's layout)
   verify   read every entry in full and check it (header, lengths, key, SHA-256); report bad ones and remove them
            (--keep: report only). Exit status 1 when bad entries were found.
   clear    remove every entry (temp files of live writers are left to them)
@@ -42,15 +45,50 @@ def _open(cache_dir: str):
     return DiskStore(cache_dir, max_bytes=1 << 62, fingerprint=None, repair=False)
 
 
+def _analytic_bytes_per_token(path) -> float | None:
+    """Sum over the layers of the unit entry at `path` of (main + index record bytes) / ratio, or None when the
+    file is not a readable unit entry."""
+    from dsv41.kv.disk_files import read_file
+    from dsv41.kv.disk_format import BadEntry, parse_entry
+    from dsv41.kv.state_format import GlobalState
+
+    try:
+        st = GlobalState.from_bytes(parse_entry(read_file(path)[0])[2])
+    except (OSError, BadEntry, ValueError):
+        return None
+    return sum((ls.main.size(1) + ls.index.size(1)) / ls.ratio for ls in st.layers)
+
+
+def _namespace_stats(store, entries: list[dict]) -> dict[str, dict]:
+    """Per fingerprint: entries, bytes, token positions stored by prefix units (sum of their segments' lengths),
+    bytes per stored token and the analytic figure beside it."""
+    from dsv41.kv.disk import SUFFIX
+    from dsv41.kv.manager import parse_unit_meta
+
+    fps: dict[str, dict] = {}
+    smallest: dict[str, dict] = {}
+    for e in entries:
+        d = fps.setdefault(e["fingerprint"], {"entries": 0, "bytes": 0, "units": 0, "tokens": 0})
+        d["entries"] += 1
+        d["bytes"] += e["size"]
+        unit = parse_unit_meta(e["meta"])
+        if unit is not None:
+            d["units"] += 1
+            d["tokens"] += unit.boundary - unit.start
+            if e["fingerprint"] not in smallest or e["size"] < smallest[e["fingerprint"]]["size"]:
+                smallest[e["fingerprint"]] = e
+    for fp, d in fps.items():
+        d["bytes_per_token"] = d["bytes"] / d["tokens"] if d["tokens"] else None
+        d["analytic_bytes_per_token"] = (_analytic_bytes_per_token(store.dir / (smallest[fp]["key"] + SUFFIX))
+                                         if fp in smallest else None)
+    return fps
+
+
 def cache_stats(cache_dir: str) -> dict:
     store = _open(cache_dir)
     now = time.time()
-    fps: dict[str, dict] = {}
     entries = store.describe()
-    for e in entries:
-        d = fps.setdefault(e["fingerprint"], {"entries": 0, "bytes": 0})
-        d["entries"] += 1
-        d["bytes"] += e["size"]
+    fps = _namespace_stats(store, entries)
     created = [e["created"] for e in entries]
     s = store.stats()
     return {"cache_dir": os.path.abspath(cache_dir), "entries": s["entries"], "bytes": s["bytes"],
@@ -73,7 +111,12 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(f"prefix cache {r['cache_dir']}: {r['entries']:,} entries, {r['bytes']:,} B "
               f"({r['free_bytes']:,} B free on the file system)")
         for fp, d in sorted(r["fingerprints"].items()):
-            print(f"  namespace {fp[:16]}…  {d['entries']:,} entries  {d['bytes']:,} B")
+            print(f"  namespace {fp[:16]}…  {d['entries']:,} entries  {d['bytes']:,} B", end="")
+            if d["tokens"]:
+                a = d["analytic_bytes_per_token"]
+                vs = f", analytic global KV {a:,.1f} B/token: x{d['bytes_per_token'] / a:.3f}" if a else ""
+                print(f"  {d['tokens']:,} token positions stored: {d['bytes_per_token']:,.1f} B/token{vs}", end="")
+            print()
         if r["oldest_age_s"] is not None:
             print(f"  oldest entry {r['oldest_age_s'] / 3600:.2f} h, newest {r['newest_age_s'] / 3600:.2f} h")
         print(f"  temp files {r['temp_files']}; entries with an unreadable header {r['unreadable_entries']} "

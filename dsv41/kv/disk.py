@@ -436,10 +436,10 @@ class DiskStore(Counted):
         return sorted(k for k in map(_entry_key, names) if k is not None)
 
     def describe(self) -> list[dict]:
-        """Indexed entries: key, size, created (store clock), last used (mtime), fingerprint (hex)."""
+        """Indexed entries: key, size, created (store clock), last used (mtime), fingerprint (hex), meta (bytes)."""
         with self._mu:
             return [{"key": k, "size": i.size, "created": i.created, "used": i.used_ns / 1e9,
-                     "fingerprint": i.fingerprint.hex()} for k, i in self._index.items()]
+                     "fingerprint": i.fingerprint.hex(), "meta": i.meta} for k, i in self._index.items()]
 
     def verify(self, remove: bool = True) -> dict:
         """Read every entry file in full and check it (header, lengths, key, SHA-256; the fingerprint too when this
