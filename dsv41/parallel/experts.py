@@ -34,18 +34,19 @@ def owned_experts(n_experts: int, group: Group) -> range:
 
 class ExpertParallelMoE(MoE):
     """`MoE` whose `experts` list holds only the rank's experts (`nn.Identity` placeholders for the others, so
-    the names and ids stay those of the checkpoint)."""
+    the names and ids stay those of the checkpoint); the gate, records and replayed routes are `MoE.forward`'s,
+    the experts' sum is this class's `module_loop`."""
 
     group: Group
     owned: range
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, record: dict | None = None
-                ) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.dim)
-        weights, indices, _ = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
-        if record is not None:
-            record[("experts", self.layer)] = (indices.view(*shape[:-1], -1), weights.view(*shape[:-1], -1))
+    def fused_weights(self):
+        """None: the experts op reads every expert's weights; the rank's share runs through `module_loop`."""
+        return None
+
+    def module_loop(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The rank's experts on their rows, the slots merged over the ranks, the one-device sum: x [N,D] ->
+        [N,D] (routing, records and replays are `MoE.forward`'s, which calls this)."""
         slots = x.new_zeros(*indices.shape, self.dim, dtype=torch.float32)          # [N,K,D]
         for e in self.owned:
             rows, k = (indices == e).nonzero(as_tuple=True)                           # tokens ascending
@@ -58,7 +59,7 @@ class ExpertParallelMoE(MoE):
         for k in range(slots.size(1)):
             y = y + slots[:, k]
         y = y + self.shared_experts(x).float()
-        return y.type_as(x).view(shape)
+        return y.type_as(x)
 
 
 def shard_moe(moe: MoE, group: Group) -> None:
