@@ -43,6 +43,12 @@ def pytest_sessionstart(session):
     warm_up_transcendentals()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _prefix_cache_root_in_tmp(tmp_path_factory):
+    """`dsv41 serve` caches prefixes by default under $DSV41_CACHE_DIR: a temp dir here (subprocesses inherit it)."""
+    os.environ["DSV41_CACHE_DIR"] = str(tmp_path_factory.mktemp("dsv41-cache-root"))
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_mode_off():
     """The deterministic mode is process-wide (an Engine(deterministic=True) switches it on): off after each test."""

@@ -33,8 +33,11 @@ def add_engine_args(p: argparse.ArgumentParser, checkpoint_required: bool = True
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
                    help=f"context length: prompt + completion tokens (default {DEFAULT_MAX_SEQ_LEN})")
     p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one shot)")
-    p.add_argument("--cache-dir", default=None, help="prefix cache: persistent global-KV tier on disk")
-    p.add_argument("--swa-pool", default=None, help="prefix cache: SWA snapshot pool, memory or redis://HOST:PORT")
+    p.add_argument("--cache-dir", default=None, help="prefix cache: persistent global-KV tier on disk: DIR, auto "
+                   "(serve's default: ~/.cache/dsv41/prefix/<weights fingerprint>, `dsv41 cache clear` empties it) "
+                   "or none (generate's default)")
+    p.add_argument("--swa-pool", default=None, help="prefix cache: SWA snapshot pool: memory, redis://HOST:PORT, "
+                   "auto (serve's default: memory) or none (generate's default)")
     p.add_argument("--speculative", default="auto",
                    help="speculative decoding with the DSpark drafter: off | fixed:N (verify N drafts per step) | "
                         "dspark (the confidence scheduler) | dspark:online (its acceptance estimates and T(n) "
@@ -67,10 +70,14 @@ def engine_args(**overrides) -> argparse.Namespace:
 
 def engine_from_args(args: argparse.Namespace, model=None, tokenizer=None) -> Engine:
     """The engine for these flags: the checkpoint's model (unless `model` is given) and tokenizer, prefix caching
-    with --cache-dir / --swa-pool, speculative decoding as `resolve_speculation` reads --speculative."""
+    with --cache-dir / --swa-pool (none, auto or as given: `dsv41.kv.cache_cli.resolve_prefix_flags`), speculative
+    decoding as `resolve_speculation` reads --speculative."""
     from dsv41.engine.speculative.policy import resolve_speculation
+    from dsv41.engine.engine import weights_fingerprint
     from dsv41.engine.tokenizer import load_tokenizer
+    from dsv41.kv.cache_cli import resolve_prefix_flags
     from dsv41.model.attention import set_tie_break
+    from dsv41.model.common import QuantSite
     from dsv41.model.loading import load_model
 
     if model is None:
@@ -79,9 +86,12 @@ def engine_from_args(args: argparse.Namespace, model=None, tokenizer=None) -> En
         set_tie_break(model, "recent")
     tokenizer = tokenizer or load_tokenizer(args.checkpoint, model.cfg.vocab_size)
     spec, profile = resolve_speculation(model, args.checkpoint, args.speculative, args.step_profile, args.max_batch)
+    packed = all(m.quant for m in model.modules() if isinstance(m, QuantSite))      # the engine's packed store
+    cache_dir, swa_pool = resolve_prefix_flags(args.cache_dir, args.swa_pool, packed,
+                                               lambda: weights_fingerprint(model))
     return Engine(model, tokenizer, prefill_mode=args.prefill_mode, max_batch=args.max_batch,
-                  max_seq_len=args.max_seq_len, chunk_size=args.chunk_size, cache_dir=args.cache_dir,
-                  swa_pool=args.swa_pool, speculative=spec, step_profile=profile, deterministic=args.deterministic)
+                  max_seq_len=args.max_seq_len, chunk_size=args.chunk_size, cache_dir=cache_dir,
+                  swa_pool=swa_pool, speculative=spec, step_profile=profile, deterministic=args.deterministic)
 
 
 def register(sub) -> None:

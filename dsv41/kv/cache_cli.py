@@ -1,4 +1,5 @@
-"""`dsv41 cache stats|verify|clear --cache-dir DIR [--json]`: operate on a prefix cache's persistent tier.
+"""`dsv41 cache stats|verify|clear [--cache-dir DIR] [--json]`: operate on a prefix cache's persistent tier (without
+--cache-dir: every checkpoint's directory under the default location, `default_cache_root()/prefix`).
 
   stats    entries, bytes, fingerprints (namespaces), age of the oldest / newest entry, free disk; per namespace
            the token positions its prefix units store and the bytes per stored token beside the analytic global
@@ -10,6 +11,12 @@
 
 Wiring: the CLI's command table calls `register(subparsers)`. Works on the directory alone (no model): the store is
 opened without a fingerprint, so entries of every namespace are considered.
+
+Where the cache lives. `dsv41 serve` caches prefixes by default (`--cache-dir auto --swa-pool auto`): the SWA pool
+in the process's memory and the persistent tier in `default_cache_root()/prefix/<weights fingerprint>`, the root
+being $DSV41_CACHE_DIR, else $XDG_CACHE_HOME/dsv41, else ~/.cache/dsv41; `--cache-dir none` / `--swa-pool none`
+turn them off. `dsv41 generate` (one request per process, so no SWA pool outlives it) keeps both off unless given.
+`resolve_prefix_flags` turns the flags into the engine's arguments.
 """
 
 from __future__ import annotations
@@ -18,6 +25,31 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
+from typing import Callable
+
+AUTO, OFF = "auto", "none"
+
+
+def default_cache_root() -> Path:
+    """$DSV41_CACHE_DIR, else $XDG_CACHE_HOME/dsv41, else ~/.cache/dsv41."""
+    if os.environ.get("DSV41_CACHE_DIR"):
+        return Path(os.environ["DSV41_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "dsv41"
+
+
+def resolve_prefix_flags(cache_dir: str | None, swa_pool: str | None, packed: bool,
+                         weights_id: Callable[[], str]) -> tuple[str | None, str | None]:
+    """(cache_dir, swa_pool) for the engine from --cache-dir / --swa-pool: None or "none" is off; "auto" is the
+    default directory `default_cache_root()/prefix/<weights_id()>` / the in-process pool ("memory") when the
+    model keeps the packed store (`packed`; prefix caching stores packed KV), else off; anything else as given."""
+    def pick(value, auto):
+        if value is None or value.lower() == OFF:
+            return None
+        return (auto() if packed else None) if value.lower() == AUTO else value
+    return (pick(cache_dir, lambda: str(default_cache_root() / "prefix" / weights_id())),
+            pick(swa_pool, lambda: "memory"))
 
 
 def register(sub) -> argparse.ArgumentParser:
@@ -28,7 +60,8 @@ def register(sub) -> argparse.ArgumentParser:
                            ("verify", "check every entry's checksum; remove bad ones"),
                            ("clear", "remove every entry")):
         c = csub.add_parser(name, help=helptext)
-        c.add_argument("--cache-dir", required=True, help="the persistent tier's directory")
+        c.add_argument("--cache-dir", default=None, help="the persistent tier's directory (default: every "
+                       "checkpoint's under the default location, see `dsv41 serve --help`)")
         c.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "verify":
             c.add_argument("--keep", action="store_true", help="report bad entries without removing them")
@@ -99,11 +132,21 @@ def cache_stats(cache_dir: str) -> dict:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
+    if args.cache_dir is not None:
+        return _cmd_one(args, args.cache_dir)
+    root = default_cache_root() / "prefix"
+    dirs = sorted(str(d) for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+    if not dirs and not args.json:
+        print(f"no prefix cache under {root}")
+    return max((_cmd_one(args, d) for d in dirs), default=0)
+
+
+def _cmd_one(args: argparse.Namespace, cache_dir: str) -> int:
     cmd = args.cache_command
     if cmd == "stats":
-        r = cache_stats(args.cache_dir)
+        r = cache_stats(cache_dir)
     else:
-        store = _open(args.cache_dir)
+        store = _open(cache_dir)
         r = store.verify(remove=not args.keep) if cmd == "verify" else store.clear()
     if args.json:
         print(json.dumps(r, indent=None if cmd == "clear" else 2))
@@ -127,5 +170,5 @@ def cmd_cache(args: argparse.Namespace) -> int:
         for b in r["bad"]:
             print(f"  {b['key']}: {b['reason']}")
     else:
-        print(f"removed {r['removed']:,} entries ({r['bytes']:,} B)")
+        print(f"removed {r['removed']:,} entries ({r['bytes']:,} B) from {os.path.abspath(cache_dir)}")
     return 1 if cmd == "verify" and r["bad"] else 0

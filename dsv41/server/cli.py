@@ -19,6 +19,7 @@ def register(sub) -> None:
     s = sub.add_parser("serve", help="serve a checkpoint over the OpenAI API (chat, completions, metrics)")
     add_engine_args(s)
     add_server_args(s)
+    s.set_defaults(cache_dir="auto", swa_pool="auto")         # prefix caching on (`dsv41.kv.cache_cli`)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--log-level", default="info")

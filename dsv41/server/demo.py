@@ -236,6 +236,11 @@ def run_demo(args: argparse.Namespace) -> int:
     args.cache_dir = str(Path(ckpt) / "prefix-cache") if args.cache_dir is None else args.cache_dir
     args.swa_pool = "memory" if args.swa_pool is None else args.swa_pool
     engine = engine_from_args(args)
+    pc = engine.prefix_cache
+    _p(f"prefix cache: global KV on disk in {pc.disk.dir} (empty it: dsv41 cache clear --cache-dir {pc.disk.dir}), "
+       f"SWA snapshots {'in memory' if pc.swa is not None else 'off'}; `dsv41 serve` keeps its cache in "
+       "~/.cache/dsv41/prefix/<weights fingerprint> ($DSV41_CACHE_DIR, $XDG_CACHE_HOME), `dsv41 cache clear` "
+       "empties that" if pc is not None and pc.disk is not None else "prefix cache: off")
     cfg = engine.cfg
     app = create_app(engine, ServerSettings.from_args(args))
     _p(f"model: {cfg.n_layers} layers, dim {cfg.dim}, vocab {cfg.vocab_size}; prefill {engine.prefill_mode}; "
