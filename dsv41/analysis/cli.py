@@ -10,7 +10,8 @@ from typing import Any
 from dsv41.analysis.flops import DEFAULT_CONTEXTS, flops_report, plot_decode_curve
 from dsv41.analysis.io import io_overlap, raw_bytes_per_image_token, training_flops_per_token, vit_tokens
 from dsv41.analysis.kv_bytes import kv_report
-from dsv41.analysis.memory import DENSE_POLICIES, H200_USABLE_BYTES, HOLDING_DTYPES, memory_report
+from dsv41.analysis.memory import (DENSE_POLICIES, H200_USABLE_BYTES, HOLDING_DTYPES, PREFILL_CHUNK, memory_report,
+                                   parallel_plan)
 from dsv41.analysis.params import params_report
 from dsv41.config import ModelConfig, load_config, parse_tokens, role_summary
 
@@ -154,7 +155,8 @@ GROUP_LABELS = {"backbone": "backbone", "engram": "Engram projections", "dspark"
 def _memory_report(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
     r = memory_report(cfg, args.gpus, args.context, args.batch, args.device_memory * 1e9, args.dense,
                       args.engram_on_device, args.dtype)
-    return {"config": args.config, **r}
+    plan = parallel_plan(cfg, args.gpus, args.context, args.batch, args.chunk, args.device_memory * 1e9, args.dtype)
+    return {"config": args.config, **r, "parallel_plan": plan}
 
 
 def _byte_unit(largest: float) -> tuple[float, str]:
@@ -224,12 +226,37 @@ def _memory_fit(r: dict[str, Any]) -> None:
         print(f"  {label:<22}{a:>20}{b:>20}")
 
 
+def _memory_parallel(r: dict[str, Any]) -> None:
+    p = r["parallel_plan"]
+    if not p["splits"]:
+        print(f"Parallel plan (dsv41/parallel): does not split over {p['gpus']} device(s): {p['why']}")
+        return
+    a, tp, dp = p["activations"], p["tensor_parallel_attention"], p["data_parallel_attention"]
+    print(f"Parallel plan (dsv41/parallel), {p['gpus']} device(s), GB per device: heads / wo groups / wo_b rows "
+          f"1/{p['gpus']} ({_g(p['attention_split_bytes'], nd=3)} GB whole), routed experts ceil(E/{p['gpus']}), the "
+          f"rest replicated, Engram tables in host memory, latent KV whole on every device")
+    print(f"  {'':<30}{'weights':>10}{'KV':>10}{'activations':>13}{'total':>10}{'headroom':>10}{'fits':>6}")
+    for label, row in (("tensor-parallel attention", tp), ("data-parallel attention", dp),
+                       *((f"the plan on {n} devices", v) for n, v in p["fits"].items())):
+        print(f"  {label:<30}" + "".join(f"{_g(row[k], nd=3):>{w}}" for k, w in (
+            ("weights", 10), ("kv", 10), ("activations", 13), ("total", 10), ("headroom", 10)))
+              + f"{'yes' if row['fits'] else 'NO':>6}")
+    cross = p["crossover_batch"]
+    notes = [f"KV {_g(p['kv_bytes_per_sequence'], nd=3)} GB per sequence of {p['tokens']:,} tokens"]
+    if cross is not None:
+        notes.append(f"data-parallel attention holds fewer bytes from {cross:.1f} such sequences on")
+    notes.append(f"activations: one block at a prefill chunk of {a['chunk']:,} tokens (an estimate; the gathered "
+                 f"KV rows {_g(a['gathered_kv'], nd=3)} GB are the torch reference's, the GPU kernels read in place)")
+    print("  " + "; ".join(notes))
+
+
 def _memory_table(cfg: ModelConfig, args: argparse.Namespace, r: dict[str, Any]) -> None:
     print(f"Memory, config {args.config}, {r['gpus']} device(s) of {_g(r['device_memory'], nd=3)} GB "
           f"(GB = 1e9 bytes)")
     _memory_weights(r)
     _memory_kv(r)
     _memory_fit(r)
+    _memory_parallel(r)
 
 
 # ------------------------------------------------------------------------------------------ register
@@ -281,5 +308,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="weights other than routed experts: replicated on every device, or split over them")
     mem.add_argument("--engram-on-device", action="store_true",
                      help="keep the Engram tables on the device(s) instead of host memory")
+    mem.add_argument("--chunk", type=parse_tokens, default=PREFILL_CHUNK, metavar="T",
+                     help=f"prefill chunk for the parallel plan's activation estimate (default {PREFILL_CHUNK})")
     mem.add_argument("--dtype", choices=tuple(HOLDING_DTYPES), default="bfloat16",
                      help="model dtype of today's dequantized holding (default bfloat16)")

@@ -326,3 +326,71 @@ def memory_report(cfg: ModelConfig, gpus: int = 1, tokens: int = 1 << 20, batch:
         "per_device": _fit(device_memory, weights=w["per_device_bytes"], engram_tables=tab_on_device, kv=kv_pd),
         "today_per_device": _fit(device_memory, weights=today["per_device_bytes"], kv=kv_pd),
     }
+
+
+# ------------------------------------------------------------------------------------------ the parallel plan
+
+HEAD_SPLIT = ("attn.wq_b.weight", "attn.wo_a.weight", "attn.wo_b.weight", "attn.attn_sink")   # 1/N per rank
+PREFILL_CHUNK = 4096
+
+
+def activation_bytes(cfg: ModelConfig, gpus: int, chunk: int, batch: int, dtype: str) -> dict[str, int]:
+    """An estimate of one rank's largest live activations: one block's tensors for a prefill chunk of `chunk`
+    tokens under the parallel plan (and the last position's logits of `batch` rows). Counted: the hyper-connection
+    streams (block input, residual, output: 3 x T x S x D in the model dtype, plus one fp32 copy for the mHC
+    math), the rank's queries and attention output (T x H/N x C each), the gathered wo_a output (T x G x R), the
+    window + top-k KV rows the torch reference gathers per query (T x (W + K) x C; the GPU kernels read them in
+    place), the expert slots merged over the ranks (T x K x D fp32) and the routed hidden rows (T x K x F fp32),
+    the logits (batch x V fp32). Workspaces, allocator slack and the CUDA context are not counted."""
+    b, T, S, D = HOLDING_DTYPES[dtype], chunk, cfg.hc_mult, cfg.dim
+    H, C = cfg.n_heads // gpus, cfg.head_dim
+    _, K = cfg.moe_shape(0)
+    parts = {"streams": 3 * T * S * D * b + T * S * D * 4, "attention": 2 * T * H * C * b + T * cfg.o_groups *
+             cfg.o_lora_rank * b, "gathered_kv": T * (cfg.window_size + cfg.index_topk) * C * b,
+             "experts": T * K * (D + cfg.moe_inter_dim) * 4, "logits": batch * cfg.vocab_size * 4}
+    return {**parts, "bytes": sum(parts.values()), "chunk": chunk}
+
+
+def _plan_weights(cfg: ModelConfig, gpus: int) -> tuple[int, int, int]:
+    """(per-GPU weight bytes under the plan, bytes of the head-split tensors whole, their share on one GPU)."""
+    weights = [t for t in checkpoint_tensors(cfg) if t.kind != "fp8_rows"]
+    split = {t.name for t in weights if t.name.endswith(HEAD_SPLIT)}
+    share = {t.name: sum(t.bytes()) // gpus for t in weights if t.name in split}
+    per_gpu = per_device_bytes(weights, lambda t: share.get(t.name, sum(t.bytes())), gpus, "replicated")
+    return per_gpu, sum(sum(t.bytes()) for t in weights if t.name in split), sum(share.values())
+
+
+def plan_splits(cfg: ModelConfig, gpus: int) -> str | None:
+    """None when the plan splits `cfg` over `gpus` ranks, else why not."""
+    bad = [f"{n} = {v}" for n, v in (("n_heads", cfg.n_heads), ("o_groups", cfg.o_groups), ("dim", cfg.dim))
+           if v % gpus]
+    return f"{', '.join(bad)} not divisible by {gpus}" if bad else None
+
+
+def parallel_plan(cfg: ModelConfig, gpus: int = 8, tokens: int = 1 << 20, batch: int = 1,
+                  chunk: int = PREFILL_CHUNK, device_memory: float = H200_USABLE_BYTES,
+                  dtype: str = "bfloat16") -> dict[str, Any]:
+    """Bytes per GPU under `dsv41.parallel`'s plan (heads, wo groups and wo_b rows 1/N; routed experts ceil(E/N);
+    everything else replicated; Engram tables in host memory; the latent KV whole on every rank), next to
+    data-parallel attention (attention weights replicated, each rank the KV of ceil(batch/N) sequences), and the
+    batch of `tokens`-token sequences beyond which data-parallel attention holds fewer bytes; the plan's fit on
+    4 and 8 devices."""
+    _check(gpus, tokens, batch, device_memory, "replicated", dtype)
+    if plan_splits(cfg, gpus):
+        return {"gpus": gpus, "splits": False, "why": plan_splits(cfg, gpus)}
+    tp_weights, attn_bytes, attn_share = _plan_weights(cfg, gpus)
+    kv_seq = kv_memory(cfg, tokens, 1)["bytes"]
+    act = activation_bytes(cfg, gpus, chunk, batch, dtype)
+    tp = _fit(int(device_memory), weights=tp_weights, kv=kv_seq * batch, activations=act["bytes"])
+    dp = _fit(int(device_memory), weights=tp_weights - attn_share + attn_bytes,
+              kv=kv_seq * math.ceil(batch / gpus), activations=act["bytes"])
+    fits = {}
+    for n in (4, 8):
+        if plan_splits(cfg, n) is None:
+            w = _plan_weights(cfg, n)[0]
+            fits[n] = _fit(int(device_memory), weights=w, kv=kv_seq * batch,
+                           activations=activation_bytes(cfg, n, chunk, batch, dtype)["bytes"])
+    crossover = None if gpus == 1 else (attn_bytes - attn_share) / (kv_seq * (1 - 1 / gpus))
+    return {"gpus": gpus, "splits": True, "tokens": tokens, "batch": batch, "attention_split_bytes": attn_bytes,
+            "kv_bytes_per_sequence": kv_seq, "activations": act, "tensor_parallel_attention": tp,
+            "data_parallel_attention": dp, "crossover_batch": crossover, "fits": fits}
