@@ -8,15 +8,15 @@ The plan (`dsv41.parallel.plan`), applied from outside the model:
   - shared expert, mHC, norms, embedding, head, Engram, DSpark heads, vision: replicated.
 
 Why tensor-parallel attention and not data-parallel attention: V4.1's attention has ONE latent KV (head_dim
-512) that all heads read, so the KV every rank holds under head parallelism is the same bytes; data-parallel
-attention would keep 1/N of the sequences' KV per rank but a whole copy of the attention weights. With the
-numbers of `dsv41 analyze memory --config v41-flash --gpus 8` (the "parallel plan" section): the attention weights
-are ~7.7 GB, of which head parallelism keeps ~1/8 per GPU, while a sequence's KV at 1M tokens is ~0.96 GB
-(890 B/token of global KV plus the SWA rings). Duplicating the KV costs less than replicating the attention
-weights until the batch holds (N - 1)/N x 7.7 GB / (1 - 1/N) / 0.96 GB ~ 8 sequences of 1M tokens (and far
-more at shorter contexts); beyond that data-parallel attention holds fewer bytes. Head parallelism also splits
-the attention's compute at batch 1, where data-parallel attention leaves N - 1 ranks idle. So the plan is head
-parallel; the memory report prints the cross-over for the chosen context.
+512) that all heads read, so under head parallelism every rank holds the same KV bytes; data-parallel attention
+would keep 1/N of the sequences' KV per rank but the attention weights whole. `dsv41 analyze memory --config
+v41-flash --gpus 8` ("Parallel plan") gives the numbers: the head-split tensors (wq_b, wo_a, wo_b, attn_sink) are
+6.50 GB whole, 0.81 GB per GPU split, and a sequence of 1M tokens holds 0.94 GB of KV (890 B/token global + SWA
+rings), so duplicating the KV costs fewer bytes than replicating those weights up to 6.9 concurrent 1M-token
+sequences (whatever N; many more at shorter contexts): per GPU 51.0 GB (tensor-parallel) vs 56.7 GB
+(data-parallel) at one such sequence on 8 H200s. Head parallelism also divides the attention's work at batch 1,
+where data-parallel attention leaves N - 1 ranks idle. Beyond ~7 long sequences per GPU group (throughput serving
+of long contexts) data-parallel attention holds fewer bytes; it is not built.
 
 Results do not depend on the rank count: no reduction across ranks enters a sum (`dsv41.parallel.group`): wo_b
 is split by output rows, the experts' outputs are merged from disjoint slots and summed in the one-device order.

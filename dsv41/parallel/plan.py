@@ -1,7 +1,7 @@
 """The parallel plan, applied to a built `Transformer` from outside: which module is cut how on each rank.
 
-  attention (backbone layers and DSpark stages)   heads, `wo` groups and `wo_b` rows over the ranks
-                                                  (`dsv41.parallel.attention`)
+  attention (backbone layers and DSpark stages)   heads, `wo` groups and `wo_b` rows over the ranks, wo_b
+                                                  between two gathers (`dsv41.parallel.attention`)
   routed experts (every MoE)                      contiguous blocks of ceil(E / N) per rank, tokens dispatched by
                                                   the gate, combined in the one-device order
                                                   (`dsv41.parallel.experts`)
@@ -9,8 +9,9 @@
                                                   expert, wq_a / wkv, compressor, indexer, Engram, head, the
                                                   DSpark heads, the vision tower
 
-The model code does not know: the plan swaps the classes of the modules it cuts (each a subclass of the model's
-own, overriding only the forward that needs a collective) and replaces their tensors by the rank's slices.
+The model code does not know: the plan replaces the cut modules' tensors by the rank's slices and swaps the class
+of the two modules whose arithmetic needs a collective (`wo_b`: a Linear between gathers; the MoE: its experts'
+sum) for a subclass of the model's own that overrides only that method.
 `apply_plan` cuts a model that holds every weight (tests, a checkpoint small enough to load whole);
 `dsv41.parallel.loading` builds the rank's model without ever holding the rest.
 """
