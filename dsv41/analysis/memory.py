@@ -18,6 +18,10 @@ must fit); every other device weight is replicated (data-parallel attention), or
 `dense="split"`. The Engram tables stay in host memory (one copy); with `engram_on_device` they count on the device
 under the same policy as the dense weights. KV bytes are divided evenly by N. Activations, workspaces and the
 allocator's slack are not counted.
+
+`parallel_plan` counts `dsv41/parallel`'s plan instead: the head-split attention tensors 1/N per device, routed
+experts ceil(E / N), the rest replicated, the latent KV whole on every device (next to data-parallel attention),
+and an estimate of one block's activations for a prefill chunk.
 """
 
 from __future__ import annotations
