@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from dsv41.engine.engine import Engine
 from dsv41.engine.sampling import SamplingParams
@@ -67,3 +68,20 @@ def test_serve_two_ranks_answers_openai_client(tmp_path):
     assert got.choices[0].text == want.text, out[-3000:]
     assert got.usage.completion_tokens == len(want.output_ids)
     assert scored.status_code == 400 and "several ranks" in scored.text      # prompt log-probs: refused, named
+
+
+def test_prefix_caching_flags_on_several_ranks(monkeypatch):
+    """serve's default tiers (auto) are off on several ranks; a tier named on the command line is refused before
+    any process group is joined."""
+    from dsv41.engine.cli import engine_args
+    from dsv41.parallel.lockstep import _prefix_caching_off, serving_engine
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = engine_args(checkpoint="unused", cache_dir="auto", swa_pool="auto")
+    _prefix_caching_off(args)
+    assert (args.cache_dir, args.swa_pool) == ("none", "none")
+    with pytest.raises(ValueError, match="--cache-dir /tmp/x: prefix caching"):
+        serving_engine(engine_args(checkpoint="unused", cache_dir="/tmp/x"))
+    with pytest.raises(ValueError, match="dspark:online"):
+        serving_engine(engine_args(checkpoint="unused", speculative="dspark:online"))

@@ -7,7 +7,8 @@ rolled back after a speculative verify); replaying the commands that cause them 
 same without mirroring each pool call. It needs every decision of the engine to be a function of its commands
 and the logits, which are the same bits on every rank (`dsv41.parallel.group`): sampling seeds are fixed on
 rank 0 before a request is broadcast; what depends on time or on a cache outside the process is refused on
-several ranks (`dspark:online`, which times steps; prefix caching, whose SWA pool expires by time); prompt
+several ranks (`dspark:online`, which times steps; prefix caching, whose SWA pool expires by time: serve's
+default `auto` tiers are off, a tier named on the command line is a ValueError); prompt
 log-probabilities (a forward outside the engine's steps) answer a ValueError (the server's 400).
 
 `serving_engine(args)` is what `dsv41 serve` calls: a plain `Engine` in a plain process; under `torchrun`, on
@@ -129,6 +130,18 @@ def join() -> tuple[Group, torch.device]:
     return Group.current(), device
 
 
+def _prefix_caching_off(args) -> None:
+    """Prefix caching is off on several ranks: serve's default (`auto`) turns into `none`, a tier asked for by name
+    is a ValueError."""
+    for flag in ("cache_dir", "swa_pool"):
+        value = getattr(args, flag, None)
+        if value is not None and value.lower() == "auto":
+            setattr(args, flag, "none")
+        elif value is not None and value.lower() != "none":
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: prefix caching is not served on several ranks "
+                             "yet")
+
+
 def serving_engine(args):
     """The engine `dsv41 serve` runs for these flags (see the module docstring); None on a worker rank once rank 0
     has stopped it."""
@@ -138,8 +151,7 @@ def serving_engine(args):
 
     if not launched():
         return engine_from_args(args)
-    if args.cache_dir or args.swa_pool:
-        raise ValueError("prefix caching (--cache-dir / --swa-pool) is not served on several ranks yet")
+    _prefix_caching_off(args)
     if args.speculative.startswith("dspark:online"):
         raise ValueError("--speculative dspark:online times the steps, which differs between ranks: use dspark")
     group, device = join()
