@@ -156,3 +156,47 @@ def test_mode_is_process_wide_and_scoped():
     with deterministic():
         assert is_deterministic()
     assert not is_deterministic()
+
+
+def test_replayed_routing(model, prompts):
+    """The training forward can replay a recorded expert routing (RL across weight versions): the recorded routing
+    gives the same bits; another routing gives other log-probs; the gate still gets its gradient."""
+    ids = torch.tensor([prompts[0][:24], prompts[4][:24]])
+    with deterministic():
+        log = {}
+        base = token_logprobs(model, ids, route_log=log)
+        assert log and all(r.shape[:2] == ids.shape for r in log.values())
+        assert torch.equal(token_logprobs(model, ids, routes=log), base)
+        L = min(log)
+        other = {**log, L: (log[L] + 1) % model.layers[L].ffn.n_experts}       # distinct ids, other experts
+        assert not torch.equal(token_logprobs(model, ids, routes=other), base)
+        model.train()
+        try:
+            token_logprobs(model, ids, routes=log).sum().backward()
+            assert model.layers[L].ffn.gate.weight.grad.abs().sum() > 0
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.eval()
+    with pytest.raises(ValueError, match="replayed routing"):
+        token_logprobs(model, ids, routes={L: log[L][..., :1]})
+
+
+def test_quantized_training_forward_trains_every_layer(model, prompts):
+    """With quantization on (the RL setting) the FP8 roundings pass gradients straight through: every parameter
+    that gets a gradient with quantization off gets one with it on (the cast's own backward rounded gradients to
+    E4M3, flushing the small ones to zero)."""
+    from dsv41.model.common import set_quantization
+    ids = torch.tensor([prompts[0][:24]])
+    model.train()
+    try:
+        got = {}
+        for q in (False, True):
+            set_quantization(model, q)
+            (-token_logprobs(model, ids).sum()).backward()
+            got[q] = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+            model.zero_grad(set_to_none=True)
+        assert got[False] and got[True] == got[False], sorted(got[False] - got[True])[:5]
+    finally:
+        set_quantization(model, True)
+        model.zero_grad(set_to_none=True)
+        model.eval()

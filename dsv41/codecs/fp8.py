@@ -134,13 +134,30 @@ def unpack_record(packed: torch.Tensor, group: int, code_bits: int, decode_codes
 # ----------------------------------------------------------------------------------------------------------
 
 
+class _StraightThrough(torch.autograd.Function):
+    """value(x, q) = q; its gradient with respect to x is the identity (the straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x, q):
+        return q
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 values to the nearest E4M3 value (ties to even), saturating at +-448; returns fp32.
 
     Through torch's own float8_e4m3fn cast (round to nearest even, subnormals included): 3 kernels instead of
     the ~10 of the explicit rounding rule (`round_to_e4m3_reference` in tests/test_codecs.py), checked equal on
-    every finite fp32 binade and the edge values (tests/test_codecs.py)."""
-    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    every finite fp32 binade and the edge values (tests/test_codecs.py). Under autograd the rounding passes the
+    gradient straight through (the cast's own backward would round the gradient to E4M3 as well, flushing
+    everything below 2^-9 to zero: a quantized training forward then trained almost nothing upstream)."""
+    xc = x.float().clamp(-E4M3_MAX, E4M3_MAX)
+    if not xc.requires_grad:
+        return xc.to(torch.float8_e4m3fn).float()
+    return _StraightThrough.apply(xc, xc.detach().to(torch.float8_e4m3fn).float())
 
 
 def _e4m3_code_of_exact(r: torch.Tensor) -> torch.Tensor:

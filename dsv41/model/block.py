@@ -76,7 +76,7 @@ class Block(nn.Module):
                                                 self.hc_ffn_base, self.ffn_norm.weight, cfg.hc_sinkhorn_iters,
                                                 cfg.hc_eps, cfg.norm_eps, self.ffn_norm.eps)
         residual = x
-        h = self.ffn(h, ctx.image_mask, ctx.record)
+        h = self.ffn(h, ctx.image_mask, ctx.record, ctx.opts.routes, ctx.opts.route_log)
         if nxt is None:
             return hc_post(h, residual, f_post, f_comb), f_pre, None
         x, h, n_pre, n_post, n_comb = mhc_fused(h, residual, f_post, f_comb, f_pre, nxt.hc_attn_fn,

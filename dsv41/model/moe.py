@@ -38,13 +38,18 @@ class Gate(nn.Module):
             return sigmoid(z)
         return softplus(z).sqrt()
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
-        """x [N,D], image_mask [N] bool -> (weights [N,K] fp32, indices [N,K] long, scores [N,E])."""
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, indices: torch.Tensor | None = None):
+        """x [N,D], image_mask [N] bool -> (weights [N,K] fp32, indices [N,K] long, scores [N,E]).
+        indices: the experts to use (a replayed routing) instead of the top-K selection; the weights are still the
+        current scores at them (so the gate trains)."""
         scores = self.scores(x)
-        bias = self.bias
-        if image_mask is not None and self.bias_vl is not None:
-            bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
-        indices = (scores + bias).detach().topk(self.topk, dim=-1).indices
+        if indices is None:
+            bias = self.bias
+            if image_mask is not None and self.bias_vl is not None:
+                bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
+            indices = (scores + bias).detach().topk(self.topk, dim=-1).indices
+        elif indices.shape != (x.size(0), self.topk):
+            raise ValueError(f"replayed routing must be [{x.size(0)}, {self.topk}] expert ids, got {tuple(indices.shape)}")
         weights = scores.gather(1, indices)
         if self.norm_topk_prob and self.topk > 1:
             weights = weights / (small_sum(weights, -1, keepdim=True) + 1e-20)  # literal 1e-20, not norm_eps
@@ -101,13 +106,18 @@ class MoE(nn.Module):
         w1s, w3s, w2s = ([ls[i]._parameters["weight"] for ls in lins] for i in range(3))
         return w1s, w3s, w2s, q_in.pop(), q_mid.pop()
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, record: dict | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, record: dict | None = None,
+                routes: dict | None = None, route_log: dict | None = None) -> torch.Tensor:
         """x [B,T,D] -> [B,T,D]. Routed outputs accumulate in fp32 in ascending expert id, shared expert last.
-        With `record` (a dict), the routing (indices [B,T,K], weights [B,T,K]) is kept under ("experts", layer)."""
+        With `record` (a dict), the routing (indices [B,T,K], weights [B,T,K]) is kept under ("experts", layer);
+        `routes` {layer: ids [B,T,K]} replaces this layer's selection; `route_log` (a dict) receives its ids."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
-        weights, indices, _ = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
+        given = None if routes is None or self.layer not in routes else routes[self.layer].reshape(-1, self.gate.topk)
+        weights, indices, _ = self.gate(x, None if image_mask is None else image_mask.reshape(-1),
+                                        None if given is None else given.to(x.device, torch.long))
+        if route_log is not None:
+            route_log[self.layer] = indices.view(*shape[:-1], -1)
         if record is not None:
             record[("experts", self.layer)] = (indices.view(*shape[:-1], -1), weights.view(*shape[:-1], -1))
         fused = self.fused_weights() if fused_moe(x) else None

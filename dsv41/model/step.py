@@ -20,7 +20,9 @@ class ForwardOptions:
 
     Each option serves one kind of caller: images (vision prompts), the official decode artifact and recording
     (golden parity, `dsv41.model.runner`), window floors and `produce_kv` (replay: prefix caching and training's
-    bounded-replay simulation), the journal (speculative verification, `dsv41.engine.speculative`).
+    bounded-replay simulation), the journal (speculative verification, `dsv41.engine.speculative`), routes and the
+    route log (RL: the expert routing recorded at generation, replayed by the training forward instead of
+    recomputed, docs/system.md §7).
 
     `window_floor` truncates the sliding window of every layer, or of those in `window_floor_layers` when given.
     In a prefill at position 0 only the queries at or after the floor lose keys (training's replay simulation,
@@ -36,6 +38,8 @@ class ForwardOptions:
     window_floor_layers: frozenset | None = None   # layers window_floor applies to (None: every layer)
     produce_kv: bool = True                    # False: KV sources skip compressing (their global KV already exists)
     journal: dict | None = None                # speculative verify: compressors record their per-token sequence
+    routes: dict | None = None                 # {layer: expert ids [B,T,K]}: MoE layers route by these (RL replay)
+    route_log: dict | None = None              # when a dict: MoE layers keep their expert ids [B,T,K] here
 
     def floor_for(self, layer: int) -> torch.Tensor | None:
         """The window floor that applies to `layer` (None: its window is not truncated)."""

@@ -19,12 +19,15 @@ from dsv41.train.qat import TrainCache
 __all__ = ["token_logprobs"]
 
 
-def token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+def token_logprobs(model, ids: torch.Tensor, routes: dict | None = None, route_log: dict | None = None
+                   ) -> torch.Tensor:
     """log p(ids[b, t+1] | ids[b, :t+1]) -> fp32 [B, T-1], differentiable. ids [B, T] (right-padded rows are
-    fine: the attention is causal, a row's positions never see its padding)."""
+    fine: the attention is causal, a row's positions never see its padding). routes {layer: expert ids [B,T,K]}:
+    the MoE layers use this routing (recorded at generation) instead of selecting again; route_log (a dict)
+    receives the routing this forward used."""
     if ids.dim() != 2 or ids.size(1) < 2:
         raise ValueError(f"token_logprobs needs ids [B, T] with T >= 2, got shape {tuple(ids.shape)}")
     cache = TrainCache(model.cfg, ids.size(0), model.dtype, ids.device)
-    logits = model(ids, cache, 0, ForwardOptions()).logits
+    logits = model(ids, cache, 0, ForwardOptions(routes=routes, route_log=route_log)).logits
     lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     return lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
