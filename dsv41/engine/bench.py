@@ -4,6 +4,9 @@ Random weights (speed does not depend on them). Every figure is a measurement of
 the analytic ratio beside the prefill ratios is the FLOPs-style row count ratio of the CED dataflow:
   full: N rows on L layers; ced: N rows on `split` encoder layers + R_k rows on each decoder layer k
   (ced-bounded R = n_win -> ratio -> split/L + n_win/N * D/L, i.e. 0.5 + n_win/(2N) at L = 2 * split).
+The decode bench also times the step's GEMMs alone: every Linear call of one step (projections, routed and shared
+experts, head) recorded by shape, then plain `F.linear` at those shapes; step / GEMM is the host and non-GEMM
+overhead factor of the step.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from dsv41.config import DTYPES, load_config, parse_dtype
 from dsv41.engine.prefill import check_ced, decoder_rows, prefill
 from dsv41.engine.store import make_pool
-from dsv41.model.common import set_quantization
+from dsv41.model.common import Linear, set_quantization
 from dsv41.model.init import random_model
 
 
@@ -86,9 +89,43 @@ def bench_decode(config="tiny", contexts=(1024, 4096), batches=(1, 8), steps=8, 
                     view = pool.bind(sids)
                     times.append(timed(lambda: m(tok, view, last_only=True), device))
                     pool.release(view, sids)
+                view = pool.bind(sids)
+                shapes = gemm_shapes(m, lambda: m(tok, view, last_only=True))
+                pool.release(view, sids)
             step = statistics.median(times[1:] if len(times) > 1 else times)
-            out.append({"context": n, "batch": b, "step_s": step, "tokens_per_s": b / step})
+            gemm = time_gemms(shapes, dtype, device, repeats=max(3, steps // 2))
+            out.append({"context": n, "batch": b, "step_s": step, "tokens_per_s": b / step, "gemm_s": gemm,
+                        "gemms": len(shapes), "step_over_gemm": step / gemm})
     return out
+
+
+def gemm_shapes(m, run) -> list[tuple[int, int, int]]:
+    """(rows, in, out) of every Linear call `run()` makes (one decode step)."""
+    shapes: list[tuple[int, int, int]] = []
+
+    def hook(mod, args, _out):
+        shapes.append((args[0].numel() // args[0].size(-1), mod.in_features, mod.out_features))
+    handles = [mod.register_forward_hook(hook) for mod in m.modules() if isinstance(mod, Linear)]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return shapes
+
+
+def time_gemms(shapes, dtype, device, repeats: int = 3) -> float:
+    """Median seconds of plain `F.linear` over all `shapes` in sequence (operands made once, outside the timing)."""
+    g = torch.Generator().manual_seed(0)
+    ops = {sh: (torch.randn(sh[0], sh[1], generator=g).to(device, dtype),
+                torch.randn(sh[2], sh[1], generator=g).to(device, dtype)) for sh in set(shapes)}
+    seq = [ops[sh] for sh in shapes]
+
+    def run():
+        for x, w in seq:
+            torch.nn.functional.linear(x, w)
+    run()                                                              # warm-up
+    return statistics.median(timed(run, device) for _ in range(repeats))
 
 
 def register(bsub) -> None:
@@ -123,8 +160,10 @@ def _prefill_main(args) -> int:
 def _decode_main(args) -> int:
     rows = bench_decode(args.config, args.contexts, args.batches, args.steps, parse_dtype(args.dtype), args.device,
                         not args.no_quant)
-    return _report(args, "decode", rows, f"{'context':>8} {'batch':>6} {'step ms':>9} {'tokens/s':>9}",
-                   lambda r: f"{r['context']:>8} {r['batch']:>6} {r['step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.1f}")
+    return _report(args, "decode", rows, f"{'context':>8} {'batch':>6} {'step ms':>9} {'tokens/s':>9} "
+                   f"{'GEMMs ms':>9} {'step/GEMM':>10}",
+                   lambda r: f"{r['context']:>8} {r['batch']:>6} {r['step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.1f} "
+                             f"{r['gemm_s'] * 1e3:>9.1f} {r['step_over_gemm']:>10.2f}")
 
 
 def _report(args, bench: str, rows: list[dict], header: str, line) -> int:
