@@ -191,6 +191,9 @@ class Dispatcher:
             masks.append(m)
         self.log.append(("train", self.clock, self.version, tuple(g.gid for g in groups)))
         if groups:
+            switching = getattr(self.backend, "switching", None)
+            if switching is not None:
+                switching(self.version)             # the weights are about to change: record what they routed
             self.train_fn(groups, masks)
         self.version += 1
         return True
@@ -216,32 +219,51 @@ class Dispatcher:
 
 class EngineBackend:
     """The project's engine as a dispatch backend: one request per sample (its own seed), tokens and the engine's
-    log-probs streamed per step; a sampled EOS is appended with its log-prob from the training forward at the
-    current weights (`rollout.fill_stop_logprobs`: the engine does not report it). max_tokens: one limit, or a
-    function of the sample id."""
+    log-probs streamed per step. It records each sample's expert routing per weight version (`records[sid]`, a
+    routing.RouteRecord): for the running samples in `switching` (called before the weights change), and at a
+    sample's end for its last segment, by the forward that also gives a sampled EOS its log-prob (the engine does
+    not report it). max_tokens: one limit, or a function of the sample id."""
 
     def __init__(self, engine, tok, max_tokens):
         self.engine, self.tok, self.max_tokens = engine, tok, max_tokens
         self.capacity = engine.max_batch
+        self.rows: dict[str, list[int]] = {}            # live samples: prompt + tokens so far
+        self.records: dict = {}
+        self.version = 0
 
     def submit(self, sid: str, prompt: list[int], seed: int) -> None:
         from dsv41.posttrain.rollout import sampling
+        from dsv41.posttrain.routing import RouteRecord
         n = self.max_tokens(sid) if callable(self.max_tokens) else self.max_tokens
         self.engine.add_request(prompt, sampling(n, seed), request_id=sid)
+        self.rows[sid], self.records[sid] = list(prompt), RouteRecord()
+
+    def switching(self, version: int) -> None:
+        from dsv41.posttrain.routing import record
+        live = sorted(self.rows)
+        if live:
+            record(self.engine.model, [self.records[s] for s in live], [self.rows[s] for s in live], version,
+                   self.tok.pad_id)
+        self.version = version + 1
 
     def step(self) -> list[Emit]:
-        import torch
-
-        from dsv41.train.logprobs import token_logprobs
-        out = []
+        from dsv41.posttrain.routing import record
+        out, ended = [], []
         for o in self.engine.step():
             toks, lps = list(o.new_token_ids), [x["logprob"] for x in o.new_logprobs]
+            self.rows[o.request_id] += toks
             if o.finished:
-                seq = self.engine.finished.pop(o.request_id)
+                self.engine.finished.pop(o.request_id)
                 if o.finish_reason == "stop":
-                    ids = torch.tensor([seq.prompt_ids + seq.output_ids + [self.tok.eos_id]])
-                    with torch.no_grad():
-                        lp = float(token_logprobs(self.engine.model, ids)[0, -1])
-                    toks, lps = toks + [self.tok.eos_id], lps + [lp]
+                    toks, lps = toks + [self.tok.eos_id], lps + [float("nan")]
+                    self.rows[o.request_id].append(self.tok.eos_id)
+                ended.append(len(out))
             out.append(Emit(o.request_id, toks, lps, o.finished))
+        if ended:
+            sids = [out[i].sid for i in ended]
+            rows = [self.rows.pop(s) for s in sids]
+            lp = record(self.engine.model, [self.records[s] for s in sids], rows, self.version, self.tok.pad_id)
+            for j, i in enumerate(ended):
+                if out[i].logprobs and out[i].logprobs[-1] != out[i].logprobs[-1]:      # the EOS's NaN
+                    out[i].logprobs[-1] = float(lp[j, len(rows[j]) - 2])
         return out

@@ -27,7 +27,9 @@ import torch
 
 from dsv41.posttrain import tasks as T
 from dsv41.posttrain.model import load, save
+from dsv41.posttrain.report import Progress, plot_rl
 from dsv41.posttrain.rollout import Rollout, make_engine, rollouts
+from dsv41.posttrain.routing import replay_batch
 from dsv41.posttrain.sft import TaskMix
 from dsv41.train.logprobs import token_logprobs
 
@@ -66,6 +68,10 @@ class RLConfig:
     clip: float = 0.2
     tis_cap: float = 2.0
     seed: int = 0
+    dispatch: str = "sample"          # "sync" or a dispatcher granularity: "sample", "prompt", "batch"
+    slots: int = 64                   # generation slots (the engine's max batch)
+    max_staleness: int = 1            # dispatched: tokens older than this many versions are masked
+    quiet: bool = False
     mix: TaskMix = field(default_factory=TaskMix)
     length: LengthReward = field(default_factory=LengthReward)
 
@@ -117,9 +123,13 @@ def train_step(model, opt, rs: list[Rollout], adv: list[float], cfg: RLConfig, p
                masks: list[list[float]] | None = None) -> dict:
     """One policy-gradient update on rollouts (model left in eval mode)."""
     ids, mu, a, mask = batch_tensors(rs, adv, pad, masks)
+    routes = None
+    if all(r.routes is not None for r in rs):           # replay the generation-time routing (routing.py)
+        routes = replay_batch([r.routes for r in rs], [len(r.prompt_ids) + len(r.output_ids) for r in rs],
+                              ids.size(1))
     model.train()
     try:
-        lp = token_logprobs(model, ids)
+        lp = token_logprobs(model, ids, routes=routes)
         loss, stats = policy_loss(lp, lp.detach(), mu, a, mask, cfg.clip, cfg.tis_cap)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -151,29 +161,59 @@ def level_stats(rs: list[Rollout], rewards: list[float]) -> dict:
     return out
 
 
-def run_rl(cfg: RLConfig, say=print) -> Path:
-    """Synchronous RL from cfg.init (or resume cfg.out): each step samples every group, then updates once."""
-    cfg.mix.check()
-    cfg.length.levels = tuple(cfg.mix.levels)
-    out = Path(cfg.out)
-    resume = (out / "posttrain.json").is_file()
-    model, tok, meta = load(out if resume else cfg.init)
-    step, history = (int(meta["step"]), meta["history"]) if resume else (0, [])
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    if resume and (out / "optimizer.pt").is_file():
-        opt.load_state_dict(torch.load(out / "optimizer.pt"))
-    eng = make_engine(model, tok, max_batch=64)
-    t0 = time.time()
-    while step < cfg.steps and time.time() - t0 < cfg.minutes * 60:
-        rs = rollouts(eng, tok, step_items(cfg, step), cfg.max_tokens)
-        rewards = rewards_of(rs, cfg.length)
+class RLRun:
+    """What both RL loops share: the model from cfg.init (or resumed from cfg.out with its optimizer, step and
+    history), the update on scored rollouts, the progress bar, the history, and the checkpoint with its plot."""
+
+    def __init__(self, cfg: RLConfig, say=print):
+        cfg.mix.check()
+        cfg.length.levels = tuple(cfg.mix.levels)
+        self.cfg, self.say, self.out = cfg, say, Path(cfg.out)
+        resume = (self.out / "posttrain.json").is_file()
+        self.model, self.tok, meta = load(self.out if resume else cfg.init)
+        self.step, self.history = (int(meta["step"]), meta["history"]) if resume else (0, [])
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        if resume and (self.out / "optimizer.pt").is_file():
+            self.opt.load_state_dict(torch.load(self.out / "optimizer.pt"))
+        if resume:
+            say(f"rl: resuming {self.out} at step {self.step}")
+        self.t0 = time.time()
+        self.bar = Progress(f"rl ({cfg.dispatch})", cfg.steps, self.step, cfg.quiet)
+
+    def running(self) -> bool:
+        return self.step < self.cfg.steps and time.time() - self.t0 < self.cfg.minutes * 60
+
+    def update(self, rs: list[Rollout], masks: list[list[float]] | None = None, **extra) -> dict:
+        """Score the rollouts, one policy-gradient step on them, a history row."""
+        rewards = rewards_of(rs, self.cfg.length)
         adv = group_advantages(rewards, [(r.problem.content, r.effort) for r in rs])
-        stats = train_step(model, opt, rs, adv, cfg, tok.pad_id)
-        step += 1
+        stats = train_step(self.model, self.opt, rs, adv, self.cfg, self.tok.pad_id, masks)
+        self.step += 1
         lv = level_stats(rs, rewards)
-        history.append({"step": step, **stats, "levels": lv, "sampled_tokens": sum(len(r.output_ids) for r in rs)})
-        say(f"rl step {step}/{cfg.steps} " + " ".join(
-            f"b{b}: acc {v['accuracy']:.2f} len {v['length']:.1f}" for b, v in lv.items()) + f" ({time.time() - t0:.0f}s)")
-    save(model, tok, out, {"stage": "rl", "step": step, "history": history, "config": asdict(cfg)})
-    torch.save(opt.state_dict(), out / "optimizer.pt")
-    return out
+        self.history.append({"step": self.step, **stats, "levels": lv, "elapsed": time.time() - self.t0,
+                             "sampled_tokens": sum(len(r.output_ids) for r in rs), **extra})
+        self.bar.update(" ".join(f"b{b} acc {v['accuracy']:.2f} len {v['length']:.1f}" for b, v in lv.items()))
+        return self.history[-1]
+
+    def finish(self, **meta) -> Path:
+        self.bar.close()
+        self.say(f"rl: {self.step} steps in {time.time() - self.t0:.0f}s")
+        save(self.model, self.tok, self.out, {"stage": "rl", "step": self.step, "history": self.history,
+                                              "config": asdict(self.cfg), **meta})
+        torch.save(self.opt.state_dict(), self.out / "optimizer.pt")
+        if self.history:
+            plot_rl(self.history, self.out / "rl_curves.png")
+        return self.out
+
+
+def run_rl(cfg: RLConfig, say=print) -> Path:
+    """RL from cfg.init (or resume cfg.out). cfg.dispatch "sync": each step samples every group, then updates
+    once; "sample" / "prompt" / "batch": the asynchronous dispatcher (rl_dispatch.py)."""
+    if cfg.dispatch != "sync":
+        from dsv41.posttrain.rl_dispatch import run_rl_dispatched
+        return run_rl_dispatched(cfg, say)
+    run = RLRun(cfg, say)
+    eng = make_engine(run.model, run.tok, max_batch=cfg.slots)
+    while run.running():
+        run.update(rollouts(eng, run.tok, step_items(cfg, run.step), cfg.max_tokens, routes=True))
+    return run.finish()

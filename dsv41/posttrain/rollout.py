@@ -18,6 +18,7 @@ import torch
 from dsv41.engine.engine import Engine
 from dsv41.engine.sampling import SamplingParams
 from dsv41.posttrain import tasks as T
+from dsv41.posttrain.routing import RouteRecord, record
 from dsv41.train.logprobs import token_logprobs
 
 
@@ -30,6 +31,7 @@ class Rollout:
     behaviour_lp: list[float]        # the engine's log-prob of each output token
     verdict: T.Verdict
     version: int = 0                 # the policy version that generated it (dispatch.py: per token)
+    routes: RouteRecord | None = None    # the expert routing that generated it (routing.py), when recorded
 
 
 def make_engine(model, tok, max_batch: int = 32) -> Engine:
@@ -42,8 +44,9 @@ def sampling(max_tokens: int, seed: int | None, temperature: float = 1.0) -> Sam
 
 
 def rollouts(engine: Engine, tok, items: list[tuple[T.Problem, int, int | None]], max_tokens: int,
-             temperature: float = 1.0) -> list[Rollout]:
-    """One response per (problem, effort, seed); seed None with temperature 0 is greedy."""
+             temperature: float = 1.0, routes: bool = False) -> list[Rollout]:
+    """One response per (problem, effort, seed); seed None with temperature 0 is greedy. routes: record each
+    response's expert routing at the current weights (routing.py; call before the weights change)."""
     rids = []
     for p, b, seed in items:
         rids.append(engine.add_request(T.prompt_ids(tok, p, b), sampling(max_tokens, seed, temperature)))
@@ -58,7 +61,15 @@ def rollouts(engine: Engine, tok, items: list[tuple[T.Problem, int, int | None]]
             lps.append(float("nan"))
         out.append(Rollout(p, b, c.prompt_ids, ids, lps, T.check(tok, p, ids)))
         del engine.finished[rid]
-    fill_stop_logprobs(engine.model, out, tok.pad_id)
+    if routes and out:
+        for r in out:
+            r.routes = RouteRecord()
+        lp = record(engine.model, [r.routes for r in out], [r.prompt_ids + r.output_ids for r in out], 0, tok.pad_id)
+        for i, r in enumerate(out):
+            if r.behaviour_lp and math.isnan(r.behaviour_lp[-1]):
+                r.behaviour_lp[-1] = float(lp[i, len(r.prompt_ids) + len(r.output_ids) - 2])
+    else:
+        fill_stop_logprobs(engine.model, out, tok.pad_id)
     return out
 
 

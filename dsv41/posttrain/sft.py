@@ -23,6 +23,7 @@ from dsv41.model.common import set_quantization
 from dsv41.model.step import ForwardOptions
 from dsv41.posttrain import tasks as T
 from dsv41.posttrain.model import build_model, load, save
+from dsv41.posttrain.report import Progress
 from dsv41.posttrain.tokenizer import PostTokenizer, load_post_tokenizer
 from dsv41.train.fast import fast_forward
 from dsv41.train.qat import TrainCache
@@ -57,6 +58,7 @@ class SFTConfig:
     batch: int = 32
     lr: float = 3e-3
     seed: int = 0
+    quiet: bool = False
     mix: TaskMix = field(default_factory=TaskMix)
 
 
@@ -103,6 +105,7 @@ def run_sft(cfg: SFTConfig, say=print) -> Path:
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     t0, warm = time.time(), default_warmup(cfg.steps)
+    bar = Progress("sft", cfg.steps, step, cfg.quiet)
     while step < cfg.steps and time.time() - t0 < cfg.minutes * 60:
         for g in opt.param_groups:
             g["lr"] = cfg.lr * lr_factor(step, cfg.steps, warm)
@@ -114,9 +117,9 @@ def run_sft(cfg: SFTConfig, say=print) -> Path:
         opt.step()
         step += 1
         losses.append(float(loss.detach()))
-        if step % 20 == 0 or step == cfg.steps:
-            say(f"sft step {step}/{cfg.steps} loss {sum(losses[-20:]) / len(losses[-20:]):.4f} "
-                f"({time.time() - t0:.0f}s)")
+        bar.update(f"loss {sum(losses[-20:]) / len(losses[-20:]):.4f} (mean of the last 20)")
+    bar.close()
+    say(f"sft: {step} steps, loss {sum(losses[-20:]) / max(1, len(losses[-20:])):.4f}, {time.time() - t0:.0f}s")
     model.eval()
     set_quantization(model, True)
     meta = {"stage": "sft", "step": step, "config": asdict(cfg), "losses": losses}
