@@ -19,12 +19,7 @@ from dsv41.train.data import Document, train_tokenizer
 from dsv41.train.tasks_longctx import encode_tasks, retrieval_accuracy, task_documents
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")         # tests/conftest.py
 
 
 def _model(**fields):

@@ -27,12 +27,7 @@ from tests.conftest import small_corpus
 SHAPES = {"debug": (4, 32), "tiny": (2, 128)}       # tiny: T = 2W, so compressed top-k and pools really select
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")         # tests/conftest.py
 
 
 def _model(preset: str, engram: bool):

@@ -18,12 +18,7 @@ from dsv41.train.pretrain import LMTrainModule
 from dsv41.train.qat import TrainCache
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")         # tests/conftest.py
 
 
 def _model(preset: str = "debug", **fields):
