@@ -6,6 +6,8 @@ Examples
     dsv41 posttrain opd --minutes 4                     # runs/post-rl -> runs/post-opd
     dsv41 posttrain eval --checkpoint runs/post-rl --baseline runs/post-sft --problems 500
     dsv41 posttrain all                                 # the four in a row, ~20 minutes on 2 CPU cores
+    dsv41 posttrain rl --dispatch batch --out runs/post-rl-batch   # another dispatch granularity, to compare
+    dsv41 posttrain team --checkpoint runs/post-rl      # the multi-agent task: solo vs split, derived latency
 
 A stage run again on its output directory resumes (SFT and RL: weights, optimizer, step).
 """
@@ -14,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from dsv41.posttrain.sft import SFTConfig, TaskMix, run_sft
 
-STAGES = ("sft", "rl", "opd", "eval", "all")
+STAGES = ("sft", "rl", "opd", "eval", "team", "all")
 
 
 def register(subparsers) -> None:
@@ -31,7 +34,13 @@ def register(subparsers) -> None:
     p.add_argument("--checkpoint", help="eval: the checkpoint to evaluate (default runs/post-rl)")
     p.add_argument("--baseline", help="eval: a checkpoint to compare with, paired (default runs/post-sft)")
     p.add_argument("--problems", type=int, default=200, help="eval: held-out problems per level (default 200)")
-    p.add_argument("--levels", default="1,25,50,75,100", help="effort levels, comma-separated")
+    p.add_argument("--levels", default="1,25,50,75,100", help="training effort levels, comma-separated")
+    p.add_argument("--eval-levels", default="1,12,25,37,50,62,75,87,100",
+                   help="eval: effort levels, the training ones and held-out ones between them")
+    p.add_argument("--dispatch", default="sample", choices=("sync", "sample", "prompt", "batch"),
+                   help="rl: synchronous steps or the dispatcher's granularity (default sample)")
+    p.add_argument("--out", help="the stage's output directory (default runs/post-<stage>)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=main)
 
@@ -52,21 +61,37 @@ def main(args) -> int:
     runs = Path(args.runs)
     stages = ("sft", "rl", "opd", "eval") if args.stage == "all" else (args.stage,)
     for st in stages:
+        out = args.out if args.out and args.stage != "all" else str(runs / f"post-{st}")
+        t0 = time.time()
         if st == "sft":
-            run_sft(_budget(SFTConfig(out=str(runs / "post-sft"), seed=args.seed, mix=mix), args))
+            run_sft(_budget(SFTConfig(out=out, seed=args.seed, mix=mix, quiet=args.quiet), args))
         elif st == "rl":
             from dsv41.posttrain.rl import RLConfig, run_rl
-            run_rl(_budget(RLConfig(init=str(runs / "post-sft"), out=str(runs / "post-rl"), seed=args.seed,
-                                    mix=mix), args))
+            run_rl(_budget(RLConfig(init=str(runs / "post-sft"), out=out, seed=args.seed, mix=mix,
+                                    dispatch=args.dispatch, quiet=args.quiet), args))
         elif st == "opd":
             from dsv41.posttrain.opd import OPDConfig, run_opd
-            run_opd(_budget(OPDConfig(init=str(runs / "post-rl"), out=str(runs / "post-opd"), seed=args.seed,
-                                      mix=mix), args))
+            run_opd(_budget(OPDConfig(init=str(runs / "post-rl"), out=out, seed=args.seed, mix=mix), args))
+        elif st == "team":
+            print(json.dumps(run_team(args.checkpoint or str(runs / "post-rl"), args.problems), indent=2))
         else:
+            eval_mix = TaskMix(mix.families, mix.lo, mix.hi, tuple(int(x) for x in args.eval_levels.split(",")))
             report = run_eval(args.checkpoint or str(runs / "post-rl"), args.baseline or str(runs / "post-sft"),
-                              args.problems, mix)
+                              args.problems, eval_mix.check())
             print(json.dumps(report, indent=2))
+        print(f"posttrain {st}: {time.time() - t0:.0f}s wall")
     return 0
+
+
+def run_team(checkpoint: str, n: int, workers: int = 2) -> dict:
+    """The multi-agent task (team.py) with the checkpoint's agents: solo and split plans on n held-out sums."""
+    from dsv41.posttrain.model import load
+    from dsv41.posttrain.rollout import held_out_problems
+    from dsv41.posttrain.team import ModelAgent, score_team
+    model, tok, _ = load(checkpoint)
+    problems = held_out_problems(TaskMix(families=("sums",), lo=4, hi=6), n)
+    agent = ModelAgent(model, tok)
+    return {plan: score_team(problems, agent, plan, workers) for plan in ("solo", "split")}
 
 
 def run_eval(checkpoint: str, baseline: str | None, n: int, mix: TaskMix) -> dict:
@@ -84,5 +109,12 @@ def run_eval(checkpoint: str, baseline: str | None, n: int, mix: TaskMix) -> dic
         flat = lambda r: [c for b in mix.levels for c in r[b]["correct"]]   # noqa: E731
         report["baseline"] = {"checkpoint": baseline, **summarize(bres)}
         report["paired"] = sign_test(flat(bres), flat(res))
+        # the (problem, level) pairs share problems: the per-problem test counts each problem once (correct
+        # answers summed over the levels, improved / worsened / tied)
+        per = lambda r: [sum(r[b]["correct"][i] for b in mix.levels) for i in range(len(problems))]   # noqa: E731
+        report["paired_by_problem"] = sign_test(per(bres), per(res))
+        report["paired_by_level"] = {b: sign_test(bres[b]["correct"], res[b]["correct"]) for b in mix.levels}
     (Path(checkpoint) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    from dsv41.posttrain.report import plot_eval
+    plot_eval(report, Path(checkpoint) / "eval.png")
     return report
