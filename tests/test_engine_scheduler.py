@@ -168,3 +168,20 @@ def test_speculation_under_the_scheduler(model, prompts, alone):
     assert outputs(got) == alone
     assert sum(c.stats["preemptions"] for c in got) > 0
     assert max(n for n, _ in steps) <= 16 + 16                  # verify rows plus the drafter's own embeddings
+
+
+def test_request_filling_the_pool_alone_completes(model, prompts):
+    """Speculative rows reserve their drafts' pages, never beyond prompt plus max_tokens: a request that fits the
+    pool exactly is never preempted by its own reservation."""
+    p = (prompts[0] + prompts[1])[:36]
+    assert (len(p) + PARAMS.max_tokens) % P == 0                 # its last drafts would cross into new pages
+    eng = Engine(model, max_seq_len=256, deterministic=True, speculative="fixed:2",
+                 kv_pages=pages_at([2, 1], P, len(p) + PARAMS.max_tokens), kv_page_size=P)
+    rid = eng.add_request(p, PARAMS)
+    for _ in range(4 * PARAMS.max_tokens):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    got = eng.completion(rid)
+    ref = Engine(model, max_seq_len=256, deterministic=True).generate([p], PARAMS)
+    assert got.stats["preemptions"] == 0 and outputs([got]) == outputs(ref)

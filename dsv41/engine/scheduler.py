@@ -89,7 +89,10 @@ class Scheduler:
                              f"pages; the pool holds {self.kv_pages}")
 
     def _need(self, seq, per_row: int) -> int:
-        return self.pages(seq.fed + per_row if decoding(seq) else target(seq))
+        """Pages a sequence reserves in this step (never beyond its prompt plus max_tokens: drafts past it are not
+        verified, and a request that fits alone must never be preempted by its own reservation)."""
+        most = len(seq.prompt_ids) + seq.params.max_tokens
+        return self.pages(min(seq.fed + per_row, most) if decoding(seq) else target(seq))
 
     def plan(self, running: list, waiting: list, admit, preempt, can_join: bool) -> StepPlan:
         """This step's work; `running` (admission order kept) and `waiting` (arrival order) change in place.
