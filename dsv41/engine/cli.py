@@ -33,6 +33,13 @@ def add_engine_args(p: argparse.ArgumentParser, checkpoint_required: bool = True
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
                    help=f"context length: prompt + completion tokens (default {DEFAULT_MAX_SEQ_LEN})")
     p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one shot)")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="tokens one engine step feeds: decode rows first, then chunks of waiting prompts (default "
+                        "max(2048, --max-batch))")
+    p.add_argument("--kv-pages", type=int, default=None,
+                   help="global-KV pages all sequences may hold together (default: unbounded); requests wait while "
+                        "theirs do not fit, the youngest is preempted and recomputed when the pool runs out")
+    p.add_argument("--kv-page-size", type=int, default=64, help="entries per KV page")
     p.add_argument("--cache-dir", default=None, help="prefix cache: persistent global-KV tier on disk: DIR, auto "
                    "(serve's default: ~/.cache/dsv41/prefix/<weights fingerprint>, `dsv41 cache clear` empties it) "
                    "or none (generate's default)")
@@ -91,7 +98,8 @@ def engine_from_args(args: argparse.Namespace, model=None, tokenizer=None) -> En
                                                lambda: weights_fingerprint(model))
     return Engine(model, tokenizer, prefill_mode=args.prefill_mode, max_batch=args.max_batch,
                   max_seq_len=args.max_seq_len, chunk_size=args.chunk_size, cache_dir=cache_dir,
-                  swa_pool=swa_pool, speculative=spec, step_profile=profile, deterministic=args.deterministic)
+                  swa_pool=swa_pool, speculative=spec, step_profile=profile, deterministic=args.deterministic,
+                  max_step_tokens=args.max_step_tokens, kv_pages=args.kv_pages, kv_page_size=args.kv_page_size)
 
 
 def register(sub) -> None:
