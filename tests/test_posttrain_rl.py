@@ -159,3 +159,14 @@ def test_statistics():
     assert fit["slope"] == pytest.approx(2) and fit["intercept"] == pytest.approx(1) and fit["r2"] == pytest.approx(1)
     st = sign_test([0, 0, 0, 0, 1], [1, 1, 1, 1, 1])
     assert st["improved"] == 4 and st["p_one_sided"] == pytest.approx(1 / 16)
+
+
+def test_eval_plot_from_a_report(tmp_path):
+    from dsv41.posttrain.report import plot_eval
+    from dsv41.posttrain.rollout import summarize
+    res = {b: {"correct": [1, 0, 1, 1], "length": [b // 10, b // 5, 3, 1], "difficulty": [2, 3, 2, 3],
+               "family": ["sums"] * 4} for b in (1, 50, 100)}
+    rep = {"checkpoint": "a", **summarize(res), "baseline": {"checkpoint": "b", **summarize(res)}}
+    assert rep["levels"][100]["mean_length"] > rep["levels"][1]["mean_length"]
+    out = plot_eval(rep, tmp_path / "eval.png")
+    assert out.stat().st_size > 1000
