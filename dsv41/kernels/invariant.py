@@ -136,11 +136,11 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     K, N = x.size(-1), weight.size(0)
     a = x.reshape(-1, K).to(weight.dtype)
     M = a.size(0)
-    # CUDA: cuBLAS picks its kernel by the batch count too, so the tiles go in groups of a fixed count
-    group = ROW_TILE * (CUDA_TILE_GROUP if a.is_cuda else 1)
-    tiles = F.pad(a, (0, 0, 0, -M % group)).float().view(-1, ROW_TILE, K)
-    wt = weight.float().T.unsqueeze(0).expand(tiles.size(0) if group == ROW_TILE else CUDA_TILE_GROUP, K, N)
-    step = tiles.size(0) if group == ROW_TILE else CUDA_TILE_GROUP
+    # CUDA: cuBLAS picks its kernel by the batch count too, so the tiles go in calls of a fixed count
+    group = CUDA_TILE_GROUP if a.is_cuda else 1
+    tiles = F.pad(a, (0, 0, 0, -M % (ROW_TILE * group))).float().view(-1, ROW_TILE, K)
+    step = CUDA_TILE_GROUP if a.is_cuda else tiles.size(0)
+    wt = weight.float().T.unsqueeze(0).expand(step, K, N)
     y = torch.cat([torch.bmm(tiles[i:i + step], wt) for i in range(0, tiles.size(0), step)])
     y = y.view(-1, N)[:M].to(weight.dtype)
     if bias is not None:
