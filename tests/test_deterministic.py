@@ -200,3 +200,19 @@ def test_quantized_training_forward_trains_every_layer(model, prompts):
         set_quantization(model, True)
         model.zero_grad(set_to_none=True)
         model.eval()
+
+
+def test_bfloat16_batch_and_chunks_change_nothing():
+    """The official precision too (bf16 weights and activations): batched and chunked equal alone, bit for bit."""
+    cfg = load_config("debug")
+    m = random_model(cfg, seed=2, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    W = cfg.window_size
+    ps = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (3 * W + 5, W + 3, 2 * W)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def go(batch, **kw):
+        return outputs(Engine(m, max_seq_len=256, deterministic=True, **kw).generate(batch, params))
+    alone = [go([p], prefill_mode="full")[0] for p in ps]
+    assert go(ps, prefill_mode="full") == alone
+    assert go(ps, chunk_size=7) == alone
