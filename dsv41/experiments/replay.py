@@ -19,7 +19,7 @@ from dsv41.experiments.counterparts import compare
 from dsv41.experiments.report import markdown_table
 from dsv41.model.step import ForwardOptions
 from dsv41.train.pretrain import replay_layers
-from dsv41.train.qat import TrainCache
+from dsv41.train.qat import sequence_forward
 
 SIDES = ("decoder", "encoder")
 
@@ -35,8 +35,8 @@ def replay_errors(model, ids: torch.Tensor, start: int, side: str) -> list[dict]
         raise ValueError(f"recovery point {start} must lie in [W={model.cfg.window_size}, {T - 1}]")
     floor = torch.full((B,), start, dtype=torch.long)
     opts = ForwardOptions(window_floor=floor, window_floor_layers=replay_layers(model.cfg, side))
-    exact = model(ids, TrainCache(model.cfg, B, model.dtype, ids.device), 0).logits[:, start:].float()
-    approx = model(ids, TrainCache(model.cfg, B, model.dtype, ids.device), 0, opts).logits[:, start:].float()
+    exact = sequence_forward(model, ids).logits[:, start:].float()
+    approx = sequence_forward(model, ids, opts).logits[:, start:].float()
     return [{"distance": d, **compare(exact[:, d:d + 1], approx[:, d:d + 1])} for d in range(T - start)]
 
 

@@ -21,7 +21,7 @@ import torch
 from dsv41.codecs.weights import CODECS
 from dsv41.config import load_config
 from dsv41.model.common import Rope, warm_up_transcendentals, weight_storage
-from dsv41.model.loading import is_own_format, scale_name, storage_map, weight_slots
+from dsv41.model.loading import scale_name, storage_map, weight_slots
 from dsv41.model.shards import ShardReader
 from dsv41.parallel.group import Group
 from dsv41.parallel.plan import apply_plan, check_plan

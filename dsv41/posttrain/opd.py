@@ -27,12 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.model.step import ForwardOptions
 from dsv41.posttrain import tasks as T
 from dsv41.posttrain.model import load, save
 from dsv41.posttrain.rollout import Rollout, make_engine, rollouts
 from dsv41.posttrain.sft import IGNORE, TaskMix, pad_batch, sft_example
-from dsv41.train.qat import TrainCache
+from dsv41.train.qat import sequence_forward
 
 
 def reverse_kl(student_logits: torch.Tensor, teacher_lp: torch.Tensor) -> torch.Tensor:
@@ -132,7 +131,7 @@ def opd_loss(model, rs: list[Rollout], teachers: dict, pad: int) -> torch.Tensor
     """Mean reverse KL over every response position of the batch (the student's reference forward, QDQ on)."""
     rows = [r.prompt_ids + r.output_ids for r in rs]
     ids = pad_batch(rows, pad)
-    logits = model(ids, TrainCache(model.cfg, ids.size(0), model.dtype, ids.device), 0, ForwardOptions()).logits
+    logits = sequence_forward(model, ids).logits
     z, lt = [], []
     for i, r in enumerate(rs):
         a = len(r.prompt_ids) - 1

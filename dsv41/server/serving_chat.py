@@ -33,7 +33,7 @@ class ServingChat(OpenAIServing):
     chunk_object = "chat.completion.chunk"
 
     def prepare(self) -> None:
-        req, st = self.req, self.state
+        req = self.req
         ids = self.render()
         max_new = self.max_tokens(req.max_new_tokens(), len(ids),
                                   "max_completion_tokens" if req.max_completion_tokens else "max_tokens", "messages")

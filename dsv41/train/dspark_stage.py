@@ -42,7 +42,7 @@ from torch import nn
 
 from dsv41.kernels.mhc_math import hc_post, hc_pre
 from dsv41.model.loading import load_model
-from dsv41.train.qat import TrainCache
+from dsv41.train.qat import sequence_forward
 from dsv41.train.stage import Stage, greedy_continue
 
 CONFIDENCE_WEIGHT = 0.1
@@ -159,9 +159,9 @@ def drafts_and_targets(model, ids: torch.Tensor, anchors: torch.Tensor | None = 
     """The frozen backbone's training prefill of ids [B,T] (no gradient), then the drafter at `anchors` (default
     0..T-2): (draft logits [B,A,G,V], confidence logits [B,A,G], the target's logits for each slot [B,A,G,V]: row
     p+1+i for slot i of anchor p, clamped at the end, slot validity [B,A,G], backbone logits [B,T,V] fp32)."""
-    (B, T), G = ids.shape, model.cfg.dspark_block_size
+    T, G = ids.size(1), model.cfg.dspark_block_size
     with torch.no_grad():
-        out = model(ids, TrainCache(model.cfg, B, model.dtype, ids.device), 0)
+        out = sequence_forward(model, ids)
     target_logits = out.logits.float()
     markov, valid = anchor_ids(ids, G, model.cfg.engram_pad_id, anchors)
     logits, conf = draft_forward(model, out.main_hidden, markov.to(ids.device), anchors)

@@ -111,7 +111,6 @@ def attention_target(attn, u, freqs, ctx, support: torch.Tensor) -> torch.Tensor
     widx = window_indices(ctx.start, T, attn.window, True, ctx.opts.floor_for(attn.layer)).to(u.device)
     ckv = ctx.cache.compressed(attn.role.kv_from, (ctx.start + T) // attn.role.ratio).detach()
     kv = torch.cat([win, ckv.to(win.dtype)], dim=1)
-    N = ckv.size(1)
     rows = max(1, SCORE_BUDGET // (attn.n_heads * kv.size(1) * B))
     out = []
     for lo in range(0, T, rows):

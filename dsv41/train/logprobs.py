@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.model.step import ForwardOptions
-from dsv41.train.qat import TrainCache
+from dsv41.train.qat import sequence_forward
 
 __all__ = ["token_logprobs"]
 
@@ -27,7 +27,6 @@ def token_logprobs(model, ids: torch.Tensor, routes: dict | None = None, route_l
     receives the routing this forward used."""
     if ids.dim() != 2 or ids.size(1) < 2:
         raise ValueError(f"token_logprobs needs ids [B, T] with T >= 2, got shape {tuple(ids.shape)}")
-    cache = TrainCache(model.cfg, ids.size(0), model.dtype, ids.device)
-    logits = model(ids, cache, 0, ForwardOptions(routes=routes, route_log=route_log)).logits
+    logits = sequence_forward(model, ids, ForwardOptions(routes=routes, route_log=route_log)).logits
     lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     return lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)

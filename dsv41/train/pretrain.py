@@ -29,7 +29,7 @@ from dsv41.model.transformer import Transformer
 from dsv41.train import data as D
 from dsv41.train.fast import fast_applies, fast_forward
 from dsv41.train.indexer_loss import IndexerTap, indexer_kl
-from dsv41.train.qat import TrainCache
+from dsv41.train.qat import TrainCache, sequence_forward
 from dsv41.train.stage import Stage, Validation, greedy_continue
 
 _REPLAY_STREAM = 0x7265706C                 # tags the replay-start seed (seed, step, tag): its own random stream
@@ -99,7 +99,7 @@ def evaluate_lm(model, val: Validation) -> dict:
     for i in range(0, mine.size(0), val.batch_size):
         w = mine[i:i + val.batch_size].to(dist.device)
         with val.autocast():
-            out = model(w[:, :-1], TrainCache(model.cfg, w.size(0), model.dtype, w.device), 0)
+            out = sequence_forward(model, w[:, :-1])
         ce = F.cross_entropy(out.logits.float().flatten(0, 1), w[:, 1:].flatten(), reduction="none").double()
         nbytes = val.token_bytes.to(w.device)[w[:, 1:].flatten()].double()
         sums += torch.tensor([ce.sum(), ce.numel(), (ce * (nbytes > 0)).sum(), nbytes.sum()], dtype=torch.float64)

@@ -62,3 +62,10 @@ class TrainCache(DenseCache):
         if self.kv_qat:
             kv = qdq_main_kv_ste(kv)
         super().append_compressed(layer, row0, kv, *args, **kwargs)
+
+
+def sequence_forward(model, ids: torch.Tensor, opts=None, kv_qat: bool = False):
+    """The model's forward over whole sequences ids [B,T] from position 0 through a fresh `TrainCache`: the
+    training prefill every evaluation, experiment and log-prob computation runs."""
+    cache = TrainCache(model.cfg, ids.size(0), model.dtype, ids.device, kv_qat=kv_qat)
+    return model(ids, cache, 0) if opts is None else model(ids, cache, 0, opts)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dsv41.train.data import BOS_ID, EOS_ID, PAD_ID, Document
+from dsv41.train.data import BOS_ID, EOS_ID, PAD_ID
 
 TASKS = ("kv-retrieval", "needle")
 WORDS = ("the", "of", "and", "a", "in", "is", "it", "for", "on", "with", "as", "was", "at", "by", "this", "from",
@@ -133,13 +133,13 @@ def answer_correct(logits: torch.Tensor, ids: torch.Tensor, answers: list[list[l
 def retrieval_accuracy(model, tokenizer, docs: list[TaskDoc], batch: int = 4) -> float:
     """The share of answers the model retrieves (teacher-forced exact match, module docstring), one training
     prefill per batch of documents through the reference forward."""
-    from dsv41.train.qat import TrainCache
+    from dsv41.train.qat import sequence_forward
 
     right = total = 0
     for i in range(0, len(docs), batch):
         enc = encode_tasks(tokenizer, docs[i:i + batch])
         ids = enc.ids.to(next(model.parameters()).device)
-        logits = model(ids, TrainCache(model.cfg, ids.size(0), model.dtype, ids.device), 0).logits
+        logits = sequence_forward(model, ids).logits
         flags = [f for doc in answer_correct(logits, ids, enc.answers) for f in doc]
         right, total = right + sum(flags), total + len(flags)
     return right / max(total, 1)
