@@ -212,3 +212,63 @@ def test_engram_tables_stay_in_host_memory():
     assert m.layers[1].engram.wkv.weight.device.type == "meta"
     with pytest.raises(ValueError, match="packed storage"):
         engram_tables_on_host(random_model(cfg, seed=1))
+
+
+def _host_engram_model(seed: int = 1):
+    cfg = load_config("debug")
+    return cfg, engram_tables_on_host(pack_weights(random_model(cfg, seed=seed)))
+
+
+def test_engram_rows_are_fetched_before_the_layer_runs():
+    """`prefetch_host_rows` gathers a step's rows when the ids are hashed: the lookup uses them (changing the table
+    afterwards does not reach it), and a lookup of other ids is never served the prefetched rows."""
+    from dsv41.model.engram import prefetch_host_rows
+    cfg, m = _host_engram_model()
+    engrams = [b.engram for b in m.layers if b.engram is not None]
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    hashes = m.engram_hashes(ids, DenseCache(cfg, 2, torch.float32), None)        # prefetches
+    e = engrams[0]
+    want = e.embed(hashes[:, :, e.layer_index]).clone()                            # consumed: gathered now
+    prefetch_host_rows(engrams, hashes)
+    saved = e.embed.weight.clone()
+    e.embed.weight.zero_()
+    assert torch.equal(e.embed(hashes[:, :, e.layer_index]), want)                 # the rows fetched ahead
+    other = hashes[:, :, e.layer_index].flip(1).contiguous()
+    prefetch_host_rows(engrams, hashes)
+    assert not e.embed(other).any()                                                # gathered now: zeros
+    e.embed.weight.copy_(saved)
+
+
+def test_engram_table_placement_switch(tmp_path):
+    """load_model's engram_tables: host keeps the packed tables behind on a move; auto keeps small ones on the
+    device; the logits do not depend on it."""
+    cfg = load_config("debug")
+    m = random_model(cfg, seed=2)
+    save_checkpoint(m, cfg, tmp_path / "ck")
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for choice in ("host", "device", "auto"):
+        mm, _ = load_model(tmp_path / "ck", storage="packed", engram_tables=choice)
+        assert mm.layers[1].engram.embed.host == (choice == "host")
+        with torch.no_grad():
+            out[choice] = mm(ids, DenseCache(cfg, 1, torch.float32)).logits
+    assert torch.equal(out["host"], out["device"]) and torch.equal(out["auto"], out["device"])
+    with pytest.raises(ValueError, match="engram_tables"):
+        load_model(tmp_path / "ck", storage="packed", engram_tables="disk")
+
+
+@pytest.mark.gpu
+def test_engram_host_tables_on_gpu_equal_device_tables():
+    """On a GPU, host tables (rows prefetched on the side stream) give the device tables' logits bit for bit over
+    prefill and decode steps."""
+    cfg = load_config("debug")
+    dev = pack_weights(random_model(cfg, seed=1)).cuda()
+    host = engram_tables_on_host(pack_weights(random_model(cfg, seed=1))).cuda()
+    assert host.layers[1].engram.embed.weight.device.type == "cpu"
+    assert host.layers[1].engram.embed.weight.is_pinned()
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    caches = [DenseCache(cfg, 2, torch.float32, device="cuda") for _ in range(2)]
+    with torch.no_grad():
+        for t in [ids[:, :12], *ids[:, 12:].split(1, dim=1)]:
+            a, b = (mm(t, c).logits for mm, c in zip((dev, host), caches))
+            assert torch.equal(a, b)

@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser, checkpoint_required: bool = True
                         "own bytes; the GPU dequantizes per call until its kernels read the bytes). Same outputs on "
                         "an official-layout checkpoint; a dsv41 training checkpoint holds master weights, which "
                         "packed rounds to the checkpoint formats as the official writer does")
+    p.add_argument("--engram-tables", choices=["auto", "host", "device"], default="auto",
+                   help="packed storage: Engram tables in host memory, each step's rows prefetched to the GPU "
+                        "(host), or on the device (device); auto: host on a GPU when they exceed 1 GiB")
     p.add_argument("--prefill-mode", choices=MODES, default="ced-bounded")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (continuous batching)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
@@ -88,7 +91,8 @@ def engine_from_args(args: argparse.Namespace, model=None, tokenizer=None) -> En
     from dsv41.model.loading import load_model
 
     if model is None:
-        model, _ = load_model(args.checkpoint, dtype=parse_dtype(args.dtype), storage=args.storage)
+        model, _ = load_model(args.checkpoint, dtype=parse_dtype(args.dtype), storage=args.storage,
+                              engram_tables=args.engram_tables)
     if args.tie_break == "recent":
         set_tie_break(model, "recent")
     tokenizer = tokenizer or load_tokenizer(args.checkpoint, model.cfg.vocab_size)

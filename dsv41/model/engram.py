@@ -234,8 +234,11 @@ class PackedTable(nn.Module):
     rows' bytes and decodes only those, to the values the dequantized table holds in `held_dtype`.
 
     `host` (set by `dsv41.model.packed_weights.engram_tables_on_host`): the table stays in host memory when the
-    model moves to an accelerator; a lookup gathers the rows there and copies only those rows' bytes to the ids'
-    device. On the CPU this is the same code path without the copy."""
+    model moves to an accelerator. The rows a step needs are known from its token ids before any layer runs, so
+    `prefetch` (called by the model right after hashing) gathers them on the host into pinned memory and copies
+    only those bytes to the device on a side stream; the copy overlaps the blocks below this table's layer, and
+    the lookup waits for it on the device (no host synchronisation at the layer). On the CPU the same code path
+    runs without the copy (docs/model.md §9)."""
 
     host = False
 
@@ -245,6 +248,9 @@ class PackedTable(nn.Module):
         self.register_buffer("weight", torch.empty(codes, dtype=torch.uint8))
         self.register_buffer("scale", torch.empty(scales, dtype=torch.uint8))
         self.held_dtype = held_dtype
+        self._ahead: _Ahead | None = None          # the rows `prefetch` started for the next lookup
+        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None     # pinned host buffers, reused
+        self._copied = None                         # the event of the last copy out of them
 
     def _apply(self, fn, recurse=True):
         """`.to(device)` / `.cuda()` of the model: a host table stays where it is (its buffers are uint8, so no
@@ -265,13 +271,92 @@ class PackedTable(nn.Module):
         """The dequantized table [R, W] in `held_dtype`."""
         return rows_values(self.weight, self.scale).to(self.held_dtype)
 
+    def _gather_pinned(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows `flat` [n] (host ids) gathered into this table's pinned staging buffers (grown on demand; the
+        previous copy out of them finished first)."""
+        n, (W, Ws) = flat.numel(), (self.weight.size(1), self.scale.size(1))
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._staging is None or self._staging[0].size(0) < n:
+            self._staging = (torch.empty(n, W, dtype=torch.uint8).pin_memory(),
+                             torch.empty(n, Ws, dtype=torch.uint8).pin_memory())
+        codes, scale = self._staging[0][:n], self._staging[1][:n]
+        torch.index_select(self.weight, 0, flat, out=codes)
+        torch.index_select(self.scale, 0, flat, out=scale)
+        return codes, scale
+
+    def prefetch(self, ids: torch.Tensor, ids_host: torch.Tensor) -> None:
+        """Start fetching the rows of `ids` [...] (on the device the lookup will run on; `ids_host` the same ids
+        in host memory) for the next `forward(ids)`. A host table on a CUDA device: gathered into pinned memory,
+        copied on the device's side stream; anywhere else: gathered (the same path, no copy)."""
+        flat = ids_host.reshape(-1)
+        if ids.device.type != "cuda" or self.weight.device.type == "cuda":
+            at = flat.to(self.weight.device)
+            self._ahead = _Ahead(ids, self.weight[at], self.scale[at], None)
+            return
+        codes_h, scale_h = self._gather_pinned(flat)
+        main, side = torch.cuda.current_stream(ids.device), _side_stream(ids.device)
+        codes = torch.empty(codes_h.shape, dtype=torch.uint8, device=ids.device)
+        scale = torch.empty(scale_h.shape, dtype=torch.uint8, device=ids.device)
+        side.wait_stream(main)                      # the buffers above were allocated on the main stream
+        with torch.cuda.stream(side):
+            codes.copy_(codes_h, non_blocking=True)
+            scale.copy_(scale_h, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        codes.record_stream(side)
+        scale.record_stream(side)
+        self._ahead, self._copied = _Ahead(ids, codes, scale, event), event
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [...] int64 -> rows [..., W] in `held_dtype`, on the ids' device."""
-        at = ids.to(self.weight.device)
-        codes, scale = self.weight[at], self.scale[at]
-        if codes.device != ids.device:              # a host table: only the looked-up rows cross to the device
-            codes, scale = codes.to(ids.device, non_blocking=True), scale.to(ids.device, non_blocking=True)
-        return rows_values(codes, scale).to(self.held_dtype)
+        """ids [...] int64 -> rows [..., W] in `held_dtype`, on the ids' device: the prefetched rows when
+        `prefetch(ids)` started them, else gathered now (a host table: only these rows cross to the device)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.serves(ids):
+            if ahead.event is not None:
+                torch.cuda.current_stream(ids.device).wait_event(ahead.event)
+            codes, scale = ahead.codes, ahead.scale
+        else:
+            at = ids.reshape(-1).to(self.weight.device)
+            codes, scale = self.weight[at], self.scale[at]
+            if codes.device != ids.device:
+                codes, scale = codes.to(ids.device, non_blocking=True), scale.to(ids.device, non_blocking=True)
+        return rows_values(codes, scale).to(self.held_dtype).unflatten(0, ids.shape)
+
+
+class _Ahead:
+    """Rows fetched ahead for one lookup: its ids (kept alive, so their address identifies them), the rows'
+    codes [n, W] and scales [n, W/32] on the lookup's device, the copy's event (None: no copy)."""
+
+    def __init__(self, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, event):
+        self.ids, self.codes, self.scale, self.event = ids, codes, scale, event
+
+    def serves(self, ids: torch.Tensor) -> bool:
+        a = self.ids
+        return (ids.data_ptr() == a.data_ptr() and ids.shape == a.shape and ids.stride() == a.stride()
+                and ids.device == a.device)
+
+
+_SIDE: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One copy stream per CUDA device (host-table prefetches)."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device=key)
+    return _SIDE[key]
+
+
+def prefetch_host_rows(engrams: Sequence["Engram"], hashes: torch.Tensor) -> None:
+    """Start fetching every host table's rows of this step (`hashes` [B,T,E,G] from `NgramHasher`): one copy of
+    the ids to the host, then each table's gather and copy (`PackedTable.prefetch`). Device tables: nothing."""
+    hosts = [e for e in engrams if e.packed and e.embed.host]
+    if not hosts:
+        return
+    ids_host = hashes.to("cpu")
+    for e in hosts:
+        e.embed.prefetch(hashes[:, :, e.layer_index], ids_host[:, :, e.layer_index])
 
 
 class Engram(nn.Module):

@@ -294,14 +294,21 @@ def load_own_state(model: torch.nn.Module, cfg: ModelConfig, reader: ShardReader
                     state[name].copy_(t)
 
 
+ENGRAM_HOST_BYTES = 1 << 30     # "auto": packed Engram tables larger than this stay in host memory on a GPU
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               storage: str = "dense"):
+               storage: str = "dense", engram_tables: str = "auto"):
     """Load a checkpoint directory (official layout or ours) -> (model, cfg). Engram's token map comes from
     the directory's tokenizer.json when the model has Engram and the file exists.
 
     storage "dense": quantized weights held dequantized (training, today's GPU kernels); "packed": held as the
     checkpoint stores them (docs/model.md §9), the model built packed and the shards read tensor by tensor through
-    a memory map, so that loading needs about the model's own bytes (`benchmarks/load_memory.py`)."""
+    a memory map, so that loading needs about the model's own bytes (`benchmarks/load_memory.py`).
+
+    engram_tables (packed storage): "host" keeps the Engram tables in host memory, their looked-up rows prefetched
+    to the device each step (`dsv41.model.engram.prefetch_host_rows`); "device" moves them with the model (small
+    models, tests); "auto" = host when the device is a GPU and the tables exceed `ENGRAM_HOST_BYTES`."""
     from dsv41.config import load_config
     from dsv41.model.transformer import Transformer
 
@@ -323,4 +330,17 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
             load_own_state(model, cfg, reader, path)
         else:
             load_official_state(model, cfg, reader)
+    if storage == "packed" and engram_host(model, engram_tables, torch.device(device)):
+        from dsv41.model.packed_weights import engram_tables_on_host
+        engram_tables_on_host(model)
     return model.to(device), cfg
+
+
+def engram_host(model: torch.nn.Module, choice: str, device: torch.device) -> bool:
+    """Whether a packed model's Engram tables stay in host memory (`load_model`'s engram_tables)."""
+    if choice not in ("auto", "host", "device"):
+        raise ValueError(f"engram_tables must be 'auto', 'host' or 'device', got {choice!r}")
+    if choice != "auto":
+        return choice == "host"
+    from dsv41.model.packed_weights import resident_weight_bytes
+    return device.type == "cuda" and resident_weight_bytes(model)["engram_tables"] > ENGRAM_HOST_BYTES

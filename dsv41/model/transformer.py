@@ -23,7 +23,7 @@ from dsv41.model.block import Block
 from dsv41.model.cache import KVStore
 from dsv41.model.common import RMSNorm, warm_up_transcendentals
 from dsv41.model.dspark import DSparkBlock, forward_spec
-from dsv41.model.engram import NgramHasher, identity_token_map
+from dsv41.model.engram import NgramHasher, identity_token_map, prefetch_host_rows
 from dsv41.model.step import ForwardOptions, StepContext
 
 
@@ -65,6 +65,7 @@ class Transformer(nn.Module):
             cache.engram_history = self.engram_hasher.init_history(input_ids.size(0)).to(input_ids.device)
         hashes, cache.engram_history = self.engram_hasher(input_ids, cache.engram_history.to(input_ids.device),
                                                           token_mask)
+        prefetch_host_rows([b.engram for b in self.layers if b.engram is not None], hashes)
         return hashes
 
     def embed_tokens(self, input_ids: torch.Tensor, images=None) -> torch.Tensor:
