@@ -262,3 +262,19 @@ def test_cli_gpus_not_a_number(capsys):
         cli.main(["analyze", "memory", "--gpus", "eight"])
     assert e.value.code == 2
     assert "--gpus" in capsys.readouterr().err
+
+
+def test_decode_read_bytes_counts_the_touched_experts():
+    """One token reads K/E of each layer's routed experts; a large batch reads all of them; the dense part does
+    not depend on the batch; packed reads fewer bytes than bf16."""
+    from dsv41.analysis.memory import checkpoint_tensors, decode_read_bytes
+    cfg = load_config("v41-geometry")
+    routed_all = sum(sum(t.bytes()) for t in checkpoint_tensors(cfg) if t.routed and t.group == "backbone")
+    E, K = cfg.moe_shape(0)
+    one, many = decode_read_bytes(cfg, 1), decode_read_bytes(cfg, 4096)
+    assert one["routed_bytes"] == pytest.approx(routed_all * K / E)
+    assert many["routed_bytes"] == pytest.approx(routed_all)
+    assert one["dense_bytes"] == many["dense_bytes"]
+    assert decode_read_bytes(cfg, 8, "bfloat16")["bytes"] > decode_read_bytes(cfg, 8)["bytes"]
+    with pytest.raises(ValueError, match="batch"):
+        decode_read_bytes(cfg, 0)

@@ -398,3 +398,32 @@ def parallel_plan(cfg: ModelConfig, gpus: int = 8, tokens: int = 1 << 20, batch:
     return {"gpus": gpus, "splits": True, "tokens": tokens, "batch": batch, "attention_split_bytes": attn_bytes,
             "kv_bytes_per_sequence": kv_seq, "activations": act, "tensor_parallel_attention": tp,
             "data_parallel_attention": dp, "crossover_batch": crossover, "fits": fits}
+
+
+# ------------------------------------------------------------------------------------------ decode weight reads
+
+def decode_read_bytes(cfg: ModelConfig, batch: int, holding: str = "packed") -> dict[str, float]:
+    """Weight bytes one decode step of `batch` tokens must read: every backbone weight outside the routed experts
+    (attention, shared experts, gates, mHC, head, Engram's projections; not the token-embedding and Engram tables,
+    of which a step reads only its rows), plus the routed experts the batch is expected to touch: a layer of E
+    experts with top-K routing, each token picking K of them uniformly, touches E (1 - (1 - K/E)^B) in expectation.
+    holding: "packed" (the checkpoint formats) or a dense holding dtype ("bfloat16" / "float32"). Divided by a
+    measured copy bandwidth this is the step's weight-read limit (the decode benchmarks)."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if holding != "packed" and holding not in HOLDING_DTYPES:
+        raise ValueError(f"holding must be 'packed' or one of {sorted(HOLDING_DTYPES)}, got {holding!r}")
+
+    def size(t: TensorSpec) -> int:
+        return sum(t.bytes()) if holding == "packed" else today_bytes(t, holding)
+
+    dense = routed = 0.0
+    for t in checkpoint_tensors(cfg):
+        if t.group not in ("backbone", "engram") or t.kind == "fp8_rows" or t.name == "embed.weight":
+            continue
+        if t.routed:
+            E, K = cfg.moe_shape(int(t.name.split(".")[1]))
+            routed += size(t) / t.count * E * (1 - (1 - K / E) ** batch)
+        else:
+            dense += size(t)
+    return {"dense_bytes": dense, "routed_bytes": routed, "bytes": dense + routed}
