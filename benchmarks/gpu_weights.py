@@ -1,0 +1,108 @@
+"""v41-geometry weights on the GPU as dense bf16 vs packed (the checkpoint formats): memory measured vs analytic,
+and the decode step at batch 1 and 32 before and after, each against its weight-read limit computed in this run.
+
+The limit of a step is `dsv41.analysis.memory.decode_read_bytes` (dense weights + the experts a batch is expected
+to touch, in the holding the model has) over the device-to-device copy bandwidth measured here (a 2 GB copy). The
+model is random (bf16), the KV a synthetic 4K context per row (`fill_random`); the Engram tables stay on the device
+(benchmarks/engram_host.py compares the placements). Order: build dense, time, pack in place (the same weights
+rounded to the checkpoint formats), measure memory, time again.
+
+    python benchmarks/gpu_weights.py           # writes benchmarks/results/gpu_weights_h200.json
+Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (6).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsv41.analysis.memory import decode_read_bytes, memory_report  # noqa: E402
+from dsv41.config import load_config  # noqa: E402
+from dsv41.engine.bench import timed  # noqa: E402
+from dsv41.engine.store import make_pool  # noqa: E402
+from dsv41.kv.accounting import fill_random  # noqa: E402
+from dsv41.model.init import random_model  # noqa: E402
+from dsv41.model.packed_weights import pack_weights, resident_weight_bytes  # noqa: E402
+
+
+def copy_bandwidth(dev: str, nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device-to-device copy rate in bytes/s (read + write counted once: the bytes moved)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = [timed(lambda: b.copy_(a), dev) for _ in range(reps)]
+    del a, b
+    return 2 * nbytes / statistics.median(times)
+
+
+def decode_rows(model, cfg, dev: str, holding: str, bw: float, context: int, batches, n_steps: int) -> list[dict]:
+    rows = []
+    for B in batches:
+        pool = make_pool(model, dev)
+        sids = [pool.new_sequence() for _ in range(B)]
+        for s in sids:
+            fill_random(pool, s, context)
+        tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        times = []
+        with torch.no_grad():
+            for _ in range(n_steps):
+                view = pool.bind(sids)
+                times.append(timed(lambda: model(tok, view, last_only=True), dev))
+        step = statistics.median(times[1:])
+        limit = decode_read_bytes(cfg, B, holding)["bytes"] / bw
+        rows.append({"holding": holding, "batch": B, "step_s": step, "limit_s": limit, "step_over_limit": step / limit})
+        print(f"{holding:9s} batch {B:3d}: step {step * 1e3:8.1f} ms, weight-read limit {limit * 1e3:6.2f} ms, "
+              f"x{step / limit:.1f}", flush=True)
+        del pool
+        gc.collect()
+    return rows
+
+
+def main() -> None:
+    dev = "cuda"
+    name = os.environ.get("CONFIG", "v41-geometry")
+    cfg = load_config(name)
+    context = int(os.environ.get("CONTEXT", "4096"))
+    batches = [int(b) for b in os.environ.get("BATCHES", "1,32").split(",")]
+    n_steps = int(os.environ.get("STEPS", "6"))
+    bw = copy_bandwidth(dev)
+    res = {"config": name, "gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "context": context}
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    model = random_model(cfg, dtype=torch.bfloat16, device=dev)
+    res["dense_weight_bytes_measured"] = torch.cuda.memory_allocated() - base
+    res["build_s"] = time.perf_counter() - t0
+    res["rows"] = decode_rows(model, cfg, dev, "bfloat16", bw, context, batches, n_steps)
+    pack_weights(model)
+    gc.collect()
+    torch.cuda.empty_cache()
+    measured = torch.cuda.memory_allocated() - base
+    held = resident_weight_bytes(model)
+    analytic = memory_report(cfg, gpus=1, engram_on_device=True)
+    res.update({"packed_bytes_measured": measured, "packed_resident": held,
+                "analytic_weight_bytes": analytic["weights"]["bytes"],
+                "analytic_engram_bytes": analytic["engram_tables"]["bytes"]})
+    total_analytic = analytic["weights"]["bytes"] + analytic["engram_tables"]["bytes"]
+    res["measured_over_analytic"] = measured / total_analytic
+    print(f"GPU memory for weights: dense bf16 {res['dense_weight_bytes_measured'] / 1e9:.1f} GB, packed "
+          f"{measured / 1e9:.1f} GB (weights {held['weights'] / 1e9:.1f} + Engram tables "
+          f"{held['engram_tables'] / 1e9:.1f}); analytic {total_analytic / 1e9:.1f} GB; measured / analytic "
+          f"{res['measured_over_analytic']:.3f}", flush=True)
+    res["rows"] += decode_rows(model, cfg, dev, "packed", bw, context, batches, n_steps)
+    out = Path(__file__).parent / "results" / "gpu_weights_h200.json"
+    out.write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
