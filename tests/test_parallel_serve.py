@@ -1,5 +1,6 @@
 """`torchrun --nproc_per_node 2 -m dsv41 serve` on the CPU (gloo): rank 0 answers the `openai` client, the other
-rank follows its engine steps (dsv41/parallel/lockstep.py), and the greedy completion equals one process's."""
+rank follows its engine commands (dsv41/parallel/lockstep.py): the greedy completion and the prompt
+log-probabilities equal one process's, and a repeated prompt is served from the prefix tiers each rank keeps."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dsv41.engine.sampling import SamplingParams
 from dsv41.model.loading import load_model
 
 PROMPT = [5, 9, 200, 17, 33, 2, 88, 41, 7, 300, 12, 61, 250]
+LONG = [(7 * i + 3) % 400 + 2 for i in range(160)]      # long enough for a cached unit of the debug config
 
 
 def _port() -> int:
@@ -46,7 +48,8 @@ def test_serve_two_ranks_answers_openai_client(tmp_path):
 
     ckpt = make_checkpoint(tmp_path / "ckpt")
     port = _port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "DSV41_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              "-m", "dsv41", "serve", "--checkpoint", str(ckpt), "--port", str(port),
                              "--speculative", "off", "--max-seq-len", "256", "--log-level", "warning"],
@@ -60,28 +63,62 @@ def test_serve_two_ranks_answers_openai_client(tmp_path):
         got = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0)
         scored = httpx.post(url + "/v1/completions", json={"model": name, "prompt": PROMPT, "max_tokens": 1,
                                                            "echo": True, "logprobs": 1}, timeout=60)
+        cold, warm = (client.completions.create(model=name, prompt=LONG, max_tokens=6, temperature=0)
+                      for _ in range(2))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
     model, _ = load_model(ckpt)
-    want = Engine(model, speculative="off").generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
+    engine = Engine(model, speculative="off")
+    want, want_long = (engine.generate([p], SamplingParams(max_tokens=8, temperature=0))[0] for p in (PROMPT, LONG))
     assert got.choices[0].text == want.text, out[-3000:]
     assert got.usage.completion_tokens == len(want.output_ids)
-    assert scored.status_code == 400 and "several ranks" in scored.text      # prompt log-probs: refused, named
+    assert scored.status_code == 200, scored.text
+    lp = scored.json()["choices"][0]["logprobs"]["token_logprobs"][1:len(PROMPT)]
+    one = [e["logprob"] for e in engine.score_prompt(PROMPT, 1)[1:]]
+    assert lp == pytest.approx(one, abs=1e-5)
+    assert cold.choices[0].text == warm.choices[0].text
+    assert want_long.text.startswith(cold.choices[0].text)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0, warm.usage
+    ranks = sorted(p.name for p in (tmp_path / "cache").rglob("rank*-of-2"))
+    assert ranks == ["rank0-of-2", "rank1-of-2"], ranks
 
 
-def test_prefix_caching_flags_on_several_ranks(monkeypatch):
-    """serve's default tiers (auto) are off on several ranks; a tier named on the command line is refused before
-    any process group is joined."""
+def test_rank_flags_refused_before_joining(monkeypatch):
+    """A Redis SWA pool (its own clock) and dspark:online (timed steps) are refused on several ranks before any
+    process group is joined."""
     from dsv41.engine.cli import engine_args
-    from dsv41.parallel.lockstep import _prefix_caching_off, serving_engine
+    from dsv41.parallel.lockstep import serving_engine
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    args = engine_args(checkpoint="unused", cache_dir="auto", swa_pool="auto")
-    _prefix_caching_off(args)
-    assert (args.cache_dir, args.swa_pool) == ("none", "none")
-    with pytest.raises(ValueError, match="--cache-dir /tmp/x: prefix caching"):
-        serving_engine(engine_args(checkpoint="unused", cache_dir="/tmp/x"))
+    with pytest.raises(ValueError, match="--swa-pool redis://h:1: a Redis pool"):
+        serving_engine(engine_args(checkpoint="unused", swa_pool="redis://h:1"))
     with pytest.raises(ValueError, match="dspark:online"):
         serving_engine(engine_args(checkpoint="unused", speculative="dspark:online"))
+
+
+def test_lockstep_clock_drives_every_tier(tmp_path):
+    """Each rank's tiers get their own disk subdirectory, and the cache, its disk store and the SWA pool read the
+    lockstep clock (a TTL expires at the same command on every rank)."""
+    from dsv41.engine.cli import engine_args
+    from dsv41.model.init import random_model
+    from dsv41.config import load_config
+    from dsv41.parallel.group import Group
+    from dsv41.parallel.lockstep import LockstepClock, per_rank_tiers, use_clock
+
+    model = random_model(load_config("debug"), seed=0)
+    args = engine_args(checkpoint="unused", cache_dir=str(tmp_path), swa_pool="auto")
+    per_rank_tiers(args, model, Group(1, 2))
+    assert (args.cache_dir, args.swa_pool) == (str(tmp_path / "rank1-of-2"), "memory")
+    engine = Engine(model, speculative="off", cache_dir=args.cache_dir, swa_pool=args.swa_pool)
+    clock = LockstepClock()
+    use_clock(engine, clock)
+    pc = engine.prefix_cache
+    assert pc.clock is clock and pc.disk.clock is clock and pc.swa.clock is clock
+    pc.swa.put("k", b"x", ttl_s=5.0)
+    clock.now += 4.0
+    assert pc.swa.get("k") == b"x"
+    clock.now += 2.0
+    assert pc.swa.get("k") is None

@@ -198,6 +198,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def score_prompt(self, ids: list[int], top_n: int) -> list[dict | None]:
+        """The prompt's log-probabilities (`dsv41.engine.scoring.prompt_logprobs`), between steps."""
+        from dsv41.engine.scoring import prompt_logprobs
+        return prompt_logprobs(self, ids, top_n)
+
     # ---------------------------------------------------------------- stepping
     @torch.no_grad()
     def step(self) -> list[StepOutput]:

@@ -6,10 +6,12 @@ Why commands and not forwards: the engine changes its pool between forwards (seq
 rolled back after a speculative verify); replaying the commands that cause them keeps each rank's pool the
 same without mirroring each pool call. It needs every decision of the engine to be a function of its commands
 and the logits, which are the same bits on every rank (`dsv41.parallel.group`): sampling seeds are fixed on
-rank 0 before a request is broadcast; what depends on time or on a cache outside the process is refused on
-several ranks (`dspark:online`, which times steps; prefix caching, whose SWA pool expires by time: serve's
-default `auto` tiers are off, a tier named on the command line is a ValueError); prompt
-log-probabilities (a forward outside the engine's steps) answer a ValueError (the server's 400).
+rank 0 before a request is broadcast, and every command carries rank 0's clock (`LockstepClock`), which the
+prefix tiers read (the SWA pool's TTL, the disk store's ages), so an entry expires at the same command on every
+rank. Prefix caching runs on every rank over that rank's own tiers (the latent KV is whole on every rank, so the
+tiers hold the same entries): the disk tier in a per-rank subdirectory `rank{r}-of-{N}`; a Redis SWA pool (its
+TTL runs on the Redis server's clock) is refused. Prompt log-probabilities are a command too (`score`). Refused
+on several ranks: `dspark:online`, which times the steps on each rank.
 
 `serving_engine(args)` is what `dsv41 serve` calls: a plain `Engine` in a plain process; under `torchrun`, on
 rank 0 a `LockstepEngine` (the engine behind the same interface), while the other ranks `follow` rank 0 until it
@@ -22,6 +24,7 @@ import copy
 import datetime
 import os
 import random
+import time
 
 import torch
 import torch.distributed as tdist
@@ -43,19 +46,39 @@ class RankZeroOnly:
         return getattr(self._model, name)
 
     def __call__(self, *args, **kwargs):
-        raise ValueError("this forward runs outside the engine's steps, which is not served on several ranks yet "
-                         "(prompt log-probabilities)")
+        raise ValueError("a forward outside the engine's commands would run on rank 0 alone (the other ranks "
+                         "would not join its collectives): make it an engine command (see `score_prompt`)")
+
+
+class LockstepClock:
+    """The time every rank's engine reads: rank 0's wall clock as of the current command (never backwards)."""
+
+    def __init__(self):
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self) -> float:
+        """Rank 0: advance to the present (never backwards) and return it, to send with a command."""
+        self.now = max(self.now, time.time())
+        return self.now
 
 
 class LockstepEngine:
-    """Rank 0's engine: `add_request`, `abort` and `step` are broadcast to the other ranks, then run here;
-    everything else is the engine's own (`generate` and `stream` are `Engine`'s, running through these)."""
+    """Rank 0's engine: `add_request`, `abort`, `step` and `score_prompt` are broadcast to the other ranks with
+    rank 0's clock, then run here; everything else is the engine's own (`generate` and `stream` are `Engine`'s,
+    running through these)."""
 
     generate = Engine.generate
     stream = Engine.stream
 
-    def __init__(self, engine: Engine, group: Group):
-        self.engine, self.group = engine, group
+    def __init__(self, engine: Engine, group: Group, clock: LockstepClock | None = None):
+        self.engine, self.group, self.clock = engine, group, clock or LockstepClock()
+
+    def _send(self, *cmd) -> None:
+        """Broadcast a command with the clock as this rank runs it (each command ticks it once, first)."""
+        self.group.broadcast((*cmd, self.clock.now))
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -72,27 +95,36 @@ class LockstepEngine:
             params.seed = random.SystemRandom().randrange(2 ** 62)
         sent = copy.deepcopy(params)
         kw = {} if images is None else {"images": images}
+        self.clock.tick()
         rid = self.engine.add_request(prompt, params, request_id=request_id, **kw)   # a ValueError stops here
-        self.group.broadcast(("add", prompt, sent, rid, kw))
+        self._send("add", prompt, sent, rid, kw)
         return rid
 
     def abort(self, request_id: str) -> None:
-        self.group.broadcast(("abort", request_id))
+        self.clock.tick()
+        self._send("abort", request_id)
         self.engine.abort(request_id)
 
     def step(self):
-        self.group.broadcast(("step",))
+        self.clock.tick()
+        self._send("step")
         return self.engine.step()
+
+    def score_prompt(self, ids: list[int], top_n: int) -> list[dict | None]:
+        self.clock.tick()
+        self._send("score", list(ids), top_n)
+        return self.engine.score_prompt(ids, top_n)
 
     def release(self) -> None:
         """Let the other ranks' `follow` return."""
-        self.group.broadcast(("stop",))
+        self._send("stop")
 
 
-def follow(engine: Engine, group: Group) -> None:
-    """A worker rank: run rank 0's engine commands until it sends stop."""
+def follow(engine: Engine, group: Group, clock: LockstepClock | None = None) -> None:
+    """A worker rank: run rank 0's engine commands, at rank 0's clock, until it sends stop."""
+    clock = clock or LockstepClock()
     while True:
-        cmd = group.broadcast(None)
+        *cmd, clock.now = group.broadcast(None)
         if cmd[0] == "stop":
             return
         if cmd[0] == "add":
@@ -103,6 +135,8 @@ def follow(engine: Engine, group: Group) -> None:
         elif cmd[0] == "step":
             engine.step()
             engine.finished.clear()              # rank 0 answers the requests; nothing reads them here
+        elif cmd[0] == "score":
+            engine.score_prompt(cmd[1], cmd[2])
         else:
             raise RuntimeError(f"unknown engine command {cmd[0]!r}")
 
@@ -130,16 +164,37 @@ def join() -> tuple[Group, torch.device]:
     return Group.current(), device
 
 
-def _prefix_caching_off(args) -> None:
-    """Prefix caching is off on several ranks: serve's default (`auto`) turns into `none`, a tier asked for by name
-    is a ValueError."""
-    for flag in ("cache_dir", "swa_pool"):
-        value = getattr(args, flag, None)
-        if value is not None and value.lower() == "auto":
-            setattr(args, flag, "none")
-        elif value is not None and value.lower() != "none":
-            raise ValueError(f"--{flag.replace('_', '-')} {value}: prefix caching is not served on several ranks "
-                             "yet")
+def check_rank_flags(args) -> None:
+    """What several ranks refuse, checked before any process group is joined."""
+    if args.speculative.startswith("dspark:online"):
+        raise ValueError("--speculative dspark:online times the steps, which differs between ranks: use dspark")
+    pool = getattr(args, "swa_pool", None)
+    if pool is not None and pool.lower().startswith("redis"):
+        raise ValueError(f"--swa-pool {pool}: a Redis pool expires entries by its own clock, not the ranks' "
+                         "lockstep clock; use the in-process pool (auto / memory) on several ranks")
+
+
+def per_rank_tiers(args, model, group: Group) -> None:
+    """Resolve --cache-dir / --swa-pool as one process would, then give each rank its own disk subdirectory."""
+    from dsv41.engine.engine import weights_fingerprint
+    from dsv41.kv.cache_cli import resolve_prefix_flags
+    from dsv41.model.common import QuantSite
+
+    packed = all(m.quant for m in model.modules() if isinstance(m, QuantSite))
+    cache_dir, swa_pool = resolve_prefix_flags(args.cache_dir, args.swa_pool, packed,
+                                               lambda: weights_fingerprint(model))
+    args.cache_dir = "none" if cache_dir is None else os.path.join(cache_dir, f"rank{group.rank}-of-{group.world}")
+    args.swa_pool = "none" if swa_pool is None else swa_pool
+
+
+def use_clock(engine: Engine, clock: LockstepClock) -> None:
+    """Every clock of the engine's prefix tiers (the cache's refresh, the disk store's ages, the in-process SWA
+    pool's TTL) reads the lockstep clock."""
+    cache = engine.prefix_cache
+    if cache is not None:
+        for part in (cache, cache.disk, cache.swa):
+            if part is not None and hasattr(part, "clock"):
+                part.clock = clock
 
 
 def serving_engine(args):
@@ -151,13 +206,14 @@ def serving_engine(args):
 
     if not launched():
         return engine_from_args(args)
-    _prefix_caching_off(args)
-    if args.speculative.startswith("dspark:online"):
-        raise ValueError("--speculative dspark:online times the steps, which differs between ranks: use dspark")
+    check_rank_flags(args)
     group, device = join()
     model, _ = load_sharded(args.checkpoint, group, parse_dtype(args.dtype), args.storage)
+    per_rank_tiers(args, model, group)
     engine = engine_from_args(args, model=model.to(device))
+    clock = LockstepClock()
+    use_clock(engine, clock)
     if group.rank == 0:
-        return LockstepEngine(engine, group)
-    follow(engine, group)
+        return LockstepEngine(engine, group, clock)
+    follow(engine, group, clock)
     return None

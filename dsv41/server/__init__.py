@@ -12,7 +12,6 @@
     tools.py               tool definitions, DSML call blocks, tool results, the forced-call grammar
     grammar.py             grammar-constrained decoding (llguidance): response_format, forced calls
     images.py              image_url data URLs -> the prompt's image spans
-    scoring.py             prompt log-probabilities (a full forward on the engine loop thread)
     tokenize.py            vLLM's /tokenize, /detokenize, /tokenizer_info
     runner.py              the engine loop thread (the only code that touches the engine)
     validation.py          body, model name, prompt and context-length checks

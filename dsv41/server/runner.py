@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dsv41.engine.engine import Completion
-from dsv41.server.scoring import prompt_logprobs
 
 log = logging.getLogger("dsv41.server")
 
@@ -120,7 +119,7 @@ class EngineRunner:
             self._send(sink, Failed(rid, 503, "the server is shutting down"))
             return
         try:
-            scored = None if score is None else Scored(rid, prompt_logprobs(self.engine, prompt, score))
+            scored = None if score is None else Scored(rid, self.engine.score_prompt(prompt, score))
             if not generate:
                 done = Completion(rid, list(prompt), [], "", "length", {"prompt_tokens": len(prompt)}, [])
                 for ev in (Accepted(rid), scored, done):

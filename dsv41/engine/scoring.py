@@ -5,7 +5,8 @@ evaluation harnesses score multiple-choice and perplexity tasks with).
 The engine's prefill computes only the last position's logits (and in its CED modes only part of the prompt
 through every layer), so a scored prompt runs once more through the model: the full forward (the official
 computation) on a reference cache of its own, in chunks of `SCORE_CHUNK` tokens (chunked prefill gives the same
-function), on the engine loop thread between engine steps. Prefix caches are neither read nor written.
+function), on the engine loop thread between engine steps (`Engine.score_prompt`; on several ranks every rank runs it, the
+lockstep engine's command). Prefix caches are neither read nor written.
 """
 
 from __future__ import annotations
