@@ -86,8 +86,7 @@ def test_serve_two_ranks_answers_openai_client(tmp_path):
 
 
 def test_rank_flags_refused_before_joining(monkeypatch):
-    """A Redis SWA pool (its own clock) and dspark:online (timed steps) are refused on several ranks before any
-    process group is joined."""
+    """A Redis SWA pool (its own clock) is refused on several ranks before any process group is joined."""
     from dsv41.engine.cli import engine_args
     from dsv41.parallel.lockstep import serving_engine
 
@@ -95,8 +94,22 @@ def test_rank_flags_refused_before_joining(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="--swa-pool redis://h:1: a Redis pool"):
         serving_engine(engine_args(checkpoint="unused", swa_pool="redis://h:1"))
-    with pytest.raises(ValueError, match="dspark:online"):
-        serving_engine(engine_args(checkpoint="unused", speculative="dspark:online"))
+
+
+def test_dspark_online_cost_follows_rank_zero():
+    """dspark:online on several ranks: a follower's step-cost model ignores its own step times and replays rank
+    0's, so both price every verify length the same (and so choose the same)."""
+    from dsv41.parallel.lockstep import FollowerCost, RankZeroCost
+
+    profile = lambda n: 0.01 * (1 + n / 64)                     # noqa: E731
+    lead, follow = RankZeroCost(profile), FollowerCost(profile)
+    for n, dt in [(8, 0.5), (8, 0.021), (16, 0.7), (16, 0.03), (8, 0.019)]:
+        lead.record(n, dt)
+        follow.record(n, dt * 3)                                # this rank's own (slower) clock: ignored
+    follow.replay(lead.take())
+    assert lead.take() == []
+    assert all(follow(n) == lead(n) for n in (1, 8, 16, 40))
+    assert lead(8) == pytest.approx(0.02)
 
 
 def test_lockstep_clock_drives_every_tier(tmp_path):

@@ -10,8 +10,10 @@ rank 0 before a request is broadcast, and every command carries rank 0's clock (
 prefix tiers read (the SWA pool's TTL, the disk store's ages), so an entry expires at the same command on every
 rank. Prefix caching runs on every rank over that rank's own tiers (the latent KV is whole on every rank, so the
 tiers hold the same entries): the disk tier in a per-rank subdirectory `rank{r}-of-{N}`; a Redis SWA pool (its
-TTL runs on the Redis server's clock) is refused. Prompt log-probabilities are a command too (`score`). Refused
-on several ranks: `dspark:online`, which times the steps on each rank.
+TTL runs on the Redis server's clock) is refused. Prompt log-probabilities are a command too (`score`).
+`dspark:online` corrects its step-cost model by measured step times, which differ between ranks: rank 0's
+measurements travel with its step commands and every rank's scheduler reads those (`RankZeroCost` /
+`FollowerCost`), so all choose the same verify lengths.
 
 `serving_engine(args)` is what `dsv41 serve` calls: a plain `Engine` in a plain process; under `torchrun`, on
 rank 0 a `LockstepEngine` (the engine behind the same interface), while the other ranks `follow` rank 0 until it
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as tdist
 
 from dsv41.engine.engine import Engine
+from dsv41.engine.speculative.scheduler import MeasuredCost
 from dsv41.parallel.group import Group
 
 IDLE_TIMEOUT = datetime.timedelta(days=7)        # workers wait in a broadcast while the server is idle
@@ -63,6 +66,39 @@ class LockstepClock:
         """Rank 0: advance to the present (never backwards) and return it, to send with a command."""
         self.now = max(self.now, time.time())
         return self.now
+
+
+class RankZeroCost(MeasuredCost):
+    """Rank 0's step-cost model (`dspark:online`): its measurements, kept to be sent with the next command."""
+
+    def __init__(self, profile):
+        super().__init__(profile)
+        self.unsent: list[tuple[int, float]] = []
+
+    def record(self, n: int, seconds: float) -> None:
+        super().record(n, seconds)
+        self.unsent.append((n, seconds))
+
+    def take(self) -> list[tuple[int, float]]:
+        out, self.unsent = self.unsent, []
+        return out
+
+
+class FollowerCost(MeasuredCost):
+    """A worker's step-cost model: its own step times are ignored; rank 0's arrive with its commands."""
+
+    def record(self, n: int, seconds: float) -> None:
+        pass
+
+    def replay(self, records: list[tuple[int, float]]) -> None:
+        for n, seconds in records:
+            MeasuredCost.record(self, n, seconds)
+
+
+def share_step_cost(engine: Engine, leader: bool) -> None:
+    """`dspark:online`: give the engine rank 0's (leader) or a follower's step-cost model; otherwise nothing."""
+    if isinstance(engine.step_cost, MeasuredCost):
+        engine.step_cost = (RankZeroCost if leader else FollowerCost)(engine.step_cost.profile)
 
 
 class LockstepEngine:
@@ -107,7 +143,8 @@ class LockstepEngine:
 
     def step(self):
         self.clock.tick()
-        self._send("step")
+        cost = self.engine.step_cost
+        self._send("step", cost.take() if isinstance(cost, RankZeroCost) else [])
         return self.engine.step()
 
     def score_prompt(self, ids: list[int], top_n: int) -> list[dict | None]:
@@ -133,6 +170,8 @@ def follow(engine: Engine, group: Group, clock: LockstepClock | None = None) -> 
         elif cmd[0] == "abort":
             engine.abort(cmd[1])
         elif cmd[0] == "step":
+            if isinstance(engine.step_cost, FollowerCost):
+                engine.step_cost.replay(cmd[1])
             engine.step()
             engine.finished.clear()              # rank 0 answers the requests; nothing reads them here
         elif cmd[0] == "score":
@@ -166,8 +205,6 @@ def join() -> tuple[Group, torch.device]:
 
 def check_rank_flags(args) -> None:
     """What several ranks refuse, checked before any process group is joined."""
-    if args.speculative.startswith("dspark:online"):
-        raise ValueError("--speculative dspark:online times the steps, which differs between ranks: use dspark")
     pool = getattr(args, "swa_pool", None)
     if pool is not None and pool.lower().startswith("redis"):
         raise ValueError(f"--swa-pool {pool}: a Redis pool expires entries by its own clock, not the ranks' "
@@ -213,6 +250,7 @@ def serving_engine(args):
     engine = engine_from_args(args, model=model.to(device))
     clock = LockstepClock()
     use_clock(engine, clock)
+    share_step_cost(engine, group.rank == 0)
     if group.rank == 0:
         return LockstepEngine(engine, group, clock)
     follow(engine, group, clock)
