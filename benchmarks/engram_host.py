@@ -7,7 +7,8 @@ stream when the ids are hashed (`dsv41.model.engram.prefetch_host_rows`). The tw
 times, and each row reports the median step; the target is host / device <= 1.05.
 
     python benchmarks/engram_host.py          # writes benchmarks/results/engram_host_<device>.json
-Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (8 per round), ROUNDS (3).
+Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (8 per round), ROUNDS (3), PROFILE (1: a
+profiler table of one step per placement).
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ def main() -> None:
             for where in ("device", "host"):
                 place(model, where == "host", dev)
                 times[where] += steps(model, pool, sids, tok, n_steps, dev)[1:]     # first step: warm-up
+        if os.environ.get("PROFILE") == "1":                # where a host-table step spends its time
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+            for where in ("device", "host"):
+                place(model, where == "host", dev)
+                steps(model, pool, sids, tok, 2, dev)
+                with profile(activities=acts) as prof:
+                    steps(model, pool, sids, tok, 1, dev)
+                print(f"--- batch {B}, {where} tables: top ops by CPU time")
+                print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=50))
         med = {k: statistics.median(v) for k, v in times.items()}
         row = {"batch": B, "device_step_s": med["device"], "host_step_s": med["host"],
                "host_over_device": med["host"] / med["device"], "samples_s": times}
