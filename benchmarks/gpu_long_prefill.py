@@ -1,0 +1,95 @@
+"""A real long prefill on one GPU, then decode: v41-geometry (random bf16 weights), ced-bounded, chunked.
+
+For each length (LENGTHS, default 32768 and 1048576 tokens of random ids) one prefill into a fresh packed-store
+sequence: wall time, the analytic FLOPs of the layers it runs (`dsv41.analysis.flops.prefill_terms`) over that time
+as a share of the bf16 GEMM rate measured in the same run (8192 x 5120 x 5120), the global KV the store holds per
+token (the 890 B/token design figure), and after the longest one DECODE_STEPS decode steps at that context.
+
+    python benchmarks/gpu_long_prefill.py     # writes benchmarks/results/gpu_long_prefill_h200.json
+Env: DEVICE (cuda; cpu for a check of the script), CONFIG (v41-geometry), LENGTHS (32768,1048576), CHUNK (16384), MODE (ced-bounded), DECODE_STEPS (6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsv41.analysis.flops import prefill_terms  # noqa: E402
+from dsv41.config import load_config  # noqa: E402
+from dsv41.engine.bench import timed  # noqa: E402
+from dsv41.engine.prefill import prefill  # noqa: E402
+from dsv41.engine.store import make_pool  # noqa: E402
+from dsv41.model.init import random_model  # noqa: E402
+
+
+def gemm_rate(dev: str, n: int = 8192, k: int = 5120, reps: int = 20) -> float:
+    a = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, k, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    t = statistics.median(timed(lambda: a @ b, dev) for _ in range(reps))
+    return 2.0 * n * k * k / t
+
+
+def main() -> None:
+    dev = os.environ.get("DEVICE", "cuda")
+    name = os.environ.get("CONFIG", "v41-geometry")
+    cfg = load_config(name)
+    lengths = [int(x) for x in os.environ.get("LENGTHS", "32768,1048576").split(",")]
+    chunk, mode = int(os.environ.get("CHUNK", "16384")), os.environ.get("MODE", "ced-bounded")
+    rate = gemm_rate(dev)
+    res = {"config": name, "gpu": torch.cuda.get_device_name() if dev == "cuda" else None, "mode": mode, "chunk": chunk,
+           "bf16_gemm_flops_per_s": rate, "rows": []}
+    print(f"bf16 GEMM rate {rate / 1e12:.0f} TFLOP/s", flush=True)
+    t0 = time.perf_counter()
+    model = random_model(cfg, dtype=torch.bfloat16, device=dev)
+    print(f"built in {time.perf_counter() - t0:.0f}s", flush=True)
+    for n in lengths:
+        ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(dev)
+        pool = make_pool(model, dev)
+        sid = pool.new_sequence()
+        view = pool.bind([sid])
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            secs = timed(lambda: prefill(model, ids, view, mode, chunk), dev)
+        pool.release(view, [sid])
+        flops = sum(t.flops for t in prefill_terms(cfg, n))
+        held = pool.seq_bytes(sid)
+        row = {"tokens": n, "prefill_s": secs, "analytic_flops": flops, "flops_per_s": flops / secs,
+               "share_of_gemm_rate": flops / secs / rate, "global_kv_bytes": held["global_entries_bytes"],
+               "global_kv_bytes_per_token": held["global_entries_bytes"] / n,
+               "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0.0}
+        print(f"{n:8d} tokens: prefill {secs:7.1f} s, {row['flops_per_s'] / 1e12:6.1f} TFLOP/s = "
+              f"{row['share_of_gemm_rate']:.2f} of the GEMM rate, global KV {row['global_kv_bytes_per_token']:.1f} "
+              f"B/token, peak {row['peak_gb']:.1f} GB", flush=True)
+        if n == max(lengths):
+            tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+            times = []
+            with torch.no_grad():
+                for _ in range(int(os.environ.get("DECODE_STEPS", "6"))):
+                    v = pool.bind([sid])
+                    times.append(timed(lambda: model(tok, v, last_only=True), dev))
+                    pool.release(v, [sid])
+            row["decode_step_s"] = statistics.median(times[1:])
+            print(f"    then decode at {n} tokens: {row['decode_step_s'] * 1e3:.1f} ms per step", flush=True)
+        res["rows"].append(row)
+        pool = view = ids = None
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    if dev == "cuda":
+        out = Path(__file__).parent / "results" / "gpu_long_prefill_h200.json"
+        out.write_text(json.dumps(res, indent=1))
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
