@@ -493,6 +493,36 @@ def test_profile_step_measures_every_shape(debug_model, one_thread):
     assert all(t > 0 for t in prof.t)
 
 
+def test_profile_step_warms_up_each_shape(debug_model, one_thread, monkeypatch):
+    """The first run of every (batch, verify) shape is not timed into the profile: a warm-up that costs 100 s
+    leaves no trace; the rounds visit every V in turn."""
+    from dsv41.engine.speculative import profile as prof_mod
+    cfg, m = debug_model
+    G = cfg.dspark_block_size
+    seen: list[int] = []
+
+    def fake_timed(fn, device):
+        fn()
+        seen.append(len(seen))
+        return 100.0 if len(seen) <= G + 1 else 1.0 + 0.01 * len(seen)
+    monkeypatch.setattr(prof_mod, "timed", fake_timed)
+    prof = profile_step(m, batches=(1,), context=20, repeats=2, log=lambda *a: None)
+    assert len(seen) == 3 * (G + 1)                                  # 1 warm-up + 2 rounds per V
+    assert max(max(p["samples"]) for p in prof.meta["points"]) < 2.0
+    assert all(len(p["samples"]) == 2 for p in prof.meta["points"])
+
+
+def test_step_profile_never_cheaper_with_more_tokens():
+    """A dip between measured points is pooled with its neighbours (weighted by their repeats); a monotone series
+    is unchanged."""
+    from dsv41.engine.speculative.profile import non_decreasing
+    prof = StepProfile([1, 2, 3, 4], [1.0, 3.0, 1.0, 4.0])
+    assert prof.t == [1.0, 2.0, 2.0, 4.0]
+    assert all(prof(n) <= prof(n + 1) for n in range(1, 8))
+    assert non_decreasing([1.0, 3.0, 1.0], [1, 1, 2]) == [1.0, pytest.approx(5 / 3), pytest.approx(5 / 3)]
+    assert non_decreasing([1.0, 2.0, 5.0], [1, 1, 1]) == [1.0, 2.0, 5.0]
+
+
 # ------------------------------------------------------------------------------------------------ CLI / server
 
 def test_auto_speculation_follows_the_checkpoint(tmp_path, debug_model):

@@ -123,7 +123,7 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--context", type=int, default=512, help="tokens already in each sequence")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="default: CHECKPOINT/step_profile.json (read by generate/serve)")
     p.set_defaults(func=profile_step_main)
 

@@ -14,6 +14,7 @@ import torch
 from dsv41.engine.bench import timed
 from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.speculative.drafter import DSparkDrafter
+from dsv41.engine.speculative.rejection import accept_drafts
 from dsv41.engine.speculative.rollback import VerifyJournal
 from dsv41.engine.store import make_pool
 from dsv41.model.step import ForwardOptions
@@ -23,7 +24,11 @@ PROFILE_FILE = "step_profile.json"
 
 class StepProfile:
     """T(n): the engine's measured step latency (seconds) with n tokens in the batch; piecewise linear between
-    measured points (duplicates averaged), extended linearly past the ends, never below the smallest time."""
+    measured points (duplicates averaged), extended linearly past the ends, never below the smallest time.
+
+    A step over more tokens never costs less, so the points are fitted non-decreasing (`non_decreasing`): a dip
+    (noise, a point measured while the machine was busy elsewhere) pools with its neighbours instead of telling the
+    scheduler that a longer verify is cheaper."""
 
     def __init__(self, tokens: Sequence[int], seconds: Sequence[float], meta: dict | None = None):
         if not tokens or len(tokens) != len(seconds):
@@ -34,7 +39,7 @@ class StepProfile:
                 raise ValueError(f"bad profile point ({n}, {s})")
             acc.setdefault(int(n), []).append(float(s))
         self.n = sorted(acc)
-        self.t = [sum(acc[n]) / len(acc[n]) for n in self.n]
+        self.t = non_decreasing([sum(acc[n]) / len(acc[n]) for n in self.n], [len(acc[n]) for n in self.n])
         self.meta = dict(meta or {})
 
     def __call__(self, n: int) -> float:
@@ -59,11 +64,26 @@ class StepProfile:
         return cls(d["tokens"], d["seconds"], {k: v for k, v in d.items() if k not in ("tokens", "seconds")})
 
 
+def non_decreasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The weighted least-squares non-decreasing fit of `values` (pool adjacent violators): runs that decrease are
+    replaced by their weighted mean."""
+    blocks: list[list[float]] = []                       # [mean, weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([float(v), float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1, c1), (m2, w2, c2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
+    return [m for m, _, c in blocks for _ in range(c)]
+
+
 @torch.no_grad()
-def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), context: int = 256, repeats: int = 3, device="cpu",
-                 log=print) -> StepProfile:
-    """Measure the speculative step (drafter proposal + verify forward over B x (1 + V) tokens + rollback) at a
-    context of `context` tokens, for each batch size and V = 0..G (the drafter's block); median of `repeats`."""
+def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), context: int = 256, repeats: int = 5, device="cpu",
+                 log=print, warmup: int = 1) -> StepProfile:
+    """Measure the speculative step as the engine runs it (drafter proposal, verify forward over B x (1 + V) tokens,
+    each row's acceptance, rollback) at a context of `context` tokens, for each batch size and V = 0..G (the
+    drafter's block). Every shape runs `warmup` times untimed first (allocations, kernel choices and compilation
+    are paid there, not in the first point); then `repeats` rounds, each over all V in turn (so drift of the machine
+    spreads over the points instead of biasing one); the median per shape."""
     cfg = model.cfg
     G = cfg.dspark_block_size
     gen = torch.Generator().manual_seed(0)
@@ -81,15 +101,18 @@ def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), context: int = 25
                 drafter.seed(view, out.main_hidden[:, -cfg.window_size:], view.pos - min(context, cfg.window_size))
             pool.release(view, [sid])
             sids.append(sid)
-        for V in range(G + 1):
-            times = []
-            for _ in range(repeats):
+        times: dict[int, list[float]] = {V: [] for V in range(G + 1)}
+        for r in range(warmup + repeats):
+            for V in range(G + 1):
                 view = pool.bind(sids)
                 pending = torch.randint(0, cfg.vocab_size, (B,), generator=gen)
-                times.append(timed(lambda: _verify_step(model, drafter, view, pending, V, gen, device), device))
+                t = timed(lambda: _verify_step(model, drafter, view, pending, V, gen, device), device)
                 pool.release(view, sids)
-            t = sorted(times)[len(times) // 2]
-            rows.append({"batch": B, "verify": V, "tokens": B * (1 + V), "seconds": t})
+                if r >= warmup:
+                    times[V].append(t)
+        for V, ts in times.items():
+            t = sorted(ts)[len(ts) // 2]
+            rows.append({"batch": B, "verify": V, "tokens": B * (1 + V), "seconds": t, "samples": ts})
             log(f"profile-step  batch {B:3d}  verify {V}  tokens {B * (1 + V):4d}  {t * 1e3:9.2f} ms")
         for sid in sids:
             pool.free(sid)
@@ -99,14 +122,18 @@ def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), context: int = 25
 
 
 def _verify_step(model, drafter, view, pending: torch.Tensor, V: int, gen: torch.Generator, device) -> None:
-    """One speculative step of V drafts per row (random drafts without a drafter), every row keeping one token."""
+    """One speculative step of V drafts per row (random drafts without a drafter): the verify forward, each row's
+    acceptance (greedy: the engine's per-row work), then every row keeps one token."""
     pos = view.pos.clone()
+    greedy = SamplingParams(temperature=0.0)
     if drafter is not None:
-        rows = [SimpleNamespace(pending=int(t), params=SamplingParams(), gen=gen) for t in pending]
+        rows = [SimpleNamespace(pending=int(t), params=greedy, gen=gen) for t in pending]
         drafts = drafter.propose(view, rows, pos).tokens[:, :V]
     else:
         drafts = torch.randint(0, model.cfg.vocab_size, (len(pending), V), generator=gen)
     ids = torch.cat([pending.view(-1, 1), drafts], dim=1).to(device)
     journal = VerifyJournal(model, view, pos, 1 + V)
-    model(ids, view, opts=ForwardOptions(journal=journal.model_journal))
+    out = model(ids, view, opts=ForwardOptions(journal=journal.model_journal))
+    for b in range(len(pending)):
+        accept_drafts(out.logits[b, :V + 1], drafts[b].tolist(), None, greedy, gen)
     journal.rollback(model, view, ids, torch.ones(len(pending), dtype=torch.long))
