@@ -552,3 +552,47 @@ def test_server_reports_drafted_and_accepted_tokens(tmp_path):
     d = outs["fixed:2"][1].completion_tokens_details
     assert d.accepted_prediction_tokens + d.rejected_prediction_tokens > 0
     assert outs["off"][1].completion_tokens_details.rejected_prediction_tokens == 0
+
+
+class CountingDrafter:
+    """Wrong drafts (the pending token + 1 repeated) with an over-confident head; counts its proposals."""
+
+    def __init__(self, G: int, vocab: int):
+        self.G, self.vocab, self.proposals = G, vocab, 0
+
+    def seed(self, *args, **kwargs):
+        pass
+
+    def propose(self, view, seqs, pos) -> Proposal:
+        self.proposals += 1
+        rows = [[(s.pending + 1) % self.vocab] * self.G for s in seqs]
+        return Proposal(torch.tensor(rows), [None] * len(seqs), torch.full((len(seqs), self.G), 0.9))
+
+
+def test_scheduler_stops_drafting_when_it_does_not_pay(debug_model, one_thread):
+    """Once the verified drafts show that no verify length pays, dspark decodes without proposing (probing every
+    PROBE_EVERY-th step); a drafter whose drafts are accepted keeps drafting every step; outputs stay greedy's."""
+    from dsv41.engine.engine import MIN_EVIDENCE, PROBE_EVERY
+    cfg, m = debug_model
+    G = cfg.dspark_block_size
+    prompts = _prompts(cfg.vocab_size, (5,))
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    want = [c.output_ids for c in Engine(m, prefill_mode="full", max_seq_len=256).generate(prompts, params)]
+    prof = StepProfile([1, 1 + G], [1.0, 1.2])
+    eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative="dspark", step_profile=prof)
+    eng.drafter = CountingDrafter(G, cfg.vocab_size)
+    got = eng.generate(prompts, params)
+    assert [c.output_ids for c in got] == want
+    steps = got[0].stats["speculative"]["target_forwards"]
+    assert steps >= params.max_tokens - 1                             # nothing accepted: a forward per token
+    skipped = steps - eng.drafter.proposals
+    assert eng.drafter.proposals >= MIN_EVIDENCE
+    assert skipped >= (steps - MIN_EVIDENCE) * (PROBE_EVERY - 1) // PROBE_EVERY - 1, (steps, eng.drafter.proposals)
+    good = Engine(m, prefill_mode="full", max_seq_len=256, speculative="dspark", step_profile=prof)
+    good.drafter = OracleDrafter({"req-0": want[0]}, G, cfg.vocab_size, wrong=7)
+    calls = itertools.count()
+    inner = good.drafter.propose
+    good.drafter.propose = lambda *a: (next(calls), inner(*a))[1]
+    res = good.generate(prompts, params)
+    assert [c.output_ids for c in res] == want
+    assert next(calls) == res[0].stats["speculative"]["target_forwards"]    # drafted at every step

@@ -35,6 +35,8 @@ from dsv41.model.attention import use_deterministic
 from dsv41.model.step import ForwardOptions
 
 DEFAULT_MAX_SEQ_LEN = 4096                   # prompt + completion tokens per request (a limit: nothing is preallocated)
+MIN_EVIDENCE = 16      # verified first drafts before the dspark scheduler may skip drafting (`Engine._drafting_pays`)
+PROBE_EVERY = 16       # while drafting does not pay, draft anyway on every 16th step
 
 
 @dataclass
@@ -139,6 +141,7 @@ class Engine:
         # engine-wide speculative counters: per draft position k, rows that verified it with drafts < k accepted
         # ("reached") and rows that accepted it; target forwards and rows decoded
         self.spec_counts = {"reached": [0] * G, "accepted": [0] * G, "forwards": 0, "row_steps": 0, "tokens": 0}
+        self._skipped = 0                      # dspark steps in a row decoded without drafting (`_drafting_pays`)
         if self.speculation.mode == "dspark" and step_profile is None:
             raise ValueError("the dspark scheduler needs the step latency profile T(n): run `dsv41 profile-step` "
                              "on the checkpoint, or choose --speculative fixed:N")
@@ -333,10 +336,14 @@ class Engine:
         t0 = time.perf_counter()
         sids = [s.sid for s in rows]
         view = self.pool.bind(sids)
-        if self.drafter is None:
+        if self.drafter is None or not self._drafting_pays(len(live), drafts):
             n_tokens = len(rows)
             ids = torch.tensor([[(s.prompt_ids + s.output_ids)[s.fed]] for s in rows], device=self.device)
-            logits = self.model(ids, view, last_only=True).logits[:, -1]
+            pos = view.pos.clone()
+            out = self.model(ids, view, last_only=True)
+            logits = out.logits[:, -1]
+            if self.drafter is not None and out.main_hidden is not None:      # a step without drafts: the
+                self.drafter.seed(view, out.main_hidden, pos)                  # drafter still sees its taps
             for b, s in enumerate(live):
                 s.pending = sample_token(logits[b], s.params, s.gen)
                 outs.append(self._emit(s, [s.pending], logits[b:b + 1]))
@@ -356,6 +363,25 @@ class Engine:
             s.target_steps += 1
         for s in join:
             s.prefill_s += dt
+
+    def _drafting_pays(self, B: int, drafts: int) -> bool:
+        """The dspark scheduler, before drafting: at the acceptance measured so far (per draft position, over this
+        engine's verified drafts) and T(n), would it verify anything? When it would pick 0 drafts for every row the
+        step decodes without proposing (the drafter's cost skipped: never slower than no speculation), drafting
+        again every `PROBE_EVERY`-th such step so that a drafter doing better is noticed. Fixed lengths always
+        draft; so does a scheduler without `MIN_EVIDENCE` verified first drafts."""
+        sc = self.spec_counts
+        if self.speculation.mode != "dspark" or (drafts > 0 and sc["reached"][0] < MIN_EVIDENCE):
+            return True
+        if drafts == 0:
+            return False
+        rates = [a / r if r else 0.0 for a, r in zip(sc["accepted"], sc["reached"])]
+        S = torch.tensor(rates).cumprod(0).expand(B, -1)
+        if choose_verify_lengths(S, self.step_cost, drafts, ragged=False)[0] > 0:
+            self._skipped = 0
+            return True
+        self._skipped += 1
+        return self._skipped % PROBE_EVERY == 0
 
     def _verify(self, view, live: list[Sequence], outs: list[StepOutput], drafts: int) -> int:
         """One draft-verify step for every row of `view` (`dsv41.engine.speculative`); -> tokens the forward ran."""
