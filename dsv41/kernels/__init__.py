@@ -6,7 +6,7 @@
   mhc_ref.py     mhc_fused_ref: one mHC step between sub-layers (hc_post, next hc_mixes, lagged hc_pre + RMSNorm)
   mhc_math.py    the mHC functions (hc_post, hc_mixes, hc_pre, hc_split_sinkhorn) the model and mhc_ref share
   gemm_ref.py    block_scaled_linear_ref: the fp8 / fp4-weight GEMM in the official summation order (per 32-wide K
-                 block, blocks accumulated in K order)
+                 block, blocks accumulated in K order); packed_linear_ref: a packed weight's GEMM on a GPU
   moe_ref.py     moe_experts_ref: a MoE layer's routed + shared experts over their weights (and the summation
                  `moe_combine`, expert_act_ref: the expert's SwiGLU middle, shared with the model's module loop)
   (codecs)       the references of qdq_fp8 and pack_swa_kv are the codecs themselves (docs/model.md §3.3)
@@ -30,7 +30,7 @@ from dsv41.codecs import qdq_fp8 as qdq_fp8_ref
 from dsv41.kernels.backend import BACKENDS, get_backend, resolve, set_backend, triton_available
 from dsv41.kernels.packed_ref import (candidate_pool, decode_window_rows, indexer_scores_packed_ref, indexer_select,
                                       indexer_topk_packed_ref, pool_entries, sparse_attn_packed_ref)
-from dsv41.kernels.gemm_ref import block_scaled_linear_ref
+from dsv41.kernels.gemm_ref import block_scaled_linear_ref, packed_linear_ref
 from dsv41.kernels.invariant import deterministic, exact_block_linear, is_deterministic, set_deterministic
 from dsv41.kernels.mhc_ref import mhc_fused_ref
 from dsv41.kernels.moe_ref import expert_act_ref, moe_combine, moe_experts_ref
@@ -46,6 +46,7 @@ __all__ = [
     "mhc_fused", "mhc_fused_ref", "qdq_fp8", "qdq_fp8_ref",
     "pack_swa_kv", "pack_swa_kv_ref", "expert_act", "expert_act_ref",
     "moe_experts", "moe_experts_ref", "moe_combine", "quant_linear", "block_scaled_linear_ref",
+    "packed_linear", "packed_linear_ref",
     "set_deterministic", "is_deterministic", "deterministic",
 ]
 
@@ -82,6 +83,13 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.is_cuda or (training and torch.is_grad_enabled()):
         return F.linear(x.to(weight.dtype), weight, bias)
     return block_scaled_linear_ref(x, weight, bias)
+
+
+def packed_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) for a `PackedWeight` on a GPU, x already FP8 QDQ'd; see `packed_linear_ref` (Triton twin:
+    the bytes decoded in registers, bf16 tensor cores, fp32 accumulation)."""
+    return _dispatch("packed_linear", packed_linear_ref, (x, weight, bias), [x, weight.codes, weight.scale], x,
+                     fits=x.size(-1) % 32 == 0)
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,

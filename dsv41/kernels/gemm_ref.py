@@ -24,7 +24,7 @@ import torch
 
 from dsv41.codecs.weights import PackedWeight
 
-__all__ = ["GEMM_BLOCK", "block_scaled_linear_ref", "weight_column_chunks"]
+__all__ = ["GEMM_BLOCK", "block_scaled_linear_ref", "weight_column_chunks", "packed_linear_ref"]
 
 GEMM_BLOCK = 32
 CHUNK_BYTES = 1 << 22          # fp32 bytes of one dequantized column chunk of a packed weight
@@ -64,3 +64,10 @@ def block_scaled_linear_ref(x: torch.Tensor, weight: torch.Tensor | PackedWeight
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], N)
+
+
+def packed_linear_ref(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for a weight held packed, on any device: the weight dequantized whole (its held dtype),
+    then one `F.linear` (the library's order). The GPU twin (`dsv41.kernels.triton.packed_gemm`) reads the bytes
+    instead; on a CPU the model takes `block_scaled_linear_ref` (the official order) and not this."""
+    return torch.nn.functional.linear(x.to(weight.dtype), weight.dequant(), bias)

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from dsv41.codecs.weights import PackedWeight, pack_weight, stored_shapes
-from dsv41.kernels import qdq_fp8, quant_linear
-from dsv41.kernels.invariant import linear
+from dsv41.kernels import packed_linear, qdq_fp8, quant_linear
+from dsv41.kernels.invariant import is_deterministic, linear
 from dsv41.kernels.ref import rms_norm
 
 # Checkpoint storage kinds of a Linear weight (docs/model.md §9). Quantized kinds quantize their activation to FP8
@@ -91,8 +91,9 @@ class Linear(QuantSite):
     after `pack()` (or built under `weight_storage("packed")`), the checkpoint's own tensors as uint8 buffers under
     the checkpoint's names: `weight` the codes (fp8 [out, in] e4m3, fp4 [out, in/2] two e2m1 a byte) and `scale`
     the e8m0 scales (per 32 x 32 tile / per row and 32 inputs). The CPU GEMMs read the packed bytes block by block
-    and give the dense twin's bits (`dsv41/kernels/gemm_ref.py`); CUDA tensors and autograd dequantize the whole
-    weight per call until GPU kernels read the bytes."""
+    and give the dense twin's bits (`dsv41/kernels/gemm_ref.py`); on a GPU `dsv41.kernels.packed_linear` reads the
+    bytes (a Triton kernel for bf16 activations); autograd and the deterministic mode dequantize the whole weight
+    per call."""
 
     def __init__(self, in_features: int, out_features: int, kind: str = "fp8", dtype: torch.dtype | None = None,
                  bias: bool = False):
@@ -157,9 +158,13 @@ class Linear(QuantSite):
         if not self.quantizes_input:
             return linear(x, self.dense_weight(), self.bias)
         w = self.stored_weight()
-        if self.packed and (x.is_cuda or (self.training and torch.is_grad_enabled())):
-            w = w.dequant()                  # no GPU / autograd GEMM reads the packed bytes yet
-        return quant_linear(x if input_quantized else qdq_fp8(x), w, self.bias, self.training)
+        xq = x if input_quantized else qdq_fp8(x)
+        autograd = self.training and torch.is_grad_enabled()
+        if self.packed and x.is_cuda and not autograd and not is_deterministic():
+            return packed_linear(xq, w, self.bias)          # the GPU kernel reads the bytes
+        if self.packed and (x.is_cuda or autograd):
+            w = w.dequant()                  # autograd and the deterministic mode's GPU GEMM take the dense twin
+        return quant_linear(xq, w, self.bias, self.training)
 
 
 # ------------------------------------------------------------------------------------------------ RoPE

@@ -6,6 +6,7 @@ once the backend switch (`dsv41.kernels.backend`) has chosen Triton for a call.
                          the dense kernel)
   indexer_kernel.py      indexer_scores_packed_triton, indexer_topk_packed_triton (decode, packed MXFP4 keys)
   mhc_kernel.py          mhc_fused_triton (the fused mHC step between two sub-layers)
+  packed_gemm.py         packed_linear_triton (x W^T over a weight's checkpoint bytes, decoded in registers)
   moe_kernel.py          moe_experts_triton (a MoE layer's routed + shared experts: grouped GEMMs, no host sync)
   quant_kernel.py        qdq_fp8_triton (the FP8 activation QDQ in front of every quantized Linear),
                          pack_swa_kv_triton (the packed sliding-window KV row), expert_act_triton (SwiGLU + QDQ)
@@ -16,10 +17,11 @@ once the backend switch (`dsv41.kernels.backend`) has chosen Triton for a call.
 from dsv41.kernels.triton.indexer_kernel import indexer_scores_packed_triton, indexer_topk_packed_triton
 from dsv41.kernels.triton.mhc_kernel import mhc_fused_triton
 from dsv41.kernels.triton.moe_kernel import moe_experts_triton
+from dsv41.kernels.triton.packed_gemm import packed_linear_triton
 from dsv41.kernels.triton.packed_staged import sparse_attn_packed_triton
 from dsv41.kernels.triton.quant_kernel import expert_act_triton, pack_swa_kv_triton, qdq_fp8_triton
 from dsv41.kernels.triton.sparse_attn_kernel import sparse_attn_triton
 
 __all__ = ["sparse_attn_packed_triton", "sparse_attn_triton", "indexer_scores_packed_triton",
            "indexer_topk_packed_triton", "mhc_fused_triton", "qdq_fp8_triton",
-           "pack_swa_kv_triton", "expert_act_triton", "moe_experts_triton"]
+           "pack_swa_kv_triton", "expert_act_triton", "moe_experts_triton", "packed_linear_triton"]

@@ -1,0 +1,110 @@
+"""Triton GEMM over a weight held as the checkpoint stores it: twin of `dsv41.kernels.gemm_ref.packed_linear_ref`.
+
+Legend: M rows of x, N output features, K input features; BM / BN / BK tile sizes, S split-K parts.
+
+y = x W^T (+ bias) where W [N, K] is a `PackedWeight` (docs/model.md §9): kind fp8, e4m3 codes [N, K] and one e8m0
+scale per 32 x 32 tile [ceil(N/32), ceil(K/32)]; or kind fp4, e2m1 codes two a byte [N, K/2] (the even column in
+the low nibble) and one e8m0 scale per row and 32 columns [N, K/32]. Each program loads its W tile's bytes, decodes
+them in registers (`packed_tile`: code value times the power-of-two scale, exact), and multiplies on the tensor cores
+in bf16 with fp32 accumulation: x is the FP8-QDQ'd activation (exact in bf16), the decoded weight is exact in bf16,
+so every product is exact and only the summation order differs from the CPU reference (the GPU tolerance is
+measured: tests/test_kernels_packed_gemm.py, benchmarks/gpu_parity.py). Only the weight's bytes cross HBM: 1 byte
+(fp8) or half a byte (fp4) per weight instead of bf16's 2.
+
+Decode-size calls (M <= 64) are bound by reading W: the grid covers N in tiles of BN and, when that leaves SMs
+idle, splits K into S parts whose fp32 partials one sum adds (a fixed order). Larger M takes 128 x 128 tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv41.codecs.weights import PackedWeight
+from dsv41.kernels.triton.common import DOT_BF16, LAST, sm_count
+from dsv41.kernels.triton.decoders import e2m1_to_f32, e4m3_to_f32, ue8m0_to_f32
+
+__all__ = ["packed_linear_triton", "packed_tile", "DECODE_ROWS"]
+
+DECODE_ROWS = 64        # up to this many rows: the weight-read-bound configuration (split-K)
+
+
+@triton.jit
+def packed_tile(c_ptr, s_ptr, r, c, mask, C, FP4: tl.constexpr):
+    """fp32 values of W [R, C] held packed, at rows r x columns c (int64 index tensors that broadcast to the tile's
+    shape; `mask` the same shape): the e4m3 / e2m1 code's value times its e8m0 scale (fp8: per 32 x 32 tile, fp4:
+    per row and 32 columns). Masked elements are 0."""
+    if FP4:
+        byte = tl.load(c_ptr + r * (C // 2) + c // 2, mask=mask, other=0).to(tl.int32)
+        v = e2m1_to_f32(tl.where((c & 1) == 0, byte & 0xF, byte >> 4))
+        sc = tl.load(s_ptr + r * (C // 32) + c // 32, mask=mask, other=0).to(tl.int32)
+    else:
+        v = e4m3_to_f32(tl.load(c_ptr + r * C + c, mask=mask, other=0).to(tl.int32))
+        sc = tl.load(s_ptr + (r // 32) * ((C + 31) // 32) + c // 32, mask=mask, other=0).to(tl.int32)
+    return tl.where(mask, v * ue8m0_to_f32(sc), 0.0)
+
+
+@triton.jit
+def _packed_linear_kernel(x_ptr, c_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split, FP4: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, DOT_BF16: tl.constexpr):
+    """One [BM, BN] tile of y over the K range of split part program_id(2); PARTIAL: store the fp32 partial at
+    y_ptr[part, m, n] (the caller sums the parts), else cast (+ bias) into y [M, N]."""
+    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+    rm = (tl.program_id(1) * BM + tl.arange(0, BM)).to(tl.int64)
+    part = tl.program_id(2)
+    nm, mm = rn < N, rm < M
+    acc = tl.zeros([BM, BN], tl.float32)
+    k_lo = part * k_per_split
+    for k0 in range(0, k_per_split, BK):
+        rk = (k_lo + k0 + tl.arange(0, BK)).to(tl.int64)
+        km = (rk < K) & (rk < k_lo + k_per_split)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        w = packed_tile(c_ptr, s_ptr, rn[None, :], rk[:, None], nm[None, :] & km[:, None], K, FP4)   # [BK, BN]
+        if DOT_BF16:
+            acc = tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16), acc)
+        else:                                            # the interpreter: fp32 operands, exact products
+            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+    if PARTIAL:
+        tl.store(y_ptr + (part * M + rm[:, None]) * N + rn[None, :], acc, mask=mm[:, None] & nm[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+def _config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, split parts, warps): decode-size M splits K until the grid has ~2 programs per SM."""
+    if M > DECODE_ROWS:
+        return 128, 128, 64, 1, 8
+    BM = max(16, triton.next_power_of_2(M))
+    BN, BK = 64, 128
+    tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
+    split = max(1, min(triton.cdiv(2 * sm_count(device), tiles), K // (4 * BK)))
+    return BM, BN, BK, split, 4
+
+
+def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of `packed_linear_ref` (same arguments) -> [..., N] in the weight's held dtype."""
+    N, K = weight.shape
+    if x.size(-1) != K:
+        raise ValueError(f"packed_linear: x has {x.size(-1)} features, the weight {K}")
+    a = x.reshape(-1, K).contiguous()
+    M = a.size(0)
+    y = torch.empty(M, N, dtype=weight.dtype, device=x.device)
+    if M == 0:
+        return y.view(*x.shape[:-1], N)
+    BM, BN, BK, split, nw = _config(M, N, K, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
+    split = triton.cdiv(K, k_per_split)
+    out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
+    LAST["packed_linear"] = _packed_linear_kernel[grid](
+        a, weight.codes, weight.scale, bias if bias is not None else a, out, M, N, K, k_per_split,
+        FP4=weight.kind == "fp4", HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=BM, BN=BN, BK=BK,
+        DOT_BF16=DOT_BF16, num_warps=nw)
+    if split > 1:
+        s = out.sum(0)
+        y = (s + bias.float() if bias is not None else s).to(weight.dtype)
+    return y.view(*x.shape[:-1], N)
