@@ -86,3 +86,34 @@ def test_linear_reads_packed_bytes_on_gpu(monkeypatch):
     with torch.no_grad():
         got, want = lin(x), dense(x)
     assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-3).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(1, 64, 64, 6, 3), (5, 256, 96, 8, 2), (16, 512, 288, 16, 6)])
+def test_moe_kernel_reads_packed_experts(device, shape):
+    """The MoE op's kernels over packed experts (fp4 routed, fp8 shared: two launches into the same slots) give the
+    op's result over the dequantized twins (the same values in the same order: equal), and (GPU) agree with the
+    reference over the same bytes as the dense op does (tests/test_kernels_moe.py)."""
+    from dsv41.kernels.moe_ref import moe_experts_ref
+    from dsv41.kernels.triton import moe_experts_triton
+    from tests.test_kernels_moe import make_moe, rel_err
+    n, dim, inter, experts, topk = shape
+    moe = make_moe(True, dim, inter, experts, topk, seed=n)
+    dense = moe.fused_weights()
+    for m in moe.modules():
+        if hasattr(m, "pack") and getattr(m, "packable", False):
+            m.pack()
+    moe = moe.to(device)
+    w = moe.fused_weights()
+    assert isinstance(w[0][0], PackedWeight) and w[0][0].kind == "fp4" and w[0][-1].kind == "fp8"
+    x = (torch.randn(n, dim, generator=torch.Generator().manual_seed(n)) * 3).bfloat16().to(device)
+    weights, indices, _ = moe.gate(x)
+    ref = moe_experts_ref(x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:])
+    out = moe_experts_triton(x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:])
+    twin = moe_experts_triton(x, indices, weights, *([t.dequant() for t in ws] for ws in w[:3]),
+                              moe.shared_experts.limit, *w[3:])
+    assert out.dtype == x.dtype and torch.isfinite(out).all()
+    assert torch.equal(out, twin)
+    if device == "cuda":
+        assert rel_err(out, ref) < 2e-2
+    assert dense is not None

@@ -147,9 +147,10 @@ def expert_act(gate, up, weights, limit, quantize, dtype):
 
 
 def moe_experts(x, indices, weights, w1, w3, w2, limit, quant_in, quant_mid):
-    """A MoE layer's routed + shared experts over their weights; see `moe_experts_ref` (Triton twin: 3 kernels and
-    device-side routing, no host sync; bf16 x and weights only: fp32 master weights under bf16 autocast, as in the
+    """A MoE layer's routed + shared experts over their weights (dense or packed); see `moe_experts_ref` (Triton
+    twin: 3 kernels and device-side routing, no host sync; bf16 x and weights only: fp32 master weights under bf16 autocast, as in the
     DSpark training stage, take the reference)."""
+    ts = [getattr(w, "codes", w) for w in (w1[0], w3[0], w2[0], w1[-1])]       # a PackedWeight: its code bytes
     return _dispatch("moe_experts", moe_experts_ref, (x, indices, weights, w1, w3, w2, limit, quant_in, quant_mid),
-                     [x, weights, w1[0], w3[0], w2[0], w1[-1]], fp8=True,
+                     [x, weights, *ts], fp8=True,
                      fits=x.dim() == 2 and x.dtype == torch.bfloat16 and w1[0].dtype == torch.bfloat16)

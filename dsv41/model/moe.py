@@ -75,6 +75,12 @@ class Expert(nn.Module):
         return self.w2(h, input_quantized=q2)
 
 
+def held(lin: Linear):
+    """A Linear's weight as held (the Parameter itself when dense: no property lookups on the decode path)."""
+    w = lin._parameters.get("weight")
+    return w if w is not None else lin.stored_weight()
+
+
 class MoE(nn.Module):
     def __init__(self, cfg, layer_id: int, dtype: torch.dtype):
         super().__init__()
@@ -88,8 +94,9 @@ class MoE(nn.Module):
 
     def fused_weights(self):
         """(w1s, w3s, w2s, quant_in, quant_mid) for `moe_experts` (routed experts, then the shared one) when every
-        expert's Linears agree on the activation QDQ, have no bias and hold dense weights (the op's Triton kernels
-        read dequantized weights; packed experts take the module loop) and no expert has forward hooks; else None.
+        expert's Linears agree on the activation QDQ, have no bias and no expert has forward hooks; else None. Each
+        weight as held: the dense Parameter, or a `PackedWeight` view of the checkpoint bytes (the op's kernels
+        decode them in registers).
         Checked on every call (flags and hooks can change), through the modules' own dicts: this runs once per
         layer and decode step, where nn.Module attribute lookups would cost ~200 per layer."""
         mods = (*self.experts._modules.values(), self.shared_experts)
@@ -97,13 +104,11 @@ class MoE(nn.Module):
         for mod in (*mods, *(w for ls in lins for w in ls)):
             if mod._forward_pre_hooks or mod._forward_hooks or mod._parameters.get("bias") is not None:
                 return None
-            if "scale" in mod._buffers:      # packed storage: the module loop (each Linear reads its own bytes)
-                return None
         q_in = {w.quantizes_input for w1, w3, _ in lins for w in (w1, w3)}
         q_mid = {w2.quantizes_input for _, _, w2 in lins}
         if len(q_in) != 1 or len(q_mid) != 1:
             return None
-        w1s, w3s, w2s = ([ls[i]._parameters["weight"] for ls in lins] for i in range(3))
+        w1s, w3s, w2s = ([held(ls[i]) for ls in lins] for i in range(3))
         return w1s, w3s, w2s, q_in.pop(), q_mid.pop()
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, record: dict | None = None,

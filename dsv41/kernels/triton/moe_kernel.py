@@ -15,7 +15,9 @@ layer). Here, with no host sync:
   `_moe_combine_kernel`, one program per (token, D tile): y = sum of the token's K outputs in ascending expert id,
     in fp32 (0 + o_1 + o_2 + ..., as the reference's index_add), the shared expert's last, cast to x's dtype.
 The expert weights are read through tables of their addresses (no copy, no stacking): every weight of a kind must
-have the same shape, dtype and be contiguous. Results equal the reference up to the matmuls' summation order.
+have the same shape, dtype and be contiguous. Weights held packed (`PackedWeight`: fp4 routed experts, an fp8 shared
+expert) are read as their checkpoint bytes and decoded in registers (`packed_tile`, exact in bf16); routed and
+shared experts held differently launch apart (the same slots, the same combine). Results equal the reference up to the matmuls' summation order.
 A program whose expert has no pairs does no work; an expert's weights are read once per BM of its pairs.
 """
 
@@ -29,7 +31,9 @@ import triton.language as tl
 
 from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
 from dsv41.kernels.triton.quant_kernel import _fp8_groups, qdq_fp8_triton
+from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.triton.common import DOT_BF16, INTERPRET, LAST, libdevice
+from dsv41.kernels.triton.packed_gemm import packed_tile
 
 __all__ = ["moe_experts_triton", "CONFIG"]
 
@@ -59,16 +63,28 @@ def _silu(a, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, w1_tab, w3_tab, order_ptr, pw_ptr, counts_ptr, offs_ptr, h_ptr, D, F, KP, limit, floor,
-                   max_inv, CLAMP: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr,
-                   BD: tl.constexpr, GROUP: tl.constexpr, DOT_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
-    e = tl.program_id(0)
+def _weight_tile(w_tab, s_tab, j, r, c, mask, C, dtype, PACKED: tl.constexpr, FP4: tl.constexpr):
+    """Expert j's weight W [R, C] at rows r x columns c, in `dtype`: read from a dense weight, or decoded from its
+    packed bytes (`packed_tile`: the code's value times its e8m0 scale, exact in bf16)."""
+    if PACKED:
+        codes = tl.load(w_tab + j).to(tl.pointer_type(tl.uint8))
+        scales = tl.load(s_tab + j).to(tl.pointer_type(tl.uint8))
+        return packed_tile(codes, scales, r, c, mask, C, FP4).to(dtype)
+    w = tl.load(w_tab + j).to(tl.pointer_type(dtype))
+    return tl.load(w + r * C + c, mask=mask, other=0.0)
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, counts_ptr, offs_ptr, h_ptr, e0, D, F,
+                   KP, limit, floor, max_inv, CLAMP: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr,
+                   BF: tl.constexpr, BD: tl.constexpr, GROUP: tl.constexpr, DOT_BF16: tl.constexpr,
+                   LIBDEVICE: tl.constexpr, PACKED: tl.constexpr, FP4: tl.constexpr):
+    j = tl.program_id(0)
+    e = e0 + j
     f = tl.program_id(1) * BF + tl.arange(0, BF)
     fm = f < F
     n_e = tl.load(counts_ptr + e)
     start = tl.load(offs_ptr + e)
-    w1 = tl.load(w1_tab + e).to(tl.pointer_type(x_ptr.dtype.element_ty))
-    w3 = tl.load(w3_tab + e).to(tl.pointer_type(x_ptr.dtype.element_ty))
     m = tl.arange(0, BM)
     d = tl.arange(0, BD)
     for m0 in range(0, n_e, BM):
@@ -81,10 +97,11 @@ def _moe_up_kernel(x_ptr, w1_tab, w3_tab, order_ptr, pw_ptr, counts_ptr, offs_pt
         for d0 in range(0, D, BD):
             dm = d0 + d < D
             xt = tl.load(x_ptr + tok[:, None] * D + (d0 + d)[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-            wo = f[None, :].to(tl.int64) * D + (d0 + d)[:, None]               # [BD, BF]: W^T tiles
+            fr, dc = f[None, :].to(tl.int64), (d0 + d)[:, None].to(tl.int64)     # [BD, BF]: W^T tiles
             wmask = fm[None, :] & dm[:, None]
-            acc_g = _dot(xt, tl.load(w1 + wo, mask=wmask, other=0.0), acc_g, DOT_BF16)
-            acc_u = _dot(xt, tl.load(w3 + wo, mask=wmask, other=0.0), acc_u, DOT_BF16)
+            dt = x_ptr.dtype.element_ty
+            acc_g = _dot(xt, _weight_tile(w1_tab, s1_tab, j, fr, dc, wmask, D, dt, PACKED, FP4), acc_g, DOT_BF16)
+            acc_u = _dot(xt, _weight_tile(w3_tab, s3_tab, j, fr, dc, wmask, D, dt, PACKED, FP4), acc_u, DOT_BF16)
         a = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)                    # the Linears' outputs
         b = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
         if CLAMP:
@@ -102,14 +119,15 @@ def _moe_up_kernel(x_ptr, w1_tab, w3_tab, order_ptr, pw_ptr, counts_ptr, offs_pt
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w2_tab, counts_ptr, offs_ptr, out_ptr, D, F, BM: tl.constexpr, BD: tl.constexpr,
-                     BF: tl.constexpr, DOT_BF16: tl.constexpr):
-    e = tl.program_id(0)
+def _moe_down_kernel(h_ptr, w2_tab, s2_tab, counts_ptr, offs_ptr, out_ptr, e0, D, F, BM: tl.constexpr,
+                     BD: tl.constexpr, BF: tl.constexpr, DOT_BF16: tl.constexpr, PACKED: tl.constexpr,
+                     FP4: tl.constexpr):
+    j = tl.program_id(0)
+    e = e0 + j
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     dmask = dd < D
     n_e = tl.load(counts_ptr + e)
     start = tl.load(offs_ptr + e)
-    w2 = tl.load(w2_tab + e).to(tl.pointer_type(h_ptr.dtype.element_ty))
     m = tl.arange(0, BM)
     fr = tl.arange(0, BF)
     for m0 in range(0, n_e, BM):
@@ -119,8 +137,8 @@ def _moe_down_kernel(h_ptr, w2_tab, counts_ptr, offs_ptr, out_ptr, D, F, BM: tl.
         for f0 in range(0, F, BF):
             fm = f0 + fr < F
             ht = tl.load(h_ptr + s[:, None] * F + (f0 + fr)[None, :], mask=sm[:, None] & fm[None, :], other=0.0)
-            wt = tl.load(w2 + dd[None, :].to(tl.int64) * F + (f0 + fr)[:, None], mask=dmask[None, :] & fm[:, None],
-                         other=0.0)
+            wt = _weight_tile(w2_tab, s2_tab, j, dd[None, :].to(tl.int64), (f0 + fr)[:, None].to(tl.int64),
+                              dmask[None, :] & fm[:, None], F, h_ptr.dtype.element_ty, PACKED, FP4)
             acc = _dot(ht, wt, acc, DOT_BF16)
         tl.store(out_ptr + s[:, None] * D + dd[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=sm[:, None] & dmask[None, :])
@@ -152,25 +170,60 @@ def _address_table(ws: Sequence[torch.Tensor], device: torch.device) -> torch.Te
     return t
 
 
+def _storage(w) -> str:
+    """"dense", or the packed kind ("fp8" / "fp4") of one expert weight."""
+    return w.kind if isinstance(w, PackedWeight) else "dense"
+
+
+def _groups(w1, w3, w2) -> list[tuple[int, int]]:
+    """(first expert, count) runs that one launch each serves: the routed experts and the shared one (id E) share a
+    launch when all are held alike, else (e.g. fp4 routed experts, an fp8 shared expert) they launch apart."""
+    E = len(w1) - 1
+    kinds = {(_storage(a), _storage(b), _storage(c)) for a, b, c in zip(w1, w3, w2)}
+    routed = {(_storage(a), _storage(b), _storage(c)) for a, b, c in zip(w1[:E], w3[:E], w2[:E])}
+    if len(routed) > 1 or any(len(set(k)) > 1 for k in kinds):
+        raise ValueError(f"moe_experts (triton): every routed expert's w1, w3, w2 must be held alike, got {kinds}")
+    return [(0, E + 1)] if len(kinds) == 1 else [(0, E), (E, 1)]
+
+
+def _tables(ws, dev) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+    """(address table of the weights or of their codes, of their scales (the codes' again when dense), packed, fp4)."""
+    if isinstance(ws[0], PackedWeight):
+        codes = _address_table([w.codes for w in ws], dev)
+        return codes, _address_table([w.scale for w in ws], dev), True, ws[0].kind == "fp4"
+    t = _address_table(ws, dev)
+    return t, t, False, False
+
+
+def _check(w1, w3, w2, F: int, D: int, dt: torch.dtype) -> None:
+    for what, ws, shape in (("w1", w1, (F, D)), ("w3", w3, (F, D)), ("w2", w2, (D, F))):
+        for w in ws:
+            packed = isinstance(w, PackedWeight)
+            ok = tuple(w.shape) == shape and w.dtype == dt and (packed or w.is_contiguous())
+            if packed:
+                ok = ok and w.codes.is_contiguous() and w.scale.is_contiguous()
+            if not ok:
+                raise ValueError(f"moe_experts (triton): every {what} must be a contiguous {dt} {list(shape)} (dense "
+                                 f"or packed), got {w.dtype} {list(w.shape)}")
+
+
 def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w1: Sequence[torch.Tensor],
                        w3: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], limit: float, quant_in: bool,
                        quant_mid: bool, **over) -> torch.Tensor:
-    """Triton twin of `moe_experts_ref` (same arguments; keyword overrides of CONFIG) -> [N, D] in x's dtype."""
+    """Triton twin of `moe_experts_ref` (same arguments; keyword overrides of CONFIG) -> [N, D] in x's dtype. The
+    weights are dense tensors or `PackedWeight`s (fp4 / fp8 bytes decoded in registers, `packed_tile`)."""
     cfg = {**CONFIG, **over}
     N, D = x.shape
     E = len(w1) - 1
-    F = w1[0].size(0)
+    F = w1[0].shape[0]
     dt = x.dtype
-    for what, ws, shape in (("w1", w1, (F, D)), ("w3", w3, (F, D)), ("w2", w2, (D, F))):
-        for w in ws:
-            if tuple(w.shape) != shape or w.dtype != dt or not w.is_contiguous():
-                raise ValueError(f"moe_experts (triton): every {what} must be a contiguous {dt} {list(shape)}, got "
-                                 f"{w.dtype} {list(w.shape)} contiguous={w.is_contiguous()}")
+    _check(w1, w3, w2, F, D, dt)
     if F % FP8_GROUP:
         raise ValueError(f"moe_experts (triton): the hidden width must be a multiple of {FP8_GROUP}, got {F}")
     BF = cfg["up_block_f"]
     if BF % FP8_GROUP:
         raise ValueError(f"moe_experts (triton): up_block_f must be a multiple of {FP8_GROUP}, got {BF}")
+    groups = _groups(w1, w3, w2)
     dev = x.device
     y = torch.empty(N, D, dtype=dt, device=dev)
     if N == 0:
@@ -187,15 +240,18 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     inv[order] = torch.arange(order.numel(), device=dev)
     h = torch.empty(N * KP, F, dtype=dt, device=dev)
     out = torch.empty(N * KP, D, dtype=dt, device=dev)
-    BM, nw = cfg["block_m"], cfg["num_warps"]
-    LAST['moe_up'] = _moe_up_kernel[(E + 1, triton.cdiv(F, BF))](
-        xq, _address_table(w1, dev), _address_table(w3, dev), order, pw, counts, offs, h, D, F, KP, float(limit),
-        FP8_AMAX_FLOOR, FP8_MAX_INV, CLAMP=limit > 0, QUANT=bool(quant_mid), BM=BM, BF=BF, BD=cfg["up_block_d"],
-        GROUP=FP8_GROUP, DOT_BF16=DOT_BF16, LIBDEVICE=not INTERPRET, num_warps=nw, enable_fp_fusion=False)
-    BD2 = cfg["down_block_d"]
-    LAST['moe_down'] = _moe_down_kernel[(E + 1, triton.cdiv(D, BD2))](
-        h, _address_table(w2, dev), counts, offs, out, D, F, BM=BM, BD=BD2, BF=cfg["down_block_f"],
-        DOT_BF16=DOT_BF16, num_warps=nw)
+    BM, nw, BD2 = cfg["block_m"], cfg["num_warps"], cfg["down_block_d"]
+    for e0, n in groups:
+        t1, s1, packed, fp4 = _tables(w1[e0:e0 + n], dev)
+        t3, s3, _, _ = _tables(w3[e0:e0 + n], dev)
+        LAST['moe_up'] = _moe_up_kernel[(n, triton.cdiv(F, BF))](
+            xq, t1, t3, s1, s3, order, pw, counts, offs, h, e0, D, F, KP, float(limit), FP8_AMAX_FLOOR, FP8_MAX_INV,
+            CLAMP=limit > 0, QUANT=bool(quant_mid), BM=BM, BF=BF, BD=cfg["up_block_d"], GROUP=FP8_GROUP,
+            DOT_BF16=DOT_BF16, LIBDEVICE=not INTERPRET, PACKED=packed, FP4=fp4, num_warps=nw, enable_fp_fusion=False)
+        t2, s2, packed, fp4 = _tables(w2[e0:e0 + n], dev)
+        LAST['moe_down'] = _moe_down_kernel[(n, triton.cdiv(D, BD2))](
+            h, t2, s2, counts, offs, out, e0, D, F, BM=BM, BD=BD2, BF=cfg["down_block_f"], DOT_BF16=DOT_BF16,
+            PACKED=packed, FP4=fp4, num_warps=nw)
     BC = cfg["combine_block_d"]
     _moe_combine_kernel[(N, triton.cdiv(D, BC))](out, inv, y, D, KP, BD=BC, num_warps=4)
     return y
