@@ -50,10 +50,10 @@ def main() -> None:
     dev = "cuda"
     buf = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
     bw = 2 * buf.numel() / cuda_time(lambda: buf.clone(), 10)
-    del buf
+    buf = None
     a, b = (torch.randn(8192, 5120, device=dev, dtype=torch.bfloat16) for _ in range(2))
     rate = 2 * 8192 * 5120 * 5120 / cuda_time(lambda: a @ b.T, 10)
-    del a, b
+    a = b = None
     res = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "bf16_gemm_rate": rate, "rows": []}
     print(f"copy {bw / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
     print(f"{'weight':11s}{'kind':>5}{'M':>6}{'packed us':>11}{'bf16 us':>9}{'deq+mm us':>10}{'x bf16':>8}"
