@@ -4,7 +4,8 @@
 
 fp32: the golden blocks' inputs through every block on the GPU, each output against the official capture: the
 gate is 1e-5 relative L2 per row with at most one row above it per tensor (docs/golden.md §4), for the dense and
-the packed weight storage (the packed one reading the checkpoint bytes in the GPU kernels where they exist).
+the packed weight storage (the packed one reading the checkpoint bytes in the GPU kernels where they exist), and
+in the deterministic mode (exact 32-wide block sums and fixed reduction orders on the GPU too).
 bf16: the same teacher-forced run in bf16 on the GPU and on the CPU (our reference), per block the largest and the
 median relative error per row of GPU vs CPU: the GPU's bf16 tolerance, measured.
 """
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safetensors.torch import load_file  # noqa: E402
 
+from dsv41.kernels import deterministic  # noqa: E402
 from dsv41.model.loading import load_model  # noqa: E402
 from dsv41.model.runner import compare_captures, rel_rows, run_teacher_forced  # noqa: E402
 
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     for storage in ("dense", "packed"):
         m = load_model(case, storage=storage)[0]
         res[f"fp32_{storage}"] = gate1(teacher_forced(m, blocks, dev), blocks)
+    with deterministic():                 # exact 32-wide block sums, fixed reduction orders (docs/system.md §10)
+        res["fp32_deterministic"] = gate1(teacher_forced(load_model(case)[0], blocks, dev), blocks)
     for storage in ("dense", "packed"):
         cpu = teacher_forced(load_model(case, dtype=torch.bfloat16, storage=storage)[0], blocks, "cpu")
         gpu = teacher_forced(load_model(case, dtype=torch.bfloat16, storage=storage)[0], blocks, dev)
@@ -71,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "median_of_medians": sorted(v["median"] for v in pb.values())[len(pb) // 2],
                                   "blocks": pb}
     if not args.json:
-        for storage in ("dense", "packed"):
+        for storage in ("dense", "packed", "deterministic"):
             g = res[f"fp32_{storage}"]
-            print(f"fp32 {storage:6s} gate 1: max rel {g['max_rel']:.2e} over {g['tensors']} captures, rows > 1e-5: "
+            print(f"fp32 {storage:13s} gate 1: max rel {g['max_rel']:.2e} over {g['tensors']} captures, rows > 1e-5: "
                   f"{g['rows_over_1e-5']}, failing: {g['tensors_failing'] or 'none'} -> "
                   f"{'PASS' if g['passes'] else 'FAIL'}")
         for storage in ("dense", "packed"):

@@ -71,7 +71,7 @@ def _weight_tile(w_tab, s_tab, j, r, c, mask, C, dtype, PACKED: tl.constexpr, FP
         scales = tl.load(s_tab + j).to(tl.pointer_type(tl.uint8))
         return packed_tile(codes, scales, r, c, mask, C, FP4).to(dtype)
     w = tl.load(w_tab + j).to(tl.pointer_type(dtype))
-    return tl.load(w + r * C + c, mask=mask, other=0.0)
+    return tl.load(w + r.to(tl.int64) * C + c, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -97,7 +97,7 @@ def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, cou
         for d0 in range(0, D, BD):
             dm = d0 + d < D
             xt = tl.load(x_ptr + tok[:, None] * D + (d0 + d)[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-            fr, dc = f[None, :].to(tl.int64), (d0 + d)[:, None].to(tl.int64)     # [BD, BF]: W^T tiles
+            fr, dc = f[None, :], (d0 + d)[:, None]                             # [BD, BF]: W^T tiles
             wmask = fm[None, :] & dm[:, None]
             dt = x_ptr.dtype.element_ty
             acc_g = _dot(xt, _weight_tile(w1_tab, s1_tab, j, fr, dc, wmask, D, dt, PACKED, FP4), acc_g, DOT_BF16)
@@ -137,7 +137,7 @@ def _moe_down_kernel(h_ptr, w2_tab, s2_tab, counts_ptr, offs_ptr, out_ptr, e0, D
         for f0 in range(0, F, BF):
             fm = f0 + fr < F
             ht = tl.load(h_ptr + s[:, None] * F + (f0 + fr)[None, :], mask=sm[:, None] & fm[None, :], other=0.0)
-            wt = _weight_tile(w2_tab, s2_tab, j, dd[None, :].to(tl.int64), (f0 + fr)[:, None].to(tl.int64),
+            wt = _weight_tile(w2_tab, s2_tab, j, dd[None, :], (f0 + fr)[:, None],
                               dmask[None, :] & fm[:, None], F, h_ptr.dtype.element_ty, PACKED, FP4)
             acc = _dot(ht, wt, acc, DOT_BF16)
         tl.store(out_ptr + s[:, None] * D + dd[None, :], acc.to(out_ptr.dtype.element_ty),
