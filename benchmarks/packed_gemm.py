@@ -1,8 +1,8 @@
 """Kernel table of the GEMMs over packed weight bytes on the GPU, against the bf16 path, side by side in one run.
 
 For each v41-geometry weight shape (attention and shared-expert fp8 Linears, a routed expert's fp4 w1 / w2) at
-decode sizes (M = 1, 8, 32, 64) and a prefill size (M = 4096): the time of `packed_linear_triton` (CUDA events,
-warm-up, median), of the bf16 path it replaces (`x @ W_bf16^T`, the dense holding) and of dequantize-then-matmul
+decode sizes (M = 1, 8, 32, 64) and a prefill size (M = 4096): the GPU time of `packed_linear_triton` (20 calls
+captured in a CUDA graph and replayed: no host launch overhead; median of 5 replays), of the bf16 path it replaces (`x @ W_bf16^T`, the dense holding) and of dequantize-then-matmul
 (what a packed model did before); bytes/s on the bytes the kernel must read (weight codes + scales; x and y at
 prefill) as a share of the device-to-device copy bandwidth measured in this run, and TFLOP/s as a share of the bf16
 GEMM rate measured in this run (8192 x 5120 x 5120).
@@ -32,27 +32,35 @@ SHAPES = [("wq_b", "fp8", 64 * 512, 1280), ("wkv", "fp8", 512, 5120), ("wo_b", "
 ROWS = [1, 8, 32, 64, 4096]
 
 
-def cuda_time(fn, reps: int = 30) -> float:
+def cuda_time(fn, reps: int = 20) -> float:
+    """GPU seconds per call: `reps` calls captured in one CUDA graph, replayed (the host's launch overhead, which
+    dominates a decode-size call run eagerly, is not in it: a decode step replays its kernels from graphs too)."""
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
     times = []
-    for _ in range(reps):
+    for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+        times.append(a.elapsed_time(b) / 1e3 / reps)
     return statistics.median(times)
 
 
 def main() -> None:
     dev = "cuda"
     buf = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
-    bw = 2 * buf.numel() / cuda_time(lambda: buf.clone(), 10)
+    bw = 2 * buf.numel() / cuda_time(lambda: buf.clone(), 5)
     buf = None
     a, b = (torch.randn(8192, 5120, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    rate = 2 * 8192 * 5120 * 5120 / cuda_time(lambda: a @ b.T, 10)
+    rate = 2 * 8192 * 5120 * 5120 / cuda_time(lambda: a @ b.T, 5)
     a = b = None
     res = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "bf16_gemm_rate": rate, "rows": []}
     print(f"copy {bw / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
