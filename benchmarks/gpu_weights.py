@@ -1,5 +1,6 @@
 """v41-geometry weights on the GPU as dense bf16 vs packed (the checkpoint formats): memory measured vs analytic,
-and the decode step at batch 1 and 32 before and after, each against its weight-read limit computed in this run.
+and the decode step at batch 1 and 32 before and after, each against its weight-read limit computed in this run:
+wall time (eager, host-bound) and GPU busy time (the kernels' sum, torch.profiler).
 
 The limit of a step is `dsv41.analysis.memory.decode_read_bytes` (dense weights + the experts a batch is expected
 to touch, in the holding the model has) over the device-to-device copy bandwidth measured here (a 2 GB copy). The
@@ -44,6 +45,16 @@ def copy_bandwidth(dev: str, nbytes: int = 2 << 30, reps: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+def gpu_busy(fn) -> float:
+    """Seconds of kernel time in one call of fn (torch.profiler: the sum of kernel durations): what the step costs
+    the GPU, apart from the host's launching (the eager step is host-bound; graph capture removes that part)."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+
+
 def decode_rows(model, cfg, dev: str, holding: str, bw: float, context: int, batches, n_steps: int) -> list[dict]:
     rows = []
     for B in batches:
@@ -58,10 +69,12 @@ def decode_rows(model, cfg, dev: str, holding: str, bw: float, context: int, bat
                 view = pool.bind(sids)
                 times.append(timed(lambda: model(tok, view, last_only=True), dev))
         step = statistics.median(times[1:])
+        busy = gpu_busy(lambda: model(tok, pool.bind(sids), last_only=True))
         limit = decode_read_bytes(cfg, B, holding)["bytes"] / bw
-        rows.append({"holding": holding, "batch": B, "step_s": step, "limit_s": limit, "step_over_limit": step / limit})
-        print(f"{holding:9s} batch {B:3d}: step {step * 1e3:8.1f} ms, weight-read limit {limit * 1e3:6.2f} ms, "
-              f"x{step / limit:.1f}", flush=True)
+        rows.append({"holding": holding, "batch": B, "step_s": step, "gpu_busy_s": busy, "limit_s": limit,
+                     "step_over_limit": step / limit, "busy_over_limit": busy / limit})
+        print(f"{holding:9s} batch {B:3d}: step {step * 1e3:8.1f} ms (GPU busy {busy * 1e3:6.1f} ms), weight-read "
+              f"limit {limit * 1e3:6.2f} ms: wall x{step / limit:.1f}, busy x{busy / limit:.1f}", flush=True)
         del pool
         gc.collect()
     return rows
