@@ -41,7 +41,7 @@ def copy_bandwidth(dev: str, nbytes: int = 2 << 30, reps: int = 10) -> float:
     b = torch.empty_like(a)
     b.copy_(a)
     times = [timed(lambda: b.copy_(a), dev) for _ in range(reps)]
-    del a, b
+    a = b = None
     return 2 * nbytes / statistics.median(times)
 
 
@@ -75,7 +75,7 @@ def decode_rows(model, cfg, dev: str, holding: str, bw: float, context: int, bat
                      "step_over_limit": step / limit, "busy_over_limit": busy / limit})
         print(f"{holding:9s} batch {B:3d}: step {step * 1e3:8.1f} ms (GPU busy {busy * 1e3:6.1f} ms), weight-read "
               f"limit {limit * 1e3:6.2f} ms: wall x{step / limit:.1f}, busy x{busy / limit:.1f}", flush=True)
-        del pool
+        pool = None
         gc.collect()
     return rows
 
