@@ -8,6 +8,7 @@ prefill) as a share of the device-to-device copy bandwidth measured in this run,
 GEMM rate measured in this run (8192 x 5120 x 5120).
 
     python benchmarks/packed_gemm.py          # writes benchmarks/results/packed_gemm_h200.json
+    python benchmarks/packed_gemm.py --sweep  # first picks the decode tiles (DECODE_CONFIG) on two shapes
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.codecs import qdq_fp8  # noqa: E402
 from dsv41.codecs.weights import PackedWeight, pack_weight  # noqa: E402
+from dsv41.kernels.triton import packed_gemm  # noqa: E402
 from dsv41.kernels.triton.packed_gemm import packed_linear_triton  # noqa: E402
 
 # (name, kind, N, K): v41-geometry (dim 5120, q_lora 1280, 64 heads x 512, o_groups 8 x o_lora 1024, moe_inter 2304)
@@ -54,15 +56,41 @@ def cuda_time(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def sweep(dev: str) -> dict:
+    """The decode tiles with the least summed GPU time over an fp8 (wq_b, M = 1) and an fp4 (expert w1, M = 8)
+    call; sets `packed_gemm.DECODE_CONFIG` and returns the table."""
+    cases = []
+    for kind, N, K, M in (("fp8", 64 * 512, 1280, 1), ("fp4", 2304, 5120, 8)):
+        codes, scale = pack_weight(torch.randn(N, K, device=dev) * K ** -0.5, kind)
+        cases.append((PackedWeight(codes, scale, kind, (N, K), torch.bfloat16),
+                      qdq_fp8(torch.randn(M, K, device=dev, dtype=torch.bfloat16))))
+    table = []
+    for bn in (32, 64, 128):
+        for bk in (64, 128, 256):
+            for warps in (4, 8):
+                packed_gemm.DECODE_CONFIG.update(block_n=bn, block_k=bk, num_warps=warps)
+                t = sum(cuda_time(lambda: packed_linear_triton(x, w)) for w, x in cases)
+                table.append({"block_n": bn, "block_k": bk, "num_warps": warps, "seconds": t})
+                print(f"sweep BN {bn:3d} BK {bk:3d} warps {warps}: {t * 1e6:7.1f} us", flush=True)
+    best = min(table, key=lambda r: r["seconds"])
+    packed_gemm.DECODE_CONFIG.update({k: best[k] for k in ("block_n", "block_k", "num_warps")})
+    print(f"decode tiles: {packed_gemm.DECODE_CONFIG}")
+    return {"sweep": table, "decode_config": dict(packed_gemm.DECODE_CONFIG)}
+
+
 def main() -> None:
     dev = "cuda"
-    buf = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
-    bw = 2 * buf.numel() / cuda_time(lambda: buf.clone(), 5)
-    buf = None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() / cuda_time(lambda: dst.copy_(src), 5)
+    src = dst = None
     a, b = (torch.randn(8192, 5120, device=dev, dtype=torch.bfloat16) for _ in range(2))
     rate = 2 * 8192 * 5120 * 5120 / cuda_time(lambda: a @ b.T, 5)
     a = b = None
     res = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "bf16_gemm_rate": rate, "rows": []}
+    if "--sweep" in sys.argv:
+        res.update(sweep(dev))
+    res["decode_config"] = dict(packed_gemm.DECODE_CONFIG)
     print(f"copy {bw / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
     print(f"{'weight':11s}{'kind':>5}{'M':>6}{'packed us':>11}{'bf16 us':>9}{'deq+mm us':>10}{'x bf16':>8}"
           f"{'TB/s':>7}{'%bw':>6}{'TFLOP/s':>9}{'%mma':>6}")

@@ -33,7 +33,7 @@ from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
 from dsv41.kernels.triton.quant_kernel import _fp8_groups, qdq_fp8_triton
 from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.triton.common import DOT_BF16, INTERPRET, LAST, libdevice
-from dsv41.kernels.triton.packed_gemm import packed_tile
+from dsv41.kernels.triton.packed_gemm import check_offsets, packed_tile
 
 __all__ = ["moe_experts_triton", "CONFIG"]
 
@@ -189,6 +189,8 @@ def _groups(w1, w3, w2) -> list[tuple[int, int]]:
 def _tables(ws, dev) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
     """(address table of the weights or of their codes, of their scales (the codes' again when dense), packed, fp4)."""
     if isinstance(ws[0], PackedWeight):
+        for w in ws:
+            check_offsets(w)
         codes = _address_table([w.codes for w in ws], dev)
         return codes, _address_table([w.scale for w in ws], dev), True, ws[0].kind == "fp4"
     t = _address_table(ws, dev)

@@ -28,7 +28,7 @@ from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.triton.common import DOT_BF16, LAST, sm_count
 from dsv41.kernels.triton.decoders import e2m1_to_f32, e4m3_to_f32, ue8m0_to_f32
 
-__all__ = ["packed_linear_triton", "packed_tile", "dequant_triton", "DECODE_ROWS"]
+__all__ = ["packed_linear_triton", "packed_tile", "check_offsets", "dequant_triton", "DECODE_ROWS", "DECODE_CONFIG"]
 
 DECODE_ROWS = 64        # up to this many rows: the weight-read-bound configuration (split-K)
 
@@ -37,17 +37,22 @@ DECODE_ROWS = 64        # up to this many rows: the weight-read-bound configurat
 def packed_tile(c_ptr, s_ptr, r, c, mask, C, FP4: tl.constexpr):
     """fp32 values of W [R, C] held packed, at rows r x columns c (int32 index tensors that broadcast to the tile's
     shape; `mask` the same shape): the e4m3 / e2m1 code's value times its e8m0 scale (fp8: per 32 x 32 tile, fp4:
-    per row and 32 columns). Masked elements are 0 (code 0). Index arithmetic in shifts and int32 (64-bit only for
-    the row offset): a 64-bit division per element costs more than the decode itself."""
-    r64 = r.to(tl.int64)
+    per row and 32 columns). Masked elements are 0 (code 0). Offsets in int32 (the launchers check the byte counts
+    stay below 2^31) and shifts: 64-bit offset tensors and divisions per element cost more than the decode."""
     if FP4:
-        byte = tl.load(c_ptr + r64 * (C >> 1) + (c >> 1), mask=mask, other=0).to(tl.int32)
+        byte = tl.load(c_ptr + (r * (C >> 1) + (c >> 1)), mask=mask, other=0).to(tl.int32)
         v = e2m1_to_f32((byte >> ((c & 1) << 2)) & 0xF)
-        sc = tl.load(s_ptr + r64 * (C >> 5) + (c >> 5), mask=mask, other=0).to(tl.int32)
+        sc = tl.load(s_ptr + (r * (C >> 5) + (c >> 5)), mask=mask, other=0).to(tl.int32)
     else:
-        v = e4m3_to_f32(tl.load(c_ptr + r64 * C + c, mask=mask, other=0).to(tl.int32))
-        sc = tl.load(s_ptr + (r >> 5).to(tl.int64) * ((C + 31) >> 5) + (c >> 5), mask=mask, other=0).to(tl.int32)
+        v = e4m3_to_f32(tl.load(c_ptr + (r * C + c), mask=mask, other=0).to(tl.int32))
+        sc = tl.load(s_ptr + ((r >> 5) * ((C + 31) >> 5) + (c >> 5)), mask=mask, other=0).to(tl.int32)
     return v * ue8m0_to_f32(sc)
+
+
+def check_offsets(weight: PackedWeight) -> None:
+    """`packed_tile` indexes a weight's bytes in int32."""
+    if weight.codes.numel() >= 2 ** 31 or weight.shape[0] * weight.shape[1] >= 2 ** 31:
+        raise ValueError(f"packed weight {list(weight.shape)}: too large for the kernels' int32 offsets")
 
 
 @triton.jit
@@ -87,16 +92,22 @@ def _dequant_kernel(c_ptr, s_ptr, w_ptr, N, K, FP4: tl.constexpr, BN: tl.constex
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rn < N)[:, None] & (rk < K)[None, :]
     w = packed_tile(c_ptr, s_ptr, rn[:, None], rk[None, :], mask, K, FP4)
-    tl.store(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
+    tl.store(w_ptr + (rn[:, None] * K + rk[None, :]), w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, split parts, warps) of a decode-size call: K split until the grid has ~2 programs per SM."""
+# Decode-size tiles: benchmarks/packed_gemm.py --sweep picks them on the H200 (results/packed_gemm_h200.json).
+DECODE_CONFIG = {"block_n": 64, "block_k": 64, "num_warps": 4, "programs_per_sm": 2, "num_stages": 4}
+
+
+def _config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, split parts) of a decode-size call: K split until the grid has `programs_per_sm` programs per
+    SM (each part at least 4 K tiles)."""
+    cfg = DECODE_CONFIG
     BM = max(16, triton.next_power_of_2(M))
-    BN, BK = 64, 128
+    BN, BK = cfg["block_n"], cfg["block_k"]
     tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
-    split = max(1, min(triton.cdiv(2 * sm_count(device), tiles), K // (4 * BK)))
-    return BM, BN, BK, split, 4
+    split = max(1, min(triton.cdiv(cfg["programs_per_sm"] * sm_count(device), tiles), K // (4 * BK)))
+    return BM, BN, BK, split
 
 
 def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,7 +123,8 @@ def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
     if M > DECODE_ROWS:                  # prefill sizes: decode the weight once, then the library's bf16 GEMM
         w = dequant_triton(weight)
         return torch.nn.functional.linear(a.to(weight.dtype), w, bias).view(*x.shape[:-1], N)
-    BM, BN, BK, split, nw = _config(M, N, K, x.device)
+    check_offsets(weight)
+    BM, BN, BK, split = _config(M, N, K, x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
     split = triton.cdiv(K, k_per_split)
     out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
@@ -120,7 +132,7 @@ def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
     LAST["packed_linear"] = _packed_linear_kernel[grid](
         a, weight.codes, weight.scale, bias if bias is not None else a, out, M, N, K, k_per_split,
         FP4=weight.kind == "fp4", HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=BM, BN=BN, BK=BK,
-        DOT_BF16=DOT_BF16, num_warps=nw, num_stages=4)
+        DOT_BF16=DOT_BF16, num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"])
     if split > 1:
         s = out.sum(0)
         y = (s + bias.float() if bias is not None else s).to(weight.dtype)
@@ -130,6 +142,7 @@ def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
 def dequant_triton(weight: PackedWeight) -> torch.Tensor:
     """The dequantized weight [N, K] in its held dtype (`PackedWeight.dequant`'s values), decoded by one kernel."""
     N, K = weight.shape
+    check_offsets(weight)
     w = torch.empty(N, K, dtype=weight.dtype, device=weight.device)
     _dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K, 128))](weight.codes, weight.scale, w, N, K,
                                                                FP4=weight.kind == "fp4", BN=64, BK=128, num_warps=4)
