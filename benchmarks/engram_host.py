@@ -25,9 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.config import load_config  # noqa: E402
-from dsv41.engine.bench import timed  # noqa: E402
-from dsv41.engine.store import make_pool  # noqa: E402
-from dsv41.kv.accounting import fill_random  # noqa: E402
+from dsv41.engine.bench import synthetic_batch, timed  # noqa: E402
 from dsv41.model.engram import Engram  # noqa: E402
 from dsv41.model.init import random_model  # noqa: E402
 from dsv41.model.packed_weights import resident_weight_bytes  # noqa: E402
@@ -70,11 +68,7 @@ def main() -> None:
            "rows": []}
     print(f"built in {res['build_s']:.0f}s; Engram tables {res['engram_table_bytes'] / 1e9:.2f} GB", flush=True)
     for B in batches:
-        pool = make_pool(model, dev)
-        sids = [pool.new_sequence() for _ in range(B)]
-        for s in sids:
-            fill_random(pool, s, context)
-        tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        pool, sids, tok = synthetic_batch(model, dev, B, context)
         times = {"device": [], "host": []}
         for _ in range(rounds):
             for where in ("device", "host"):

@@ -28,9 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.analysis.memory import decode_read_bytes, memory_report  # noqa: E402
 from dsv41.config import load_config  # noqa: E402
-from dsv41.engine.bench import timed  # noqa: E402
-from dsv41.engine.store import make_pool  # noqa: E402
-from dsv41.kv.accounting import fill_random  # noqa: E402
+from dsv41.engine.bench import synthetic_batch, timed  # noqa: E402
 from dsv41.model.init import random_model  # noqa: E402
 from dsv41.model.packed_weights import pack_weights, resident_weight_bytes  # noqa: E402
 
@@ -58,11 +56,7 @@ def gpu_busy(fn) -> float:
 def decode_rows(model, cfg, dev: str, holding: str, bw: float, context: int, batches, n_steps: int) -> list[dict]:
     rows = []
     for B in batches:
-        pool = make_pool(model, dev)
-        sids = [pool.new_sequence() for _ in range(B)]
-        for s in sids:
-            fill_random(pool, s, context)
-        tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        pool, sids, tok = synthetic_batch(model, dev, B, context)
         times = []
         with torch.no_grad():
             for _ in range(n_steps):

@@ -41,6 +41,17 @@ def timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
+def synthetic_batch(model, device, batch: int, context: int):
+    """(pool, sequence ids, token ids [batch, 1]): `batch` sequences whose packed stores hold a synthetic context of
+    `context` tokens (`dsv41.kv.accounting.fill_random`: random codec records, not a prefill), ready to decode."""
+    from dsv41.kv.accounting import fill_random
+    pool = make_pool(model, device)
+    sids = [pool.new_sequence() for _ in range(batch)]
+    for s in sids:
+        fill_random(pool, s, context)
+    return pool, sids, torch.zeros(batch, 1, dtype=torch.long, device=device)
+
+
 def time_prefill(m, ids: torch.Tensor, mode: str, chunk_size: int | None = None) -> float:
     """Seconds of one prefill of `ids` [1, N] in `mode` into a fresh sequence."""
     pool = make_pool(m, ids.device)
