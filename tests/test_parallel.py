@@ -133,3 +133,30 @@ def test_two_ranks_equal_one_process(tmp_path):
 @pytest.mark.slow
 def test_four_ranks_equal_one_process(tmp_path):
     _check(_launch(tmp_path, 4), ("dense",))
+
+
+def test_rank_keeps_engram_tables_in_host_memory(tmp_path):
+    """load_sharded with packed storage: engram_tables="host" leaves each rank's tables in host memory when the
+    model moves (the step's rows prefetched), with the logits of device tables; a bad choice is refused."""
+    from dsv41.model.cache import DenseCache
+    from dsv41.model.init import random_model
+    from dsv41.model.loading import write_official
+    from dsv41.parallel.group import Group
+    from dsv41.parallel.loading import load_sharded
+
+    cfg = _config(1)
+    path = write_official(random_model(cfg, seed=3), cfg, tmp_path / "ckpt")
+    ids = torch.randint(0, cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for where in ("host", "device"):
+        m, _ = load_sharded(path, Group(), storage="packed", engram_tables=where)
+        engram = next(b.engram for b in m.layers if b.engram is not None)
+        assert engram.embed.host == (where == "host")
+        with torch.no_grad():
+            out[where] = m(ids, DenseCache(cfg, 1, torch.float32)).logits
+        if where == "host":
+            m.to("meta")
+            assert engram.embed.weight.device.type == "cpu"
+    assert torch.equal(out["host"], out["device"])
+    with pytest.raises(ValueError, match="engram_tables"):
+        load_sharded(path, Group(), storage="packed", engram_tables="nvme")

@@ -123,8 +123,13 @@ def _fill(model, cfg, reader: ShardReader, group: Group) -> None:
 
 
 def load_sharded(path: str | Path, group: Group | None = None, dtype: torch.dtype = torch.float32,
-                 storage: str = "dense"):
-    """Load checkpoint directory `path` (official layout or ours) as rank `group.rank` of the plan -> (model, cfg)."""
+                 storage: str = "dense", engram_tables: str = "auto", device: str | torch.device = "cpu"):
+    """Load checkpoint directory `path` (official layout or ours) as rank `group.rank` of the plan -> (model, cfg),
+    on `device`. Packed Engram tables stay in each rank's host memory, the step's rows prefetched to its device,
+    as `load_model`'s `engram_tables` decides (`dsv41.model.loading.engram_host`)."""
+    from dsv41.model.loading import engram_host
+    from dsv41.model.packed_weights import engram_tables_on_host
+
     group = group or Group.current()
     path = Path(path)
     if not path.is_dir():
@@ -133,4 +138,6 @@ def load_sharded(path: str | Path, group: Group | None = None, dtype: torch.dtyp
     model = build_rank_model(cfg, group, dtype, storage, _tokenizer_map(path, cfg))
     with ShardReader(path) as reader:
         _fill(model, cfg, reader, group)
-    return model.eval(), cfg
+    if storage == "packed" and engram_host(model, engram_tables, torch.device(device)):
+        engram_tables_on_host(model)
+    return model.eval().to(device), cfg

@@ -245,9 +245,10 @@ def serving_engine(args):
         return engine_from_args(args)
     check_rank_flags(args)
     group, device = join()
-    model, _ = load_sharded(args.checkpoint, group, parse_dtype(args.dtype), args.storage)
+    model, _ = load_sharded(args.checkpoint, group, parse_dtype(args.dtype), args.storage,
+                            getattr(args, "engram_tables", "auto"), device)
     per_rank_tiers(args, model, group)
-    engine = engine_from_args(args, model=model.to(device))
+    engine = engine_from_args(args, model=model)
     clock = LockstepClock()
     use_clock(engine, clock)
     share_step_cost(engine, group.rank == 0)
