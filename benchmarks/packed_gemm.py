@@ -2,10 +2,13 @@
 
 For each v41-geometry weight shape (attention and shared-expert fp8 Linears, a routed expert's fp4 w1 / w2) at
 decode sizes (M = 1, 8, 32, 64) and a prefill size (M = 4096): the GPU time of `packed_linear_triton` (20 calls
-captured in a CUDA graph and replayed: no host launch overhead; median of 5 replays), of the bf16 path it replaces (`x @ W_bf16^T`, the dense holding) and of dequantize-then-matmul
-(what a packed model did before); bytes/s on the bytes the kernel must read (weight codes + scales; x and y at
-prefill) as a share of the device-to-device copy bandwidth measured in this run, and TFLOP/s as a share of the bf16
-GEMM rate measured in this run (8192 x 5120 x 5120).
+captured in a CUDA graph and replayed: no host launch overhead; median of 5 replays), of the bf16 path it replaces
+(`x @ W_bf16^T`, the dense holding; each captured call reads its own copy of the weight, up to 256 MB of copies, so
+that the weights come from HBM and not from L2) and of dequantize-then-matmul (what a packed model did before);
+bytes/s on the bytes the kernel must read (weight codes + scales; x and y at prefill) as a share of the device-to-
+device copy bandwidth measured in this run, and TFLOP/s as a share of the bf16 GEMM rate measured in this run (8192
+x 5120 x 5120). Then the MoE op of a decode step (B = 1, 8, 32, 64 tokens x top-6 of v41-geometry's 16 fp4 routed
+experts + the fp8 shared expert) over packed and over dense bf16 experts.
 
     python benchmarks/packed_gemm.py          # writes benchmarks/results/packed_gemm_h200.json
     python benchmarks/packed_gemm.py --sweep  # first picks the decode tiles (DECODE_CONFIG) on two shapes
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsv41.codecs import qdq_fp8  # noqa: E402
 from dsv41.codecs.weights import PackedWeight, pack_weight  # noqa: E402
 from dsv41.kernels.triton import packed_gemm  # noqa: E402
+from dsv41.kernels.triton.moe_kernel import moe_experts_triton  # noqa: E402
 from dsv41.kernels.triton.packed_gemm import packed_linear_triton  # noqa: E402
 
 # (name, kind, N, K): v41-geometry (dim 5120, q_lora 1280, 64 heads x 512, o_groups 8 x o_lora 1024, moe_inter 2304)
@@ -32,6 +36,8 @@ SHAPES = [("wq_b", "fp8", 64 * 512, 1280), ("wkv", "fp8", 512, 5120), ("wo_b", "
           ("shared w1", "fp8", 2304, 5120),
           ("shared w2", "fp8", 5120, 2304), ("expert w1", "fp4", 2304, 5120), ("expert w2", "fp4", 5120, 2304)]
 ROWS = [1, 8, 32, 64, 4096]
+EXPERTS, TOPK, DIM, INTER = 16, 6, 5120, 2304          # v41-geometry's routed experts (+ 1 shared), top-6
+TOKENS = [1, 8, 32, 64]
 
 
 def cuda_time(fn, reps: int = 20) -> float:
@@ -56,26 +62,78 @@ def cuda_time(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+ROTATE_BYTES = 1 << 28          # each timed call reads its own copy of the weight until this many bytes: not from L2
+
+
+def rotating(make, nbytes: int) -> list:
+    """Copies of a weight (`make()` each) that together hold about ROTATE_BYTES (at most 20: the calls per graph),
+    so that the 20 captured calls read HBM as a model's layers do, not the L2 cache."""
+    return [make() for _ in range(max(1, min(20, -(-ROTATE_BYTES // nbytes))))]
+
+
+def cycling(fn, items: list):
+    """A callable that calls fn on the next item each time (the captured calls walk the copies)."""
+    state = {"i": 0}
+
+    def call():
+        item = items[state["i"] % len(items)]
+        state["i"] += 1
+        return fn(item)
+    return call
+
+
 def sweep(dev: str) -> dict:
     """The decode tiles with the least summed GPU time over an fp8 (wq_b, M = 1) and an fp4 (expert w1, M = 8)
     call; sets `packed_gemm.DECODE_CONFIG` and returns the table."""
     cases = []
     for kind, N, K, M in (("fp8", 64 * 512, 1280, 1), ("fp4", 2304, 5120, 8)):
         codes, scale = pack_weight(torch.randn(N, K, device=dev) * K ** -0.5, kind)
-        cases.append((PackedWeight(codes, scale, kind, (N, K), torch.bfloat16),
-                      qdq_fp8(torch.randn(M, K, device=dev, dtype=torch.bfloat16))))
+        pws = rotating(lambda: PackedWeight(codes.clone(), scale.clone(), kind, (N, K), torch.bfloat16),
+                       codes.numel() + scale.numel())
+        cases.append((pws, qdq_fp8(torch.randn(M, K, device=dev, dtype=torch.bfloat16))))
     table = []
-    for bn in (32, 64, 128):
-        for bk in (64, 128, 256):
+    for bn in (64, 128, 256):
+        for unroll in (1, 2, 4):
             for warps in (4, 8):
-                packed_gemm.DECODE_CONFIG.update(block_n=bn, block_k=bk, num_warps=warps)
-                t = sum(cuda_time(lambda: packed_linear_triton(x, w)) for w, x in cases)
-                table.append({"block_n": bn, "block_k": bk, "num_warps": warps, "seconds": t})
-                print(f"sweep BN {bn:3d} BK {bk:3d} warps {warps}: {t * 1e6:7.1f} us", flush=True)
+                packed_gemm.DECODE_CONFIG.update(block_n=bn, unroll=unroll, num_warps=warps)
+                t = sum(cuda_time(cycling(lambda w: packed_linear_triton(x, w), pws)) for pws, x in cases)
+                table.append({"block_n": bn, "unroll": unroll, "num_warps": warps, "seconds": t})
+                print(f"sweep BN {bn:3d} U {unroll} warps {warps}: {t * 1e6:7.1f} us", flush=True)
     best = min(table, key=lambda r: r["seconds"])
-    packed_gemm.DECODE_CONFIG.update({k: best[k] for k in ("block_n", "block_k", "num_warps")})
+    packed_gemm.DECODE_CONFIG.update({k: best[k] for k in ("block_n", "unroll", "num_warps")})
     print(f"decode tiles: {packed_gemm.DECODE_CONFIG}")
     return {"sweep": table, "decode_config": dict(packed_gemm.DECODE_CONFIG)}
+
+
+def moe_rows(dev: str, bw: float) -> list[dict]:
+    """The MoE op of one decode step over B tokens (top-6 of 16 fp4 routed experts + the fp8 shared expert, held
+    packed) against the same op over the dense bf16 twins: GPU time, and bytes/s on the packed bytes of the experts
+    the step touches (w1, w3, w2 of each)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    ws = {n: [] for n in ("w1", "w3", "w2")}
+    for e in range(EXPERTS + 1):
+        kind = "fp8" if e == EXPERTS else "fp4"
+        for n, shape in (("w1", (INTER, DIM)), ("w3", (INTER, DIM)), ("w2", (DIM, INTER))):
+            codes, scale = pack_weight(torch.randn(*shape, device=dev, generator=g) * shape[1] ** -0.5, kind)
+            ws[n].append(PackedWeight(codes, scale, kind, shape, torch.bfloat16))
+    dense = {n: [w.dequant() for w in v] for n, v in ws.items()}
+    rows = []
+    for B in TOKENS:
+        x = torch.randn(B, DIM, device=dev, dtype=torch.bfloat16, generator=g)
+        idx = torch.rand(B, EXPERTS, device=dev, generator=g).argsort(1)[:, :TOPK]
+        wts = torch.rand(B, TOPK, device=dev, generator=g)
+        touched = sorted(set(idx.flatten().tolist())) + [EXPERTS]
+        nbytes = sum(ws[n][e].nbytes for n in ws for e in touched)
+        t_p = cuda_time(lambda: moe_experts_triton(x, idx, wts, ws["w1"], ws["w3"], ws["w2"], 10.0, True, True))
+        t_b = cuda_time(lambda: moe_experts_triton(x, idx, wts, dense["w1"], dense["w3"], dense["w2"], 10.0, True,
+                                                   True))
+        rows.append({"tokens": B, "experts_touched": len(touched), "packed_s": t_p, "bf16_s": t_b,
+                     "speedup_vs_bf16": t_b / t_p, "bytes": nbytes, "bytes_per_s": nbytes / t_p,
+                     "share_of_copy_bw": nbytes / t_p / bw})
+        print(f"MoE B {B:3d}: {len(touched):2d} experts, packed {t_p * 1e6:7.1f} us, bf16 {t_b * 1e6:7.1f} us, "
+              f"x {t_b / t_p:.2f}, {nbytes / t_p / 1e12:.2f} TB/s ({nbytes / t_p / bw * 100:.0f}% of copy)",
+              flush=True)
+    return rows
 
 
 def main() -> None:
@@ -98,12 +156,13 @@ def main() -> None:
         w = torch.randn(N, K, device=dev) * K ** -0.5
         codes, scale = pack_weight(w, kind)
         pw = PackedWeight(codes, scale, kind, (N, K), torch.bfloat16)
-        wb = pw.dequant()
+        pws = rotating(lambda: PackedWeight(codes.clone(), scale.clone(), kind, (N, K), torch.bfloat16), pw.nbytes)
+        wbs = rotating(pw.dequant, 2 * N * K)
         for M in ROWS:
             x = qdq_fp8(torch.randn(M, K, device=dev, dtype=torch.bfloat16))
-            t_p = cuda_time(lambda: packed_linear_triton(x, pw))
-            t_b = cuda_time(lambda: x @ wb.T)
-            t_d = cuda_time(lambda: x @ pw.dequant().T)
+            t_p = cuda_time(cycling(lambda w: packed_linear_triton(x, w), pws))
+            t_b = cuda_time(cycling(lambda w: x @ w.T, wbs))
+            t_d = cuda_time(cycling(lambda w: x @ w.dequant().T, pws))
             nbytes = pw.nbytes + (2 * M * (K + N) if M > 64 else 0)
             row = {"weight": name, "kind": kind, "N": N, "K": K, "M": M, "packed_s": t_p, "bf16_s": t_b,
                    "dequant_matmul_s": t_d, "speedup_vs_bf16": t_b / t_p, "bytes": nbytes,
@@ -111,8 +170,10 @@ def main() -> None:
                    "flops_per_s": 2 * M * N * K / t_p, "share_of_bf16_rate": 2 * M * N * K / t_p / rate}
             res["rows"].append(row)
             print(f"{name:11s}{kind:>5}{M:>6}{t_p * 1e6:>11.1f}{t_b * 1e6:>9.1f}{t_d * 1e6:>10.1f}"
-                  f"{row['speedup_vs_bf16']:>8.2f}{row['bytes_per_s'] / 1e12:>7.2f}{row['share_of_copy_bw'] * 100:>6.0f}"
+                  f"{row['speedup_vs_bf16']:>8.2f}{row['bytes_per_s'] / 1e12:>7.2f}"
+                  f"{row['share_of_copy_bw'] * 100:>6.0f}"
                   f"{row['flops_per_s'] / 1e12:>9.1f}{row['share_of_bf16_rate'] * 100:>6.0f}", flush=True)
+    res["moe_decode"] = moe_rows(dev, bw)
     out = Path(__file__).parent / "results" / "packed_gemm_h200.json"
     out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")

@@ -91,9 +91,11 @@ def test_linear_reads_packed_bytes_on_gpu(monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(1, 64, 64, 6, 3), (5, 256, 96, 8, 2), (16, 512, 288, 16, 6)])
 def test_moe_kernel_reads_packed_experts(device, shape):
-    """The MoE op's kernels over packed experts (fp4 routed, fp8 shared: two launches into the same slots) give the
-    op's result over the dequantized twins (the same values in the same order: equal), and (GPU) agree with the
-    reference over the same bytes as the dense op does (tests/test_kernels_moe.py)."""
+    """The MoE op's kernels over packed experts (fp4 routed, fp8 shared: two launches into the same slots) agree
+    with the op over the dequantized twins (the same products; the packed kernels sum each 32-wide block apart and
+    scale it, the dense ones sum wider tiles: the bf16-rounded expert outputs and the FP8 QDQ between w1/w3 and w2
+    differ now and then), and (GPU) with the reference over the same bytes as the dense op does
+    (tests/test_kernels_moe.py)."""
     from dsv41.kernels.moe_ref import moe_experts_ref
     from dsv41.kernels.triton import moe_experts_triton
     from tests.test_kernels_moe import make_moe, rel_err
@@ -113,7 +115,45 @@ def test_moe_kernel_reads_packed_experts(device, shape):
     twin = moe_experts_triton(x, indices, weights, *([t.dequant() for t in ws] for ws in w[:3]),
                               moe.shared_experts.limit, *w[3:])
     assert out.dtype == x.dtype and torch.isfinite(out).all()
-    assert torch.equal(out, twin)
+    assert rel_err(out, twin) < 2e-2
     if device == "cuda":
         assert rel_err(out, ref) < 2e-2
     assert dense is not None
+
+
+@pytest.mark.gpu
+def test_packed_model_on_gpu_follows_the_dense_model(monkeypatch):
+    """The golden checkpoint in bf16 on the GPU, held packed (every fp8 / fp4 GEMM reads the bytes: the whole-weight
+    dequantization is forbidden here) against held dense (cuBLAS over the dequantized weights), Triton backend:
+    prefill and decode logits. The two differ only in the GEMMs' summation order, which flips an FP8 rounding of a
+    later activation now and then; the flips cascade through the layers in a few rows (the GPU against the CPU in
+    bf16: benchmarks/results/gpu_parity_h200.json). Bounds: the median row's relative error below 1e-2, every row
+    below 0.3; the measured values are printed (pytest -s)."""
+    from dsv41.kernels import set_backend
+    from dsv41.kernels.backend import get_backend
+    from dsv41.model.cache import DenseCache
+    from dsv41.model.loading import load_model
+    from tests.conftest import GOLDEN
+    before = get_backend()
+    set_backend("triton")
+    try:
+        logits = {}
+        for storage in ("dense", "packed"):
+            model, cfg = load_model(GOLDEN / "case-a", dtype=torch.bfloat16, storage=storage)
+            model = model.cuda()
+            ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1)).cuda()
+            with monkeypatch.context() as mp:
+                if storage == "packed":
+                    mp.setattr(PackedWeight, "dequant", lambda self: pytest.fail("dequantized a whole weight"))
+                cache = DenseCache(cfg, 2, torch.bfloat16, device="cuda")
+                with torch.no_grad():
+                    pre = model(ids[:, :-3], cache).logits
+                    dec = [model(ids[:, t:t + 1], cache).logits for t in range(ids.size(1) - 3, ids.size(1))]
+            logits[storage] = torch.cat([pre, *dec], dim=1).float()
+    finally:
+        set_backend(before)
+    a, b = logits["packed"], logits["dense"]
+    rel = (a - b).norm(dim=-1) / b.norm(dim=-1)
+    print(f"packed vs dense logits on the GPU (bf16): median row rel {rel.median():.2e}, max {rel.max():.2e}")
+    assert torch.isfinite(a).all()
+    assert float(rel.median()) < 1e-2 and float(rel.max()) < 0.3

@@ -16,8 +16,10 @@ layer). Here, with no host sync:
     in fp32 (0 + o_1 + o_2 + ..., as the reference's index_add), the shared expert's last, cast to x's dtype.
 The expert weights are read through tables of their addresses (no copy, no stacking): every weight of a kind must
 have the same shape, dtype and be contiguous. Weights held packed (`PackedWeight`: fp4 routed experts, an fp8 shared
-expert) are read as their checkpoint bytes and decoded in registers (`packed_tile`, exact in bf16); routed and
-shared experts held differently launch apart (the same slots, the same combine). Results equal the reference up to the matmuls' summation order.
+expert) are read as their checkpoint bytes, one 32-wide block of the reduced dimension at a time, decoded in registers
+(`packed_block`, exact in bf16) and scaled per block after the tensor-core dot (`block_dot`, the GEMM of
+triton/packed_gemm.py); routed and shared experts held differently launch apart (the same slots, the same combine).
+Results equal the reference up to the matmuls' summation order.
 A program whose expert has no pairs does no work; an expert's weights are read once per BM of its pairs.
 """
 
@@ -32,14 +34,15 @@ import triton.language as tl
 from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
 from dsv41.kernels.triton.quant_kernel import _fp8_groups, qdq_fp8_triton
 from dsv41.codecs.weights import PackedWeight
-from dsv41.kernels.triton.common import DOT_BF16, INTERPRET, LAST, libdevice
-from dsv41.kernels.triton.packed_gemm import check_offsets, packed_tile
+from dsv41.kernels.triton.common import ASM, DOT_BF16, INTERPRET, LAST, libdevice
+from dsv41.kernels.triton.packed_gemm import block_dot, check_offsets, packed_block
 
 __all__ = ["moe_experts_triton", "CONFIG"]
 
 # Picked by benchmarks/kernels.py on the H200 (figures: benchmarks/results/README.md); 64-wide F tiles spill.
+# packed_unroll: 32-wide blocks per loop step over packed weights.
 CONFIG = {"block_m": 16, "up_block_f": 32, "up_block_d": 256, "down_block_d": 32, "down_block_f": 256,
-          "combine_block_d": 512, "num_warps": 4}
+          "combine_block_d": 512, "num_warps": 4, "packed_unroll": 2}
 
 
 @triton.jit
@@ -63,22 +66,38 @@ def _silu(a, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_tab, s_tab, j, r, c, mask, C, dtype, PACKED: tl.constexpr, FP4: tl.constexpr):
-    """Expert j's weight W [R, C] at rows r x columns c, in `dtype`: read from a dense weight, or decoded from its
-    packed bytes (`packed_tile`: the code's value times its e8m0 scale, exact in bf16)."""
-    if PACKED:
-        codes = tl.load(w_tab + j).to(tl.pointer_type(tl.uint8))
-        scales = tl.load(s_tab + j).to(tl.pointer_type(tl.uint8))
-        return packed_tile(codes, scales, r, c, mask, C, FP4).to(dtype)
+def _dense_tile(w_tab, j, r, c, mask, C, dtype):
+    """Expert j's dense weight W [R, C] at rows r x columns c."""
     w = tl.load(w_tab + j).to(tl.pointer_type(dtype))
     return tl.load(w + r.to(tl.int64) * C + c, mask=mask, other=0.0)
+
+
+@triton.jit
+def _packed_rows_dot(acc, xrow, xm, w_tab, s_tab, j, rn, nm, C, BN: tl.constexpr, U: tl.constexpr,
+                     FP4: tl.constexpr, DOT_BF16: tl.constexpr, ASM: tl.constexpr):
+    """acc [BM, BN] + x W[rn]^T over all C columns for expert j's packed weight W [R, C]: x's rows at the pointers
+    xrow [BM, 1] (mask xm), 32-wide blocks in C order, U a step (`packed_block`, `block_dot`)."""
+    codes = tl.load(w_tab + j).to(tl.pointer_type(tl.uint8))
+    scales = tl.load(s_tab + j).to(tl.pointer_type(tl.uint8))
+    i2 = 2 * tl.arange(0, 16)
+    KB = C >> 5
+    for kb0 in range(0, KB, U):
+        for u in tl.static_range(U):
+            kb = kb0 + u
+            ok = kb < KB
+            ev, od, sc = packed_block(codes, scales, rn, nm & ok, kb, C, BN, FP4, ASM)
+            xe = tl.load(xrow + (kb * 32 + i2)[None, :], mask=xm & ok, other=0.0)
+            xo = tl.load(xrow + (kb * 32 + 1 + i2)[None, :], mask=xm & ok, other=0.0)
+            acc = block_dot(acc, xe, xo, ev, od, sc, DOT_BF16)
+    return acc
 
 
 @triton.jit
 def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, counts_ptr, offs_ptr, h_ptr, e0, D, F,
                    KP, limit, floor, max_inv, CLAMP: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr,
                    BF: tl.constexpr, BD: tl.constexpr, GROUP: tl.constexpr, DOT_BF16: tl.constexpr,
-                   LIBDEVICE: tl.constexpr, PACKED: tl.constexpr, FP4: tl.constexpr):
+                   LIBDEVICE: tl.constexpr, PACKED: tl.constexpr, FP4: tl.constexpr, U: tl.constexpr,
+                   ASM: tl.constexpr):
     j = tl.program_id(0)
     e = e0 + j
     f = tl.program_id(1) * BF + tl.arange(0, BF)
@@ -94,14 +113,21 @@ def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, cou
         tok = pair // KP
         acc_g = tl.zeros([BM, BF], tl.float32)
         acc_u = tl.zeros([BM, BF], tl.float32)
-        for d0 in range(0, D, BD):
-            dm = d0 + d < D
-            xt = tl.load(x_ptr + tok[:, None] * D + (d0 + d)[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-            fr, dc = f[None, :], (d0 + d)[:, None]                             # [BD, BF]: W^T tiles
-            wmask = fm[None, :] & dm[:, None]
-            dt = x_ptr.dtype.element_ty
-            acc_g = _dot(xt, _weight_tile(w1_tab, s1_tab, j, fr, dc, wmask, D, dt, PACKED, FP4), acc_g, DOT_BF16)
-            acc_u = _dot(xt, _weight_tile(w3_tab, s3_tab, j, fr, dc, wmask, D, dt, PACKED, FP4), acc_u, DOT_BF16)
+        if PACKED:
+            xrow = x_ptr + tok[:, None] * D
+            xm = sm[:, None]
+            acc_g = _packed_rows_dot(acc_g, xrow, xm, w1_tab, s1_tab, j, f, fm, D, BF, U, FP4, DOT_BF16, ASM)
+            acc_u = _packed_rows_dot(acc_u, xrow, xm, w3_tab, s3_tab, j, f, fm, D, BF, U, FP4, DOT_BF16, ASM)
+        else:
+            for d0 in range(0, D, BD):
+                dm = d0 + d < D
+                xt = tl.load(x_ptr + tok[:, None] * D + (d0 + d)[None, :], mask=sm[:, None] & dm[None, :],
+                             other=0.0)
+                fr, dc = f[None, :], (d0 + d)[:, None]                         # [BD, BF]: W^T tiles
+                wmask = fm[None, :] & dm[:, None]
+                dt = x_ptr.dtype.element_ty
+                acc_g = _dot(xt, _dense_tile(w1_tab, j, fr, dc, wmask, D, dt), acc_g, DOT_BF16)
+                acc_u = _dot(xt, _dense_tile(w3_tab, j, fr, dc, wmask, D, dt), acc_u, DOT_BF16)
         a = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)                    # the Linears' outputs
         b = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
         if CLAMP:
@@ -121,7 +147,7 @@ def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, cou
 @triton.jit
 def _moe_down_kernel(h_ptr, w2_tab, s2_tab, counts_ptr, offs_ptr, out_ptr, e0, D, F, BM: tl.constexpr,
                      BD: tl.constexpr, BF: tl.constexpr, DOT_BF16: tl.constexpr, PACKED: tl.constexpr,
-                     FP4: tl.constexpr):
+                     FP4: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr):
     j = tl.program_id(0)
     e = e0 + j
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -134,12 +160,16 @@ def _moe_down_kernel(h_ptr, w2_tab, s2_tab, counts_ptr, offs_ptr, out_ptr, e0, D
         sm = m0 + m < n_e
         s = (start + m0 + m).to(tl.int64)
         acc = tl.zeros([BM, BD], tl.float32)
-        for f0 in range(0, F, BF):
-            fm = f0 + fr < F
-            ht = tl.load(h_ptr + s[:, None] * F + (f0 + fr)[None, :], mask=sm[:, None] & fm[None, :], other=0.0)
-            wt = _weight_tile(w2_tab, s2_tab, j, dd[None, :], (f0 + fr)[:, None],
-                              dmask[None, :] & fm[:, None], F, h_ptr.dtype.element_ty, PACKED, FP4)
-            acc = _dot(ht, wt, acc, DOT_BF16)
+        if PACKED:
+            acc = _packed_rows_dot(acc, h_ptr + s[:, None] * F, sm[:, None], w2_tab, s2_tab, j, dd, dmask, F, BD, U,
+                                   FP4, DOT_BF16, ASM)
+        else:
+            for f0 in range(0, F, BF):
+                fm = f0 + fr < F
+                ht = tl.load(h_ptr + s[:, None] * F + (f0 + fr)[None, :], mask=sm[:, None] & fm[None, :], other=0.0)
+                wt = _dense_tile(w2_tab, j, dd[None, :], (f0 + fr)[:, None], dmask[None, :] & fm[:, None], F,
+                                 h_ptr.dtype.element_ty)
+                acc = _dot(ht, wt, acc, DOT_BF16)
         tl.store(out_ptr + s[:, None] * D + dd[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=sm[:, None] & dmask[None, :])
 
@@ -213,7 +243,7 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
                        w3: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], limit: float, quant_in: bool,
                        quant_mid: bool, **over) -> torch.Tensor:
     """Triton twin of `moe_experts_ref` (same arguments; keyword overrides of CONFIG) -> [N, D] in x's dtype. The
-    weights are dense tensors or `PackedWeight`s (fp4 / fp8 bytes decoded in registers, `packed_tile`)."""
+    weights are dense tensors or `PackedWeight`s (fp4 / fp8 bytes decoded in registers, `packed_block`)."""
     cfg = {**CONFIG, **over}
     N, D = x.shape
     E = len(w1) - 1
@@ -249,11 +279,12 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
         LAST['moe_up'] = _moe_up_kernel[(n, triton.cdiv(F, BF))](
             xq, t1, t3, s1, s3, order, pw, counts, offs, h, e0, D, F, KP, float(limit), FP8_AMAX_FLOOR, FP8_MAX_INV,
             CLAMP=limit > 0, QUANT=bool(quant_mid), BM=BM, BF=BF, BD=cfg["up_block_d"], GROUP=FP8_GROUP,
-            DOT_BF16=DOT_BF16, LIBDEVICE=not INTERPRET, PACKED=packed, FP4=fp4, num_warps=nw, enable_fp_fusion=False)
+            DOT_BF16=DOT_BF16, LIBDEVICE=not INTERPRET, PACKED=packed, FP4=fp4, U=cfg["packed_unroll"], ASM=ASM,
+            num_warps=nw, enable_fp_fusion=False)
         t2, s2, packed, fp4 = _tables(w2[e0:e0 + n], dev)
         LAST['moe_down'] = _moe_down_kernel[(n, triton.cdiv(D, BD2))](
             h, t2, s2, counts, offs, out, e0, D, F, BM=BM, BD=BD2, BF=cfg["down_block_f"], DOT_BF16=DOT_BF16,
-            PACKED=packed, FP4=fp4, num_warps=nw)
+            PACKED=packed, FP4=fp4, U=cfg["packed_unroll"], ASM=ASM, num_warps=nw)
     BC = cfg["combine_block_d"]
     _moe_combine_kernel[(N, triton.cdiv(D, BC))](out, inv, y, D, KP, BD=BC, num_warps=4)
     return y

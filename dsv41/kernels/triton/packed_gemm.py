@@ -1,15 +1,19 @@
 """Triton GEMM over a weight held as the checkpoint stores it: twin of `dsv41.kernels.gemm_ref.packed_linear_ref`.
 
-Legend: M rows of x, N output features, K input features; BM / BN / BK tile sizes, S split-K parts.
+Legend: M rows of x, N output features, K input features (a multiple of 32); BM / BN tile sizes, KB = K / 32 blocks
+of 32 inputs, U blocks per loop step (unrolled), S split-K parts.
 
 y = x W^T (+ bias) where W [N, K] is a `PackedWeight` (docs/model.md §9): kind fp8, e4m3 codes [N, K] and one e8m0
-scale per 32 x 32 tile [ceil(N/32), ceil(K/32)]; or kind fp4, e2m1 codes two a byte [N, K/2] (the even column in
-the low nibble) and one e8m0 scale per row and 32 columns [N, K/32]. Each program loads its W tile's bytes, decodes
-them in registers (`packed_tile`: code value times the power-of-two scale, exact), and multiplies on the tensor cores
-in bf16 with fp32 accumulation: x is the FP8-QDQ'd activation (exact in bf16), the decoded weight is exact in bf16,
-so every product is exact and only the summation order differs from the CPU reference (the GPU tolerance is
-measured: tests/test_kernels_packed_gemm.py, benchmarks/gpu_parity.py). Only the weight's bytes cross HBM: 1 byte
-(fp8) or half a byte (fp4) per weight instead of bf16's 2.
+scale per 32 x 32 tile [ceil(N/32), KB]; or kind fp4, e2m1 codes two a byte [N, K/2] (the even column in the low
+nibble) and one e8m0 scale per row and 32 columns [N, KB]. Every program walks K one 32-wide block at a time, as the
+official GEMM does (docs/model.md §9): `packed_block` loads the block's bytes ([BN, 16] byte pairs or bytes, 16-byte
+vector loads), decodes them in registers with the PTX decoders of triton/decoders.py into the even and the odd
+columns (bf16, the codes' exact values, no interleave), and `block_dot` multiplies x's even and odd columns by them
+on the tensor cores (fp32 partial of the block: every product exact, x being FP8-QDQ'd), scales the partial by the
+block's power of two and adds it to the fp32 accumulator in K order. Only the summation order inside a block (the
+tensor cores') and across split-K parts differs from the CPU reference (the GPU tolerance is measured:
+tests/test_kernels_packed_gemm.py, benchmarks/gpu_parity.py). Only the weight's bytes cross HBM: 1 byte (fp8) or
+half a byte (fp4) per weight instead of bf16's 2; the scales are read once per row and block, not per weight.
 
 Decode-size calls (M <= 64) are bound by reading W: the grid covers N in tiles of BN and, when that leaves SMs
 idle, splits K into S parts whose fp32 partials one sum adds (a fixed order). Larger M (prefill) decodes the weight
@@ -25,57 +29,81 @@ import triton
 import triton.language as tl
 
 from dsv41.codecs.weights import PackedWeight
-from dsv41.kernels.triton.common import DOT_BF16, LAST, sm_count
-from dsv41.kernels.triton.decoders import e2m1_to_f32, e4m3_to_f32, ue8m0_to_f32
+from dsv41.kernels.triton.common import ASM, DOT_BF16, LAST, sm_count
+from dsv41.kernels.triton.decoders import P2_112, P2_118, e2m1_split, swa_split, ue8m0_to_f32
 
-__all__ = ["packed_linear_triton", "packed_tile", "check_offsets", "dequant_triton", "DECODE_ROWS", "DECODE_CONFIG"]
+__all__ = ["packed_linear_triton", "packed_block", "block_dot", "check_offsets", "dequant_triton", "DECODE_ROWS",
+           "DECODE_CONFIG"]
 
 DECODE_ROWS = 64        # up to this many rows: the weight-read-bound configuration (split-K)
 
 
 @triton.jit
-def packed_tile(c_ptr, s_ptr, r, c, mask, C, FP4: tl.constexpr):
-    """fp32 values of W [R, C] held packed, at rows r x columns c (int32 index tensors that broadcast to the tile's
-    shape; `mask` the same shape): the e4m3 / e2m1 code's value times its e8m0 scale (fp8: per 32 x 32 tile, fp4:
-    per row and 32 columns). Masked elements are 0 (code 0). Offsets in int32 (the launchers check the byte counts
-    stay below 2^31) and shifts: 64-bit offset tensors and divisions per element cost more than the decode."""
+def packed_block(c_ptr, s_ptr, rn, nm, kb, K, BN: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr):
+    """Block kb (columns 32 kb .. 32 kb + 31) of the rows rn [BN] of W [R, K] held packed -> (even columns, odd
+    columns) as bf16 [BN, 16] each, the codes' exact values, and the block's fp32 scale per row [BN]. Rows where nm
+    is False read code 0 and scale 0. fp8: byte pairs (columns 2i, 2i+1) as uint16, decoded by `swa_split` with
+    the unit scale (2^112 there); fp4: bytes by `e2m1_split` (unit scale 2^118). Offsets in int32 (the launchers
+    check the byte counts stay below 2^31)."""
+    i = tl.arange(0, 16)
     if FP4:
-        byte = tl.load(c_ptr + (r * (C >> 1) + (c >> 1)), mask=mask, other=0).to(tl.int32)
-        v = e2m1_to_f32((byte >> ((c & 1) << 2)) & 0xF)
-        sc = tl.load(s_ptr + (r * (C >> 5) + (c >> 5)), mask=mask, other=0).to(tl.int32)
+        byt = tl.load(c_ptr + (rn[:, None] * (K >> 1) + (kb * 16 + i)[None, :]), mask=nm[:, None], other=0)
+        ev, od = e2m1_split(byt, tl.full([BN, 16], P2_118, tl.float32).to(tl.bfloat16), ASM)
+        sc = tl.load(s_ptr + (rn * (K >> 5) + kb), mask=nm, other=0)
     else:
-        v = e4m3_to_f32(tl.load(c_ptr + (r * C + c), mask=mask, other=0).to(tl.int32))
-        sc = tl.load(s_ptr + ((r >> 5) * ((C + 31) >> 5) + (c >> 5)), mask=mask, other=0).to(tl.int32)
-    return v * ue8m0_to_f32(sc)
-
-
-def check_offsets(weight: PackedWeight) -> None:
-    """`packed_tile` indexes a weight's bytes in int32."""
-    if weight.codes.numel() >= 2 ** 31 or weight.shape[0] * weight.shape[1] >= 2 ** 31:
-        raise ValueError(f"packed weight {list(weight.shape)}: too large for the kernels' int32 offsets")
+        pairs = c_ptr.to(tl.pointer_type(tl.uint16))
+        two = tl.load(pairs + (rn[:, None] * (K >> 1) + (kb * 16 + i)[None, :]), mask=nm[:, None], other=0)
+        ev, od = swa_split(two, tl.full([BN, 16], P2_112, tl.float32).to(tl.bfloat16), ASM)
+        sc = tl.load(s_ptr + ((rn >> 5) * ((K + 31) >> 5) + kb), mask=nm, other=0)
+    return ev, od, ue8m0_to_f32(sc.to(tl.int32))
 
 
 @triton.jit
-def _packed_linear_kernel(x_ptr, c_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split, FP4: tl.constexpr,
+def block_dot(acc, xe, xo, ev, od, sc, DOT_BF16: tl.constexpr):
+    """acc [BM, BN] + (xe ev^T + xo od^T) * sc: one 32-wide block's fp32 partial (x's even / odd columns [BM, 16]
+    against the weight's, bf16 tensor cores) times the weight's scale per output column, added in K order. The
+    interpreter's bf16 dot is wrong: there fp32 operands (the same exact products)."""
+    if DOT_BF16:
+        part = tl.dot(xe.to(tl.bfloat16), tl.trans(ev))
+        part = tl.dot(xo.to(tl.bfloat16), tl.trans(od), part)
+    else:
+        part = tl.dot(xe.to(tl.float32), tl.trans(ev.to(tl.float32)), input_precision="ieee")
+        part = tl.dot(xo.to(tl.float32), tl.trans(od.to(tl.float32)), part, input_precision="ieee")
+    return acc + part * sc[None, :]
+
+
+def check_offsets(weight: PackedWeight) -> None:
+    """`packed_block` indexes a weight's bytes in int32; the kernels walk K in blocks of 32."""
+    if weight.codes.numel() >= 2 ** 31 or weight.shape[0] * weight.shape[1] >= 2 ** 31:
+        raise ValueError(f"packed weight {list(weight.shape)}: too large for the kernels' int32 offsets")
+    if weight.shape[1] % 32:
+        raise ValueError(f"packed weight {list(weight.shape)}: the kernels need K divisible by 32")
+
+
+@triton.jit
+def _packed_linear_kernel(x_ptr, c_ptr, s_ptr, b_ptr, y_ptr, M, N, K, kb_per_split, FP4: tl.constexpr,
                           HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, DOT_BF16: tl.constexpr):
-    """One [BM, BN] tile of y over the K range of split part program_id(2); PARTIAL: store the fp32 partial at
-    y_ptr[part, m, n] (the caller sums the parts), else cast (+ bias) into y [M, N]."""
+                          U: tl.constexpr, DOT_BF16: tl.constexpr, ASM: tl.constexpr):
+    """One [BM, BN] tile of y over the 32-wide K blocks of split part program_id(2), U blocks a step; PARTIAL:
+    store the fp32 partial at y_ptr[part, m, n] (the caller sums the parts), else cast (+ bias) into y [M, N]."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     part = tl.program_id(2)
     nm, mm = rn < N, rm < M
+    i2 = 2 * tl.arange(0, 16)
+    xrow = x_ptr + (rm * K)[:, None]
+    kb_lo = part * kb_per_split
+    kb_hi = tl.minimum(kb_lo + kb_per_split, K >> 5)
     acc = tl.zeros([BM, BN], tl.float32)
-    k_lo = part * k_per_split
-    for k0 in range(0, k_per_split, BK):
-        rk = k_lo + k0 + tl.arange(0, BK)
-        km = (rk < K) & (rk < k_lo + k_per_split)
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-        w = packed_tile(c_ptr, s_ptr, rn[None, :], rk[:, None], nm[None, :] & km[:, None], K, FP4)   # [BK, BN]
-        if DOT_BF16:
-            acc = tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16), acc)
-        else:                                            # the interpreter: fp32 operands, exact products
-            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+    for kb0 in range(kb_lo, kb_hi, U):
+        for u in tl.static_range(U):
+            kb = kb0 + u
+            ok = kb < kb_hi
+            ev, od, sc = packed_block(c_ptr, s_ptr, rn, nm & ok, kb, K, BN, FP4, ASM)
+            xm = mm[:, None] & ok
+            xe = tl.load(xrow + (kb * 32 + i2)[None, :], mask=xm, other=0.0)
+            xo = tl.load(xrow + (kb * 32 + 1 + i2)[None, :], mask=xm, other=0.0)
+            acc = block_dot(acc, xe, xo, ev, od, sc, DOT_BF16)
     row = (part * M + rm[:, None]).to(tl.int64) * N
     if PARTIAL:
         tl.store(y_ptr + row + rn[None, :], acc, mask=mm[:, None] & nm[None, :])
@@ -86,28 +114,37 @@ def _packed_linear_kernel(x_ptr, c_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_spli
 
 
 @triton.jit
-def _dequant_kernel(c_ptr, s_ptr, w_ptr, N, K, FP4: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """W [N, K] in w's dtype from its packed bytes, one [BN, BK] tile per program."""
+def _dequant_kernel(c_ptr, s_ptr, w_ptr, N, K, FP4: tl.constexpr, BN: tl.constexpr, BLOCKS: tl.constexpr,
+                    ASM: tl.constexpr):
+    """W [N, K] in w's dtype from its packed bytes: BN rows x BLOCKS 32-wide blocks per program, each block's even
+    and odd columns decoded apart (`packed_block`), interleaved, scaled in fp32 (exact) and stored."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    mask = (rn < N)[:, None] & (rk < K)[None, :]
-    w = packed_tile(c_ptr, s_ptr, rn[:, None], rk[None, :], mask, K, FP4)
-    tl.store(w_ptr + (rn[:, None] * K + rk[None, :]), w.to(w_ptr.dtype.element_ty), mask=mask)
+    nm = rn < N
+    cols = tl.arange(0, 32)
+    for u in tl.static_range(BLOCKS):
+        kb = tl.program_id(1) * BLOCKS + u
+        ok = kb < (K >> 5)
+        ev, od, sc = packed_block(c_ptr, s_ptr, rn, nm & ok, kb, K, BN, FP4, ASM)
+        w = tl.reshape(tl.join(ev, od), [BN, 32]).to(tl.float32) * sc[:, None]     # columns 2i, 2i + 1
+        tl.store(w_ptr + (rn[:, None] * K + (kb * 32 + cols)[None, :]), w.to(w_ptr.dtype.element_ty),
+                 mask=nm[:, None] & ok)
 
 
 # Decode-size tiles: benchmarks/packed_gemm.py --sweep picks them on the H200 (results/packed_gemm_h200.json).
-DECODE_CONFIG = {"block_n": 64, "block_k": 64, "num_warps": 4, "programs_per_sm": 2, "num_stages": 4}
+DECODE_CONFIG = {"block_n": 128, "unroll": 2, "num_warps": 4, "programs_per_sm": 4, "num_stages": 3}
 
 
-def _config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BM, BN, BK, split parts) of a decode-size call: K split until the grid has `programs_per_sm` programs per
-    SM (each part at least 4 K tiles)."""
+def _config(M: int, N: int, K: int, nbytes: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BM, BN, U, split parts) of a decode-size call: K split until the grid has `programs_per_sm` programs per
+    SM, each part at least 2 steps of U blocks, and the parts' fp32 partials (written and read back) at most half
+    the weight's bytes."""
     cfg = DECODE_CONFIG
     BM = max(16, triton.next_power_of_2(M))
-    BN, BK = cfg["block_n"], cfg["block_k"]
+    BN, U = cfg["block_n"], cfg["unroll"]
     tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
-    split = max(1, min(triton.cdiv(cfg["programs_per_sm"] * sm_count(device), tiles), K // (4 * BK)))
-    return BM, BN, BK, split
+    want = triton.cdiv(cfg["programs_per_sm"] * sm_count(device), tiles)
+    split = max(1, min(want, (K // 32) // (2 * U), nbytes // (16 * M * N)))
+    return BM, BN, U, split
 
 
 def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,15 +161,16 @@ def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
         w = dequant_triton(weight)
         return torch.nn.functional.linear(a.to(weight.dtype), w, bias).view(*x.shape[:-1], N)
     check_offsets(weight)
-    BM, BN, BK, split = _config(M, N, K, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
-    split = triton.cdiv(K, k_per_split)
+    BM, BN, U, split = _config(M, N, K, weight.nbytes, x.device)
+    KB = K // 32
+    kb_per_split = triton.cdiv(triton.cdiv(KB, split), U) * U
+    split = triton.cdiv(KB, kb_per_split)
     out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
     LAST["packed_linear"] = _packed_linear_kernel[grid](
-        a, weight.codes, weight.scale, bias if bias is not None else a, out, M, N, K, k_per_split,
-        FP4=weight.kind == "fp4", HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=BM, BN=BN, BK=BK,
-        DOT_BF16=DOT_BF16, num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"])
+        a, weight.codes, weight.scale, bias if bias is not None else a, out, M, N, K, kb_per_split,
+        FP4=weight.kind == "fp4", HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=BM, BN=BN, U=U,
+        DOT_BF16=DOT_BF16, ASM=ASM, num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"])
     if split > 1:
         s = out.sum(0)
         y = (s + bias.float() if bias is not None else s).to(weight.dtype)
@@ -144,6 +182,6 @@ def dequant_triton(weight: PackedWeight) -> torch.Tensor:
     N, K = weight.shape
     check_offsets(weight)
     w = torch.empty(N, K, dtype=weight.dtype, device=weight.device)
-    _dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K, 128))](weight.codes, weight.scale, w, N, K,
-                                                               FP4=weight.kind == "fp4", BN=64, BK=128, num_warps=4)
+    _dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K // 32, 4))](
+        weight.codes, weight.scale, w, N, K, FP4=weight.kind == "fp4", BN=64, BLOCKS=4, ASM=ASM, num_warps=4)
     return w
