@@ -35,7 +35,7 @@ from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
 from dsv41.kernels.triton.quant_kernel import _fp8_groups, qdq_fp8_triton
 from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.triton.common import ASM, DOT_BF16, INTERPRET, LAST, libdevice
-from dsv41.kernels.triton.packed_gemm import block_dot, check_offsets, packed_block
+from dsv41.kernels.triton.packed_gemm import check_offsets, packed_rows_dot
 
 __all__ = ["moe_experts_triton", "CONFIG"]
 
@@ -74,22 +74,14 @@ def _dense_tile(w_tab, j, r, c, mask, C, dtype):
 
 @triton.jit
 def _packed_rows_dot(acc, xrow, xm, w_tab, s_tab, j, rn, nm, C, BN: tl.constexpr, U: tl.constexpr,
-                     FP4: tl.constexpr, DOT_BF16: tl.constexpr, ASM: tl.constexpr):
-    """acc [BM, BN] + x W[rn]^T over all C columns for expert j's packed weight W [R, C]: x's rows at the pointers
-    xrow [BM, 1] (mask xm), 32-wide blocks in C order, U a step (`packed_block`, `block_dot`)."""
+                     FP4: tl.constexpr, DOT_BF16: tl.constexpr, ASM: tl.constexpr, ALIGNED: tl.constexpr):
+    """acc [BM, BN] + x W[rn]^T over all C columns for expert j's packed weight W [R, C] (`packed_rows_dot`): x's
+    rows at the pointers xrow [BM, 1] (mask xm)."""
     codes = tl.load(w_tab + j).to(tl.pointer_type(tl.uint8))
+    if ALIGNED:                                        # every expert's codes at a multiple of 16 bytes (checked)
+        codes = tl.multiple_of(codes, 16)
     scales = tl.load(s_tab + j).to(tl.pointer_type(tl.uint8))
-    i2 = 2 * tl.arange(0, 16)
-    KB = C >> 5
-    for kb0 in range(0, KB, U):
-        for u in tl.static_range(U):
-            kb = kb0 + u
-            ok = kb < KB
-            ev, od, sc = packed_block(codes, scales, rn, nm & ok, kb, C, BN, FP4, ASM)
-            xe = tl.load(xrow + (kb * 32 + i2)[None, :], mask=xm & ok, other=0.0)
-            xo = tl.load(xrow + (kb * 32 + 1 + i2)[None, :], mask=xm & ok, other=0.0)
-            acc = block_dot(acc, xe, xo, ev, od, sc, DOT_BF16)
-    return acc
+    return packed_rows_dot(acc, xrow, xm, codes, scales, rn, nm, C, 0, C >> 5, BN, U, FP4, DOT_BF16, ASM)
 
 
 @triton.jit
@@ -97,7 +89,7 @@ def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, cou
                    KP, limit, floor, max_inv, CLAMP: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr,
                    BF: tl.constexpr, BD: tl.constexpr, GROUP: tl.constexpr, DOT_BF16: tl.constexpr,
                    LIBDEVICE: tl.constexpr, PACKED: tl.constexpr, FP4: tl.constexpr, U: tl.constexpr,
-                   ASM: tl.constexpr):
+                   ASM: tl.constexpr, ALIGNED: tl.constexpr):
     j = tl.program_id(0)
     e = e0 + j
     f = tl.program_id(1) * BF + tl.arange(0, BF)
@@ -116,8 +108,8 @@ def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, cou
         if PACKED:
             xrow = x_ptr + tok[:, None] * D
             xm = sm[:, None]
-            acc_g = _packed_rows_dot(acc_g, xrow, xm, w1_tab, s1_tab, j, f, fm, D, BF, U, FP4, DOT_BF16, ASM)
-            acc_u = _packed_rows_dot(acc_u, xrow, xm, w3_tab, s3_tab, j, f, fm, D, BF, U, FP4, DOT_BF16, ASM)
+            acc_g = _packed_rows_dot(acc_g, xrow, xm, w1_tab, s1_tab, j, f, fm, D, BF, U, FP4, DOT_BF16, ASM, ALIGNED)
+            acc_u = _packed_rows_dot(acc_u, xrow, xm, w3_tab, s3_tab, j, f, fm, D, BF, U, FP4, DOT_BF16, ASM, ALIGNED)
         else:
             for d0 in range(0, D, BD):
                 dm = d0 + d < D
@@ -147,7 +139,7 @@ def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, cou
 @triton.jit
 def _moe_down_kernel(h_ptr, w2_tab, s2_tab, counts_ptr, offs_ptr, out_ptr, e0, D, F, BM: tl.constexpr,
                      BD: tl.constexpr, BF: tl.constexpr, DOT_BF16: tl.constexpr, PACKED: tl.constexpr,
-                     FP4: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr):
+                     FP4: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr, ALIGNED: tl.constexpr):
     j = tl.program_id(0)
     e = e0 + j
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -162,7 +154,7 @@ def _moe_down_kernel(h_ptr, w2_tab, s2_tab, counts_ptr, offs_ptr, out_ptr, e0, D
         acc = tl.zeros([BM, BD], tl.float32)
         if PACKED:
             acc = _packed_rows_dot(acc, h_ptr + s[:, None] * F, sm[:, None], w2_tab, s2_tab, j, dd, dmask, F, BD, U,
-                                   FP4, DOT_BF16, ASM)
+                                   FP4, DOT_BF16, ASM, ALIGNED)
         else:
             for f0 in range(0, F, BF):
                 fm = f0 + fr < F
@@ -216,15 +208,17 @@ def _groups(w1, w3, w2) -> list[tuple[int, int]]:
     return [(0, E + 1)] if len(kinds) == 1 else [(0, E), (E, 1)]
 
 
-def _tables(ws, dev) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
-    """(address table of the weights or of their codes, of their scales (the codes' again when dense), packed, fp4)."""
+def _tables(ws, dev) -> tuple[torch.Tensor, torch.Tensor, bool, bool, bool]:
+    """(address table of the weights or of their codes, of their scales (the codes' again when dense), packed, fp4,
+    every packed weight's codes at a multiple of 16 bytes: the kernels' 16-byte vector loads)."""
     if isinstance(ws[0], PackedWeight):
         for w in ws:
             check_offsets(w)
         codes = _address_table([w.codes for w in ws], dev)
-        return codes, _address_table([w.scale for w in ws], dev), True, ws[0].kind == "fp4"
+        aligned = all(w.codes.data_ptr() % 16 == 0 for w in ws)
+        return codes, _address_table([w.scale for w in ws], dev), True, ws[0].kind == "fp4", aligned
     t = _address_table(ws, dev)
-    return t, t, False, False
+    return t, t, False, False, False
 
 
 def _check(w1, w3, w2, F: int, D: int, dt: torch.dtype) -> None:
@@ -274,17 +268,17 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     out = torch.empty(N * KP, D, dtype=dt, device=dev)
     BM, nw, BD2 = cfg["block_m"], cfg["num_warps"], cfg["down_block_d"]
     for e0, n in groups:
-        t1, s1, packed, fp4 = _tables(w1[e0:e0 + n], dev)
-        t3, s3, _, _ = _tables(w3[e0:e0 + n], dev)
+        t1, s1, packed, fp4, al1 = _tables(w1[e0:e0 + n], dev)
+        t3, s3, _, _, al3 = _tables(w3[e0:e0 + n], dev)
         LAST['moe_up'] = _moe_up_kernel[(n, triton.cdiv(F, BF))](
             xq, t1, t3, s1, s3, order, pw, counts, offs, h, e0, D, F, KP, float(limit), FP8_AMAX_FLOOR, FP8_MAX_INV,
             CLAMP=limit > 0, QUANT=bool(quant_mid), BM=BM, BF=BF, BD=cfg["up_block_d"], GROUP=FP8_GROUP,
             DOT_BF16=DOT_BF16, LIBDEVICE=not INTERPRET, PACKED=packed, FP4=fp4, U=cfg["packed_unroll"], ASM=ASM,
-            num_warps=nw, enable_fp_fusion=False)
-        t2, s2, packed, fp4 = _tables(w2[e0:e0 + n], dev)
+            ALIGNED=al1 and al3, num_warps=nw, enable_fp_fusion=False)
+        t2, s2, packed, fp4, al2 = _tables(w2[e0:e0 + n], dev)
         LAST['moe_down'] = _moe_down_kernel[(n, triton.cdiv(D, BD2))](
             h, t2, s2, counts, offs, out, e0, D, F, BM=BM, BD=BD2, BF=cfg["down_block_f"], DOT_BF16=DOT_BF16,
-            PACKED=packed, FP4=fp4, U=cfg["packed_unroll"], ASM=ASM, num_warps=nw)
+            PACKED=packed, FP4=fp4, U=cfg["packed_unroll"], ASM=ASM, ALIGNED=al2, num_warps=nw)
     BC = cfg["combine_block_d"]
     _moe_combine_kernel[(N, triton.cdiv(D, BC))](out, inv, y, D, KP, BD=BC, num_warps=4)
     return y

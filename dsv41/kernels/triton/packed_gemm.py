@@ -32,7 +32,7 @@ from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.triton.common import ASM, DOT_BF16, LAST, sm_count
 from dsv41.kernels.triton.decoders import P2_112, P2_118, e2m1_split, swa_split, ue8m0_to_f32
 
-__all__ = ["packed_linear_triton", "packed_block", "block_dot", "check_offsets", "dequant_triton", "DECODE_ROWS",
+__all__ = ["packed_linear_triton", "packed_block", "block_dot", "packed_rows_dot", "check_offsets", "dequant_triton", "DECODE_ROWS",
            "DECODE_CONFIG"]
 
 DECODE_ROWS = 64        # up to this many rows: the weight-read-bound configuration (split-K)
@@ -46,13 +46,14 @@ def packed_block(c_ptr, s_ptr, rn, nm, kb, K, BN: tl.constexpr, FP4: tl.constexp
     the unit scale (2^112 there); fp4: bytes by `e2m1_split` (unit scale 2^118). Offsets in int32 (the launchers
     check the byte counts stay below 2^31)."""
     i = tl.arange(0, 16)
+    row = (K >> 5) * 16      # bytes (fp4) or byte pairs (fp8) per row; written so that the compiler sees 16 | row
     if FP4:
-        byt = tl.load(c_ptr + (rn[:, None] * (K >> 1) + (kb * 16 + i)[None, :]), mask=nm[:, None], other=0)
+        byt = tl.load(c_ptr + (rn[:, None] * row + (kb * 16 + i)[None, :]), mask=nm[:, None], other=0)
         ev, od = e2m1_split(byt, tl.full([BN, 16], P2_118, tl.float32).to(tl.bfloat16), ASM)
         sc = tl.load(s_ptr + (rn * (K >> 5) + kb), mask=nm, other=0)
     else:
         pairs = c_ptr.to(tl.pointer_type(tl.uint16))
-        two = tl.load(pairs + (rn[:, None] * (K >> 1) + (kb * 16 + i)[None, :]), mask=nm[:, None], other=0)
+        two = tl.load(pairs + (rn[:, None] * row + (kb * 16 + i)[None, :]), mask=nm[:, None], other=0)
         ev, od = swa_split(two, tl.full([BN, 16], P2_112, tl.float32).to(tl.bfloat16), ASM)
         sc = tl.load(s_ptr + ((rn >> 5) * ((K + 31) >> 5) + kb), mask=nm, other=0)
     return ev, od, ue8m0_to_f32(sc.to(tl.int32))
@@ -70,6 +71,24 @@ def block_dot(acc, xe, xo, ev, od, sc, DOT_BF16: tl.constexpr):
         part = tl.dot(xe.to(tl.float32), tl.trans(ev.to(tl.float32)), input_precision="ieee")
         part = tl.dot(xo.to(tl.float32), tl.trans(od.to(tl.float32)), part, input_precision="ieee")
     return acc + part * sc[None, :]
+
+
+@triton.jit
+def packed_rows_dot(acc, xrow, xm, c_ptr, s_ptr, rn, nm, K, kb_lo, kb_hi, BN: tl.constexpr, U: tl.constexpr,
+                    FP4: tl.constexpr, DOT_BF16: tl.constexpr, ASM: tl.constexpr):
+    """acc [BM, BN] + x W[rn]^T over the 32-wide blocks kb_lo .. kb_hi - 1 of K, in K order, U blocks a step, for W
+    [R, K] held packed: x's rows at the pointers xrow [BM, 1] (mask xm [BM, 1]), its even and odd columns loaded
+    apart (`packed_block`, `block_dot`)."""
+    i2 = 2 * tl.arange(0, 16)
+    for kb0 in range(kb_lo, kb_hi, U):
+        for u in tl.static_range(U):
+            kb = kb0 + u
+            ok = kb < kb_hi
+            ev, od, sc = packed_block(c_ptr, s_ptr, rn, nm & ok, kb, K, BN, FP4, ASM)
+            xe = tl.load(xrow + (kb * 32 + i2)[None, :], mask=xm & ok, other=0.0)
+            xo = tl.load(xrow + (kb * 32 + 1 + i2)[None, :], mask=xm & ok, other=0.0)
+            acc = block_dot(acc, xe, xo, ev, od, sc, DOT_BF16)
+    return acc
 
 
 def check_offsets(weight: PackedWeight) -> None:
@@ -90,20 +109,9 @@ def _packed_linear_kernel(x_ptr, c_ptr, s_ptr, b_ptr, y_ptr, M, N, K, kb_per_spl
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     part = tl.program_id(2)
     nm, mm = rn < N, rm < M
-    i2 = 2 * tl.arange(0, 16)
-    xrow = x_ptr + (rm * K)[:, None]
     kb_lo = part * kb_per_split
-    kb_hi = tl.minimum(kb_lo + kb_per_split, K >> 5)
-    acc = tl.zeros([BM, BN], tl.float32)
-    for kb0 in range(kb_lo, kb_hi, U):
-        for u in tl.static_range(U):
-            kb = kb0 + u
-            ok = kb < kb_hi
-            ev, od, sc = packed_block(c_ptr, s_ptr, rn, nm & ok, kb, K, BN, FP4, ASM)
-            xm = mm[:, None] & ok
-            xe = tl.load(xrow + (kb * 32 + i2)[None, :], mask=xm, other=0.0)
-            xo = tl.load(xrow + (kb * 32 + 1 + i2)[None, :], mask=xm, other=0.0)
-            acc = block_dot(acc, xe, xo, ev, od, sc, DOT_BF16)
+    acc = packed_rows_dot(tl.zeros([BM, BN], tl.float32), x_ptr + (rm * K)[:, None], mm[:, None], c_ptr, s_ptr, rn,
+                          nm, K, kb_lo, tl.minimum(kb_lo + kb_per_split, K >> 5), BN, U, FP4, DOT_BF16, ASM)
     row = (part * M + rm[:, None]).to(tl.int64) * N
     if PARTIAL:
         tl.store(y_ptr + row + rn[None, :], acc, mask=mm[:, None] & nm[None, :])
