@@ -32,8 +32,8 @@ from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.triton.common import ASM, DOT_BF16, LAST, sm_count
 from dsv41.kernels.triton.decoders import P2_112, P2_118, e2m1_split, swa_split, ue8m0_to_f32
 
-__all__ = ["packed_linear_triton", "packed_block", "block_dot", "packed_rows_dot", "check_offsets", "dequant_triton", "DECODE_ROWS",
-           "DECODE_CONFIG"]
+__all__ = ["packed_linear_triton", "packed_block", "block_dot", "packed_rows_dot", "check_offsets", "dequant_triton",
+           "DECODE_ROWS", "DECODE_CONFIG"]
 
 DECODE_ROWS = 64        # up to this many rows: the weight-read-bound configuration (split-K)
 
