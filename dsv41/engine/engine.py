@@ -21,6 +21,7 @@ from typing import Iterator
 
 import torch
 
+from dsv41.engine.graphs import decode_graphs
 from dsv41.engine.prefill import MODES, PrefillJob, check_ced
 from dsv41.engine.sampling import SamplingParams, make_generator, sample_token, top_logprobs
 from dsv41.engine.scheduler import Group, Scheduler, StepPlan, target
@@ -96,10 +97,13 @@ class Engine:
                  max_seq_len: int = DEFAULT_MAX_SEQ_LEN, chunk_size: int | None = None, device=None,
                  cache_dir=None, swa_pool=None, cache_interval: int = 4096, speculative="off", step_profile=None,
                  deterministic: bool = False, max_step_tokens: int | None = None, kv_pages: int | None = None,
-                 kv_page_size: int = 64):
+                 kv_page_size: int = 64, cuda_graphs: bool | None = None):
         """max_step_tokens: tokens one step feeds (decode rows, prompt chunks; default max(2048, max_batch));
         kv_pages: the global-store pages all sequences may hold together (None: unbounded), of kv_page_size entries
         (docs/system.md §3, `dsv41.engine.scheduler`).
+
+        cuda_graphs: decode steps of fixed shapes replayed from CUDA graphs (`dsv41.engine.graphs`); None: on for a
+        CUDA device when the model supports them, True: required (on a CPU the same static step runs eagerly).
 
         deterministic: switch on the deterministic mode (process-wide) and the `recent` tie rule: a request's
         tokens and log-probs then do not depend on its batch, the chunking, speculation or a cache resume
@@ -126,6 +130,7 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.pool: SequencePool = make_pool(model, self.device, kv_page_size, kv_pages)
+        self.graphs = decode_graphs(model, self.pool, max_seq_len, cuda_graphs)
         self.prefix_cache = None
         if cache_dir is not None or swa_pool is not None:
             if not self.pool.packed:
@@ -340,7 +345,8 @@ class Engine:
             n_tokens = len(rows)
             ids = torch.tensor([[(s.prompt_ids + s.output_ids)[s.fed]] for s in rows], device=self.device)
             pos = view.pos.clone()
-            out = self.model(ids, view, last_only=True)
+            g = self.graphs
+            out = g.forward(ids, view) if g is not None and g.applies(view) else self.model(ids, view, last_only=True)
             logits = out.logits[:, -1]
             if self.drafter is not None and out.main_hidden is not None:      # a step without drafts: the
                 self.drafter.seed(view, out.main_hidden, pos)                  # drafter still sees its taps

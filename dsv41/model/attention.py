@@ -120,11 +120,14 @@ class Compressor(nn.Module):
         else:
             self.wkv = Linear(cfg.dim, cfg.head_dim, "bf16", dtype)
 
-    def forward(self, u: torch.Tensor, start: torch.Tensor, cache, layer: int, journal: dict | None = None):
+    def forward(self, u: torch.Tensor, start: torch.Tensor, cache, layer: int, journal: dict | None = None,
+                static: bool = False):
         """u [B,T,D] -> (latents [B,n,C], count [B]): row b completed groups start_b//m .. + count_b - 1
         (latents beyond a row's count are padding). With `journal` (a speculative verify), the group-aligned
         per-token sequence is kept there so the carry can be recomputed for any accepted prefix
-        (`carry_after`)."""
+        (`carry_after`). `static` (a step of fixed shapes): the widths the widest row could need (m - 1 carried
+        tokens, (T + m - 1) // m groups) instead of the batch's, read from no tensor; each row's values are the
+        same, the extra groups padding."""
         m = self.ratio
         B, T = u.shape[:2]
         if m == 1:
@@ -135,7 +138,7 @@ class Compressor(nn.Module):
         st_kv, st_sc = cache.compressor_state(layer)                                # [B,m,C], slots 0..m-1
         # row b's sequence: its `carried` state slots, then this chunk; aligned so index 0 starts a group
         shift = m - carried                                                         # first used index per row
-        L = T + int(carried.max())
+        L = T + (m - 1 if static else int(carried.max()))
         gather = (shift.unsqueeze(1) + torch.arange(L, device=u.device)).clamp(max=m + T - 1)
         gather = gather.unsqueeze(-1).expand(-1, -1, kv.size(-1))
         seq_kv, seq_sc = (torch.cat([st, new], dim=1).gather(1, gather)             # [B,m+T,C] -> [B,L,C]
@@ -144,7 +147,7 @@ class Compressor(nn.Module):
             journal[("compressor", layer)] = (seq_kv, seq_sc, carried)
         length = carried + T                                                        # [B]
         count = length // m
-        n = int(count.max())
+        n = L // m if static else int(count.max())
         # the open group's tokens become the new carry (the last slots; see carry_after)
         cache.set_compressor_state(layer, *carry_after(seq_kv, seq_sc, length, m))
         if n == 0:
@@ -284,7 +287,7 @@ class Attention(QuantSite):
         RoPE at each group's first position, FP4 QDQ, append to the store. This is all that CED prefill runs of
         the decoder's KV source on the prompt rows the decoder skips (docs/system.md §2)."""
         m, cache = self.role.ratio, ctx.cache
-        latent, count = self.compressor(u, ctx.start, cache, self.layer, ctx.opts.journal)
+        latent, count = self.compressor(u, ctx.start, cache, self.layer, ctx.opts.journal, ctx.static)
         if latent is None:
             return
         row0 = ctx.start // m

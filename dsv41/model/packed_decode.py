@@ -40,6 +40,8 @@ def _selection(attn, u, qr, freqs, ctx: StepContext) -> torch.Tensor:
 
     def visible():                                          # entries visible to each row, shared by the step's layers
         n_vis = (ctx.start + 1) // m
+        if ctx.static:                                      # the width fixed by the store, the counts on the device
+            return ctx.entry_capacity(m), n_vis
         return int(n_vis.max()), h2d(n_vis, u.device)
     n_max, n_vis = ctx.memoized(("n-vis", m), visible)
     if n_max == 0:

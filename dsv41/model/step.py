@@ -72,6 +72,16 @@ class StepContext:
     memo: dict = field(default_factory=dict)
 
     @property
+    def static(self) -> bool:
+        """A step of fixed shapes (`dsv41.engine.graphs`, the graph-captured decode step): the store fixes every
+        width that would depend on the context (`entry_capacity`) and nothing is read back to the host."""
+        return getattr(self.cache, "static", False)
+
+    def entry_capacity(self, ratio: int) -> int:
+        """Compressed entries of ratio `ratio` a row of a static step may hold: the width its indexer scores."""
+        return self.cache.entry_capacity(ratio)
+
+    @property
     def token_mask(self) -> torch.Tensor | None:
         """[B,T] bool: text tokens (Engram gates only these), None when every token is text."""
         return None if self.image_mask is None else ~self.image_mask

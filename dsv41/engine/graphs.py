@@ -1,0 +1,360 @@
+"""The decode step with fixed shapes, replayed from CUDA graphs (docs/system.md §3).
+
+An eager decode step is host-bound on a GPU: thousands of kernel launches and the host reads that size the step
+(visible entries per layer, the compressor's groups, page tables rebuilt from Python lists). Here the step is the
+model's own forward over a `StaticStore`: for a bucket of rows (1, 2, 4, 8, 16, 32, 64, ...) every input lives in
+a buffer of fixed address (token ids, positions, ring slots, page tables, the Engram history) and every width
+that depends on the context is fixed (the indexer scores `entry_capacity` entries per row, the counts it masks
+with are device tensors; the top-k is `index_topk` wide; the compressor pools the widest row's groups), so the
+step reads nothing back to the host and one `torch.cuda.CUDAGraph` per bucket replays it.
+
+What the host does around a replay (`DecodeGraphs.forward`): before it, the pages the step will write are
+allocated (`PagedLayer.ensure`) and the rows' positions, slots and page tables copied into the buffers; rows
+past the real batch point at a scratch sequence (its own ring slot, one page per layer), and a row that completes
+no compressed entry writes its (unused) record there too. After it, the bookkeeping the eager store does inside
+its writes: positions, entries held, the index-key publisher, the Engram history.
+
+Capture is lazy, per bucket: a warm-up on a side stream, then the capture, all rows on the scratch sequence, into
+one memory pool shared by the buckets. The graphs hold the addresses of the pool's pages and rings, so when the
+pool grows (new pages or slots: its tensors are reallocated) they are captured again.
+
+On a CPU (or with `capture=False`) the same static step runs eagerly: the "eager twin" the tests compare with the
+ordinary decode step (tests/test_graph_decode.py).
+
+Legend: B real rows, Bp rows of the bucket, MP page-table width, P page size, W window rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from dsv41.kernels import pack_swa_kv as pack_swa_rows
+from dsv41.codecs import index_k_bytes, main_kv_bytes, pack_index_k, pack_main_kv_exact
+from dsv41.kv import PackedKVPool
+from dsv41.kv.pages import KINDS
+from dsv41.model.attention import Attention
+from dsv41.model.engram import DEAD
+from dsv41.model.transformer import ForwardOut
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket_for(batch: int) -> int:
+    """The smallest bucket holding `batch` rows; ValueError beyond the largest."""
+    for b in BUCKETS:
+        if batch <= b:
+            return b
+    raise ValueError(f"a graph-captured decode step holds at most {BUCKETS[-1]} rows, got {batch}")
+
+
+class StaticStore:
+    """`dsv41.model.cache.PackedKVStore` over fixed-address buffers of Bp rows of a `PackedKVPool`, for a decode
+    step of fixed shapes (`StepContext.static`): every read and write is a device op indexed by the buffers."""
+
+    packed = True
+    static = True
+
+    def __init__(self, pool, rows: int, capacity: dict[int, int]):
+        """capacity: pages each KV-source layer's page table holds per row (its `entry_capacity` over P)."""
+        dev, self.pool, self.rows = pool.device, pool, rows
+        self.start = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.tables = {L: torch.zeros(rows, capacity[L], dtype=torch.int32, device=dev) for L in pool.global_layers}
+        self.scratch_rows = {L: torch.zeros((), dtype=torch.long, device=dev) for L in pool.global_layers}
+        k = pool.history_width
+        self.history = torch.full((rows, k), DEAD, dtype=torch.long, device=dev) if k else None
+        self.index_k_publisher: int | None = None
+        cfg = pool.cfg
+        self._none = {kind: (torch.zeros(1, 1, width, dtype=torch.uint8, device=dev),
+                             torch.zeros(rows, 1, dtype=torch.int32, device=dev))
+                      for kind, width in (("main", main_kv_bytes(cfg.head_dim)),
+                                          ("index", index_k_bytes(cfg.index_head_dim)))}
+
+    # ------------------------------------------------------------------ per-row scalars (the host keeps the truth)
+    @property
+    def pos(self) -> torch.Tensor:
+        return self.start
+
+    @pos.setter
+    def pos(self, value) -> None:
+        """The forward advances the position; the host's bookkeeping does (`DecodeGraphs._finish`)."""
+
+    @property
+    def engram_history(self) -> torch.Tensor | None:
+        return self.history
+
+    @engram_history.setter
+    def engram_history(self, value: torch.Tensor) -> None:
+        self.history.copy_(value)
+
+    def entry_capacity(self, ratio: int) -> int:
+        """Entries of ratio `ratio` a row's page table addresses (the same for every layer of that ratio)."""
+        widths = {self.tables[L].size(1) for L, pl in self.pool.global_layers.items() if pl.spec.ratio == ratio}
+        assert len(widths) == 1, widths
+        return widths.pop() * self.pool.page_size
+
+    # ------------------------------------------------------------------ window ring
+    def write_window(self, layer: int, start: torch.Tensor, kv: torch.Tensor, count=None) -> None:
+        """kv [Bp,1,C] at each row's position: ring row start % W of the row's slot."""
+        assert kv.size(1) == 1 and count is None, "a static step writes one token per row"
+        ring = self.pool.swa[layer]
+        ring[self.slots, start % ring.size(1)] = pack_swa_rows(kv[:, 0].detach())
+
+    def packed_ring(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.swa[layer], self.slots
+
+    def packed_pages(self, layer: int | None, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer is None:
+            return self._none[kind]
+        return self.pool.global_layers[layer].data[kind], self.tables[layer]
+
+    # ------------------------------------------------------------------ global KV
+    def _write(self, layer: int, kind: str, row0: torch.Tensor, records: torch.Tensor, count: torch.Tensor) -> None:
+        """records [Bp, bytes] of entry row0_b of each row; rows with count_b = 0 write the scratch record."""
+        pl = self.pool.global_layers[layer]
+        P, table = self.pool.page_size, self.tables[layer]
+        e = row0.long()
+        page = table.gather(1, (e // P).clamp(max=table.size(1) - 1).unsqueeze(1))[:, 0].long()
+        flat = torch.where(count > 0, page * P + e % P, self.scratch_rows[layer])
+        pl.records(kind)[flat] = records
+
+    def append_compressed(self, layer: int, row0: torch.Tensor, kv: torch.Tensor, count: torch.Tensor) -> None:
+        assert kv.size(1) == 1, "a decode step completes at most one group per row"
+        self._write(layer, "main", row0, pack_main_kv_exact(kv[:, 0].detach()), count)
+
+    def append_index_k(self, layer: int, row0: torch.Tensor, k: torch.Tensor, count: torch.Tensor) -> None:
+        assert k.size(1) == 1, "a decode step completes at most one group per row"
+        self._write(layer, "index", row0, pack_index_k(k[:, 0].detach(), check_finite=False), count)
+
+    # ------------------------------------------------------------------ compressor carry
+    def compressor_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv, sc = self.pool.pending[layer]
+        return kv[self.slots], sc[self.slots]
+
+    def set_compressor_state(self, layer: int, kv: torch.Tensor, score: torch.Tensor) -> None:
+        st_kv, st_sc = self.pool.pending[layer]
+        st_kv[self.slots] = kv.detach().to(st_kv.dtype)
+        st_sc[self.slots] = score.detach().to(st_sc.dtype)
+
+
+@dataclass
+class _Bucket:
+    """One bucket's static step: its store, token-id buffer, outputs, and graph (None: not captured / eager)."""
+
+    store: StaticStore
+    ids: torch.Tensor                        # [Bp, 1] long
+    out: ForwardOut | None = None
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+def supports(model, pool, capture: bool = True) -> str | None:
+    """Why the static decode step cannot serve this model and pool (None: it can): it needs the packed store with
+    quantization on (the packed decode path); captured, also no deterministic mode (its reference kernels read
+    counts on the host) and Engram tables on the device (host tables are fetched through the host)."""
+    from dsv41.kernels.choice import packed_decode
+    from dsv41.kernels.invariant import is_deterministic
+    if not isinstance(pool, PackedKVPool):
+        return "the dense store (quantization off)"
+    if not packed_decode(1, True, all(m.quant for m in model.modules() if isinstance(m, Attention))):
+        return "the packed decode path is off"
+    if not capture:
+        return None
+    if is_deterministic():
+        return "the deterministic mode"
+    if any(getattr(getattr(b.engram, "embed", None), "host", False) for b in model.layers if b.engram is not None):
+        return "Engram tables in host memory"
+    return None
+
+
+class DecodeGraphs:
+    """The decode step of `model` over `pool` with fixed shapes, captured per bucket (capture=True, CUDA) or run
+    eagerly (the eager twin). max_seq_len: the longest sequence a row may reach; it sizes the page tables."""
+
+    def __init__(self, model, pool, max_seq_len: int, capture: bool | None = None):
+        self.model, self.pool, self.device = model, pool, pool.device
+        self.capture = pool.device.type == "cuda" if capture is None else capture
+        if self.capture and pool.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the pool is on {pool.device}")
+        why = supports(model, pool, self.capture)
+        if why is not None:
+            raise ValueError(f"the {'captured' if self.capture else 'static'} decode step does not support {why}")
+        P = pool.page_size
+        self.capacity = {L: max(1, -(-(max_seq_len // pl.spec.ratio) // P)) for L, pl in pool.global_layers.items()}
+        self.buckets: dict[int, _Bucket] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.signature = None
+        self.captures = 0                           # graphs captured so far (tests, benchmarks)
+        self._order = [b.attn for b in model.layers]
+        self._scratch = self._scratch_sequence()
+        self._rope_on_device()
+
+    def _scratch_sequence(self) -> int:
+        """A sequence the padding rows (and rows completing no entry) write into: one page per KV-source layer,
+        not counted against the pool's page limit (the scheduler's budget stays the sequences')."""
+        sid = self.pool.new_sequence()
+        s = self.pool.seqs[sid]
+        for L, pl in self.pool.global_layers.items():
+            pl.ensure(s.pages[L], 1)
+            pl.limit.give(1)
+        return sid
+
+    def _rope_on_device(self) -> None:
+        """The RoPE frequency tables on the device, one copy per table (a captured step copies nothing from the
+        host); layers sharing a table keep sharing it."""
+        moved: dict[int, torch.Tensor] = {}
+        for a in self._order:
+            t = a.rope.inv_freq
+            a.rope.inv_freq = moved.setdefault(id(t), t.to(self.device))
+
+    # ------------------------------------------------------------------ the step
+    def applies(self, view) -> bool:
+        """Whether this batch fits the graphs: at most the largest bucket, no row beyond the page tables."""
+        if len(view.seqs) > BUCKETS[-1]:
+            return False
+        P = self.pool.page_size
+        return all(-(-((s.pos + 1) // pl.spec.ratio) // P) <= self.capacity[L]
+                   for s in view.seqs for L, pl in self.pool.global_layers.items())
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, view) -> ForwardOut:
+        """The decode step of the rows of `view` (a `BatchView`, one token each: ids [B,1]); -> the model's
+        `ForwardOut` (last-position logits [B,1,V]), the store advanced as the eager step advances it."""
+        B = ids.size(0)
+        bucket = self._bucket(bucket_for(B))
+        self._load(bucket, view.seqs, ids)
+        if self.capture:
+            self._ensure_graph(bucket)
+            bucket.graph.replay()
+            out = bucket.out
+        else:
+            out = self._run(bucket)
+        self._finish(bucket, view.seqs)
+        return ForwardOut(*(None if t is None else t[:B].clone() for t in (out.logits, out.hidden, out.main_hidden)))
+
+    def _run(self, bucket: _Bucket) -> ForwardOut:
+        return self.model(bucket.ids, bucket.store, last_only=True)
+
+    def _bucket(self, rows: int) -> _Bucket:
+        if rows not in self.buckets:
+            store = StaticStore(self.pool, rows, self.capacity)
+            self.buckets[rows] = _Bucket(store, torch.zeros(rows, 1, dtype=torch.long, device=self.device))
+        return self.buckets[rows]
+
+    # ------------------------------------------------------------------ host work before and after
+    def _load(self, bucket: _Bucket, seqs, ids: torch.Tensor) -> None:
+        """Pages for the entries this step completes, then every buffer: real rows first, the rest the scratch's."""
+        pool, st = self.pool, bucket.store
+        for s in seqs:
+            for L, pl in pool.global_layers.items():
+                done = (s.pos + 1) // pl.spec.ratio
+                if done > s.rows[(L, "main")]:
+                    pl.ensure(s.pages[L], done)
+        self._inputs(st, seqs)
+        bucket.ids[:ids.size(0)].copy_(ids)
+        bucket.ids[ids.size(0):].zero_()
+
+    def _inputs(self, st: StaticStore, seqs) -> None:
+        """Positions, slots, page tables, the Engram history and the scratch rows of `seqs` into st's buffers
+        (rows past len(seqs): the scratch sequence at position 0)."""
+        pool, scratch = self.pool, self.pool.seqs[self._scratch]
+        rows = list(seqs) + [scratch] * (st.rows - len(seqs))
+        pos = torch.tensor([s.pos if i < len(seqs) else 0 for i, s in enumerate(rows)], dtype=torch.long)
+        st.start.copy_(pos, non_blocking=True)
+        st.slots.copy_(torch.tensor([s.slot for s in rows], dtype=torch.long), non_blocking=True)
+        P = pool.page_size
+        for L, table in st.tables.items():
+            host = torch.zeros(table.shape, dtype=torch.int32)
+            for b, s in enumerate(rows):
+                if s.pages[L]:
+                    host[b, :len(s.pages[L])] = torch.tensor(s.pages[L], dtype=torch.int32)
+            table.copy_(host, non_blocking=True)
+            st.scratch_rows[L].fill_(scratch.pages[L][0] * P)
+        if st.history is not None:
+            dead = torch.full((st.history.size(1),), DEAD, dtype=torch.long, device=self.device)
+            st.history.copy_(torch.stack([dead if s.engram_history is None or i >= len(seqs)
+                                          else s.engram_history.to(self.device) for i, s in enumerate(rows)]))
+
+    def _finish(self, bucket: _Bucket, seqs) -> None:
+        """What the eager store records inside its writes: entries held, positions, the index-key publisher (the
+        last index-key owner that wrote a key: every step for ratio 1, when a row completes a group for m > 1)
+        and the Engram history."""
+        pool = self.pool
+        publisher = None
+        for a in self._order:
+            L = a.layer
+            if L not in pool.global_layers:
+                continue
+            m = pool.global_layers[L].spec.ratio
+            wrote = [s for s in seqs if (s.pos + 1) % m == 0]
+            for s in wrote:
+                for kind in KINDS:
+                    s.rows[(L, kind)] = max(s.rows[(L, kind)], (s.pos + 1) // m)
+            if wrote:
+                pool.global_layers[L].version += 1
+            if a.indexer is not None and (m == 1 or wrote):
+                publisher = L
+        hist = bucket.store.history
+        for b, s in enumerate(seqs):
+            s.pos += 1
+            if publisher is not None:
+                s.index_k_publisher = publisher
+            if hist is not None:
+                s.engram_history = hist[b].clone()
+
+    # ------------------------------------------------------------------ capture
+    def _storage(self) -> tuple:
+        """Addresses of the pool's tensors a graph reads and writes (they move when the pool grows)."""
+        pool = self.pool
+        return (tuple(t.data_ptr() for pl in pool.global_layers.values() for t in pl.data.values()),
+                tuple(t.data_ptr() for t in pool.swa.values()),
+                tuple(t.data_ptr() for kv_sc in pool.pending.values() for t in kv_sc))
+
+    def _ensure_graph(self, bucket: _Bucket) -> None:
+        sig = self._storage()
+        if sig != self.signature:                    # the pool grew: every graph points at freed tensors
+            for b in self.buckets.values():
+                b.graph = b.out = None
+            self.signature = sig
+        if bucket.graph is None:
+            self._capture(bucket)
+
+    def _capture(self, bucket: _Bucket) -> None:
+        """Warm up on a side stream, then capture, with every row on the scratch sequence (the warm-up runs the
+        step: its writes must land nowhere that matters); the real rows are loaded again afterwards."""
+        st = bucket.store
+        saved = (st.start.clone(), st.slots.clone(), {L: t.clone() for L, t in st.tables.items()},
+                 None if st.history is None else st.history.clone(), bucket.ids.clone())
+        self._inputs(st, [])
+        bucket.ids.zero_()
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            bucket.out = self._run(bucket)
+        bucket.graph = graph
+        self.captures += 1
+        st.start.copy_(saved[0])
+        st.slots.copy_(saved[1])
+        for L, t in st.tables.items():
+            t.copy_(saved[2][L])
+        if st.history is not None:
+            st.history.copy_(saved[3])
+        bucket.ids.copy_(saved[4])
+
+
+def decode_graphs(model, pool, max_seq_len: int, cuda_graphs: bool | None) -> DecodeGraphs | None:
+    """The engine's choice: None (eager decode steps) or a `DecodeGraphs`. cuda_graphs None: graphs on a CUDA
+    device when `supports` allows, else eager; False: eager; True: the static step (captured on CUDA, its eager
+    twin elsewhere), ValueError when the model cannot take it."""
+    if cuda_graphs is False or (cuda_graphs is None and (pool.device.type != "cuda" or supports(model, pool))):
+        return None
+    return DecodeGraphs(model, pool, max_seq_len)
