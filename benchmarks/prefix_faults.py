@@ -359,6 +359,102 @@ def healthy(h, d) -> dict:
     return {"count": 0, "requests": h.requests(cache), "cache": cache}
 
 
+# ------------------------------------------------------------------- the device tier (pages shared in one pool)
+
+@torch.no_grad()
+def _device_source(h):
+    """A pool whose sequence has served turn 1 (prompt, then 4 greedy tokens: it stands at 41), on the reference's
+    schedule: the pages the engine's device tier keeps for a finished or running sequence."""
+    pool = PackedKVPool(h.cfg, page_size=4)
+    src = pool.new_sequence()
+    logits = h.model(torch.tensor([h.p1]), pool.bind([src])).logits[:, -1:]
+    for _ in range(4):
+        logits = h.model(torch.tensor([[int(logits[0, -1].argmax())]]), pool.bind([src])).logits[:, -1:]
+    return pool, src
+
+
+def _share(h, pool, src, U) -> int:
+    """A new sequence resuming turn 1 at U (37: end of prompt, 41: end of output) from src's pages, with the carry
+    and Engram history the engine's device tier notes at a saved unit and the SWA snapshot of that unit."""
+    _, _, g, swa = next(x for x in h.saves if x[1] == U)
+    sid = pool.new_sequence()
+    pool.share_prefix(sid, src, U, {ls.layer: (ls.carry_kv, ls.carry_score) for ls in g.layers
+                                    if ls.carry_kv.size(0)}, g.engram_history)
+    pool.import_swa(sid, swa)
+    return sid
+
+
+@torch.no_grad()
+def _shared_request(h, pool, sid, U, r):
+    """Serve one request from a shared prefix (continuation from 41, regenerate from 37), yielding after every
+    model call so that several sharers of one pool interleave; fills `r`."""
+    prompt, ref = (h.p2, h.p2_ref) if U == 41 else (h.p1, h.regen_ref)
+    if pool.export_global(sid, U).to_bytes() != h.ref_global[U]:
+        r["corrupt_served"] += 1
+    feed = lambda ids: h.model(torch.tensor([ids]), pool.bind([sid])).logits[:, -1:]
+    if U == len(prompt):
+        logits = next(x for x in h.saves if x[1] == U)[3].extras["logits"].view(1, 1, -1)
+    else:
+        logits = feed(prompt[U:])                        # the reference schedule's last chunk
+        yield
+    outs = [logits]
+    for _ in range(h.steps):
+        outs.append(feed([int(outs[-1][0, -1].argmax())]))
+        yield
+    r["dev"] = max(float((x - y).abs().max()) for x, y in zip(outs, ref))
+    r["wrong"] = int(r["dev"] != 0.0)
+
+
+def _serve_shared(h, pool, jobs) -> list[dict]:
+    """Run (sid, U) requests round-robin, one model call each per turn; an exception is counted, never raised."""
+    reqs = [{"path": "swa-hit", "corrupt_served": 0, "wrong": 0, "exception": 0, "dev": 0.0} for _ in jobs]
+    live = [(r, _shared_request(h, pool, sid, U, r)) for r, (sid, U) in zip(reqs, jobs)]
+    while live:
+        for r, g in list(live):
+            try:
+                next(g)
+            except StopIteration:
+                live.remove((r, g))
+            except Exception as e:
+                r["exception"], r["error"] = 1, repr(e)
+                live.remove((r, g))
+    return reqs
+
+
+def _shared_pages(pool) -> dict:
+    """The bytes of every page held by more than one sequence, per layer."""
+    return {L: {p: pl.data["main"][p].clone() for p in pl.refs} for L, pl in pool.global_layers.items()}
+
+
+def device_evicted(h, d) -> dict:
+    """Device tier: the source's pages evicted (the sequence freed) right after two sharers took them, then a
+    third sequence allocates and writes pages: the sharers' prefix is still theirs (refcounted), byte for byte."""
+    pool, src = _device_source(h)
+    jobs = [(_share(h, pool, src, 41), 41), (_share(h, pool, src, 37), 37)]
+    pool.free(src)
+    other = pool.new_sequence()
+    with torch.no_grad():
+        h.model(torch.tensor([h.p2[::-1]]), pool.bind([other]))
+    reqs = _serve_shared(h, pool, jobs)
+    held = sum(len(v) for v in _shared_pages(pool).values())
+    return {"count": 1, "requests": reqs, "cache": None, "counter": f"device.shared_pages={held}"}
+
+
+def device_two_writers(h, d) -> dict:
+    """Device tier: one segment, several writers: the source itself and three sharers (two continuing from 41,
+    one regenerating from 37) decode interleaved, each appending after the shared pages (a partly filled page is
+    copied at sharing); no shared page changes."""
+    pool, src = _device_source(h)
+    jobs = [(src, 41)] + [(_share(h, pool, src, U), U) for U in (41, 41, 37)]
+    before = _shared_pages(pool)
+    reqs = _serve_shared(h, pool, jobs)
+    changed = sum(not torch.equal(pool.global_layers[L].data["main"][p], b) for L, v in before.items()
+                  for p, b in v.items())
+    reqs[0]["corrupt_served"] += changed
+    held = sum(len(v) for v in before.values())
+    return {"count": 4, "requests": reqs, "cache": None, "counter": f"device.shared_pages={held} changed={changed}"}
+
+
 SCENARIOS = [
     ("none (healthy)", healthy, "hits_swa"),
     ("bit flip (payload)", lambda h, d: scenario_files(h, d, _flip(lambda n: n - 7), "flip"), "corrupt_removed"),
@@ -376,6 +472,8 @@ SCENARIOS = [
     ("evicted middle unit", evicted_unit, "cache.hit_tokens"),
     ("segment evicted under a unit", evicted_link, "cache.hits_swa"),
     ("two writers of one segment", two_writers, "cache.units_existing"),
+    ("device: source evicted under sharers", device_evicted, None),
+    ("device: four writers of one segment", device_two_writers, None),
     ("SWA snapshot corrupt (memory pool)", swa_corrupt_memory, "swa_bad"),
     ("SWA snapshot expired (TTL)", swa_expired, "expired"),
     ("Redis server stopped mid-run", lambda h, d: redis_scenario(h, d, "stopped"), "swa.errors"),
@@ -436,7 +534,7 @@ def _run(args) -> int:
                    "wrong_outputs": sum(r["wrong"] for r in reqs),
                    "exceptions": sum(r["exception"] for r in reqs),
                    "max_abs_logit_dev": max(r["dev"] for r in reqs),
-                   "counter": counter_value(res["cache"], counter) if res["cache"] else "-"}
+                   "counter": res.get("counter") or (counter_value(res["cache"], counter) if res["cache"] else "-")}
             errs = [r["error"] for r in reqs if "error" in r]
             if errs:
                 row["errors"] = errs

@@ -1,7 +1,10 @@
-"""Time to first token of one prompt: cold vs swa-hit vs replay warm starts, measured side by side in one run
-(random `tiny` weights, quantized, packed store, CPU by default), and the persistent tier's bytes per cached token
+"""Time to first token of one prompt: cold vs device-tier vs swa-hit vs replay warm starts, measured side by side in
+one run (random `tiny` weights, quantized, packed store, CPU by default), and the persistent tier's bytes per cached token
 beside the analytic global KV bytes per token (`dsv41.analysis.kv_bytes`):
 
+- rows: `cold` (nothing cached), `device` (the finished cold request's pages still in the pool, shared: no disk
+  read; SWA snapshot from the pool), `swa-hit` (the device tier cleared: global KV read from disk, SWA snapshot
+  from the pool), `replay` (a second engine without an SWA pool: disk + Encoder SWA Bounded Replay);
 - through the engine: the prompt with `--output` generated tokens; the cache then holds the end-of-prompt and the
   end-of-output units (and the interval units below them), each position once;
 - `--fill-config` (default v41-geometry): the same saves on a packed store filled with random records (no model
@@ -69,7 +72,7 @@ def synthetic_saves(config: str, prompt: int, output: int) -> dict:
 
 def _row(c, t0) -> dict:
     return {"ttft_s": c.stats["ttft_s"], "wall_s": time.perf_counter() - t0, "path": c.stats["cache_path"],
-            "cached_tokens": c.stats["cached_tokens"]}
+            "cached_tokens": c.stats["cached_tokens"], "tiers": dict(c.stats["cached_tokens_by_tier"])}
 
 
 def main() -> None:
@@ -93,7 +96,9 @@ def main() -> None:
     max_len = args.tokens + args.output + 8
     eng = Engine(model, prefill_mode=args.mode, cache_dir=cache, swa_pool="memory", max_seq_len=max_len)
     rows = {}
-    for label, n_out in (("cold", args.output), ("swa-hit", 1)):
+    for label, n_out in (("cold", args.output), ("device", 1), ("swa-hit", 1)):
+        if label == "swa-hit":
+            eng.device_tier.clear()                        # the pages leave the pool: the disk tier serves
         t0 = time.perf_counter()
         rows[label] = _row(eng.generate([prompt], SamplingParams(max_tokens=n_out, ignore_eos=True))[0], t0)
     eng2 = Engine(model, prefill_mode=args.mode, cache_dir=cache, max_seq_len=max_len)  # no SWA pool
@@ -102,10 +107,11 @@ def main() -> None:
     engine_disk = {"config": args.config, **disk_figures(cache, float(global_kv_bytes_per_token(cfg)))}
     cold = rows["cold"]["ttft_s"]
     print(f"TTFT, config {args.config}, {args.tokens}-token prompt, prefill {args.mode}")
-    print(f"{'path':>8} {'ttft s':>9} {'vs cold':>8} {'cached':>7}")
-    for r in rows.values():
+    print(f"{'row':>8} {'path':>8} {'ttft s':>9} {'vs cold':>8} {'cached':>7}  by tier")
+    for label, r in rows.items():
         r["ratio_vs_cold"] = r["ttft_s"] / cold
-        print(f"{r['path']:>8} {r['ttft_s']:>9.3f} {r['ratio_vs_cold']:>8.3f} {r['cached_tokens']:>7}")
+        tiers = " ".join(f"{k}={v}" for k, v in r["tiers"].items())
+        print(f"{label:>8} {r['path']:>8} {r['ttft_s']:>9.3f} {r['ratio_vs_cold']:>8.3f} {r['cached_tokens']:>7}  {tiers}")
     disks = [("engine, " + args.config, engine_disk)]
     if args.fill_config != "none":
         disks.append((f"synthetic fill, {args.fill_config}", synthetic_saves(args.fill_config, args.tokens,

@@ -23,6 +23,7 @@ import torch
 
 from dsv41.engine.graphs import decode_graphs
 from dsv41.engine.prefill import MODES, PrefillJob, check_ced
+from dsv41.engine.prefix_hit import prefix_hit
 from dsv41.engine.sampling import SamplingParams, make_generator, sample_token, top_logprobs
 from dsv41.engine.scheduler import Group, Scheduler, StepPlan, target
 from dsv41.engine.speculative.drafter import DSparkDrafter
@@ -32,6 +33,7 @@ from dsv41.engine.speculative.rollback import VerifyJournal
 from dsv41.engine.speculative.scheduler import AcceptanceCalibration, MeasuredCost, choose_verify_lengths
 from dsv41.engine.store import SequencePool, make_pool
 from dsv41.engine.tokenizer import ByteTokenizer
+from dsv41.kv.device_tier import DeviceTier
 from dsv41.model.attention import use_deterministic
 from dsv41.model.step import ForwardOptions
 
@@ -97,10 +99,11 @@ class Engine:
                  max_seq_len: int = DEFAULT_MAX_SEQ_LEN, chunk_size: int | None = None, device=None,
                  cache_dir=None, swa_pool=None, cache_interval: int = 4096, speculative="off", step_profile=None,
                  deterministic: bool = False, max_step_tokens: int | None = None, kv_pages: int | None = None,
-                 kv_page_size: int = 64, cuda_graphs: bool | None = None):
+                 kv_page_size: int = 64, device_tier: int = 64, cuda_graphs: bool | None = None):
         """max_step_tokens: tokens one step feeds (decode rows, prompt chunks; default max(2048, max_batch));
         kv_pages: the global-store pages all sequences may hold together (None: unbounded), of kv_page_size entries
-        (docs/system.md §3, `dsv41.engine.scheduler`).
+        (docs/system.md §3, `dsv41.engine.scheduler`). device_tier: with prefix caching, finished sequences kept
+        in the pool for prefix sharing, at most this many (0: off; `dsv41.kv.device_tier`).
 
         cuda_graphs: decode steps of fixed shapes replayed from CUDA graphs (`dsv41.engine.graphs`); None: on for a
         CUDA device when the model supports them, True: required (on a CPU the same static step runs eagerly).
@@ -131,7 +134,7 @@ class Engine:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.pool: SequencePool = make_pool(model, self.device, kv_page_size, kv_pages)
         self.graphs = decode_graphs(model, self.pool, max_seq_len, cuda_graphs)
-        self.prefix_cache = None
+        self.prefix_cache = self.device_tier = None
         if cache_dir is not None or swa_pool is not None:
             if not self.pool.packed:
                 raise ValueError("prefix caching stores packed KV: it needs a quantized model (the packed store)")
@@ -140,6 +143,9 @@ class Engine:
                                                         tokenizer_fingerprint(self.tokenizer), cache_dir=cache_dir,
                                                         swa_pool=swa_pool, interval=cache_interval,
                                                         hasher=model.engram_hasher)
+            if device_tier:
+                self.device_tier = DeviceTier(self.pool, self.prefix_cache.align, self.cfg.window_size, device_tier)
+                self.prefix_cache.device = self.device_tier
         self.speculation = Speculation.parse(speculative)
         self.drafter = None if self.speculation.mode == "off" else DSparkDrafter(model)
         G = model.cfg.dspark_block_size
@@ -157,6 +163,7 @@ class Engine:
         max_drafts = 0 if self.drafter is None else (self.speculation.n if self.speculation.mode == "fixed" else G)
         self.scheduler = Scheduler(self.cfg, max_batch, max_step_tokens, kv_page_size, kv_pages, max_drafts,
                                    group_prompts=self.prefix_cache is None)
+        self.scheduler.retained = self.device_tier          # retained prefixes are evicted before preempting
         self.last_plan: StepPlan | None = None
         self.waiting: list[Sequence] = []            # arrival order
         self.running: list[Sequence] = []            # admitted (prefilling or decoding), admission order
@@ -242,13 +249,10 @@ class Engine:
         ids, start, replay = seq.prompt_ids, 0, 0
         for s in seqs:
             s.sid, s.group = self.pool.new_sequence(), g
-        hit = (self.prefix_cache.lookup(ids, max_len=len(ids) - 1, salt=seq.params.cache_salt)
-               if self.prefix_cache and len(ids) > 1 and seq.vision is None else None)
-        if hit is not None and hit.swa_state is None and self.deterministic:
-            hit = None                                   # a replay would approximate: prefill exactly instead
+        hit = prefix_hit(self, seq)
         if hit is not None:
             start = hit.boundary
-            self.pool.import_global(seq.sid, hit.global_state)
+            hit.restore(seq.sid)
             if hit.swa_state is not None:
                 self.pool.import_swa(seq.sid, hit.swa_state)
             else:
@@ -272,6 +276,8 @@ class Engine:
         """Free a sequence's store; it waits again (in arrival order) and is recomputed from its prompt and its
         generated tokens when admitted again (its sampled tokens are kept, so it continues with the same output)."""
         self.pool.free(seq.sid)
+        if self.device_tier is not None:
+            self.device_tier.forget(seq.sid)
         seq.sid, seq.group, seq.fed = None, None, 0
         seq.preemptions += 1
         self.waiting.insert(sum(1 for w in self.waiting if w.arrival < seq.arrival), seq)
@@ -327,6 +333,10 @@ class Engine:
             salt = seq.params.cache_salt
             g = self.pool.export_global(seq.sid, len(fed), start=self.prefix_cache.export_start(fed, len(fed), salt))
             self.prefix_cache.save(fed, len(fed), g, self.pool.export_swa(seq.sid), salt=salt)
+            if self.device_tier is not None:                  # what resuming here from the pool's pages needs
+                self.device_tier.note(seq.sid, len(fed), {ls.layer: (ls.carry_kv, ls.carry_score)
+                                                          for ls in g.layers if ls.carry_kv.size(0)},
+                                      g.engram_history)
         except (ValueError, OSError) as e:                    # storage problems are misses, not failures
             self.prefix_cache._log_once("save", "prefix cache save skipped: %s", e)
 
@@ -467,7 +477,13 @@ class Engine:
             self._save_unit(seq, (seq.prompt_ids + seq.output_ids)[:fed])
         if seq.sid is not None:
             seq.kv = self.pool.seq_bytes(seq.sid)
-            self.pool.free(seq.sid)
+            if self.device_tier is not None and seq.finish_reason in ("stop", "length") and seq.vision is None:
+                fed = int(seq.kv["tokens"])
+                self.device_tier.retain(seq.sid, (seq.prompt_ids + seq.output_ids)[:fed], seq.params.cache_salt)
+            else:
+                self.pool.free(seq.sid)
+                if self.device_tier is not None:
+                    self.device_tier.forget(seq.sid)
             seq.sid = None
 
     # ---------------------------------------------------------------- conveniences

@@ -78,6 +78,13 @@ class Scheduler:
         self.max_batch, self.max_step_tokens, self.max_drafts = max_batch, max_step_tokens, max_drafts
         self.page_size, self.kv_pages, self.group_prompts = page_size, kv_pages, group_prompts
         self.ratios = [s.ratio for s in cache_spec(cfg) if s.ratio > 0]
+        self.retained = None        # the prefix device tier (`pages_held`, `evict_lru`): evicted before preempting
+
+    def _held(self) -> int:
+        return 0 if self.retained is None else self.retained.pages_held()
+
+    def _evict(self) -> bool:
+        return self.retained is not None and self.retained.evict_lru()
 
     def pages(self, tokens: int) -> int:
         return pages_at(self.ratios, self.page_size, tokens)
@@ -104,8 +111,10 @@ class Scheduler:
             pre = [s for s in running if not decoding(s)]
             reserve = len(pre[0].group.seqs) if pre and pre[0].group else (1 if pre or waiting else 0)
             per_row = 1 + self._drafts(len(dec), reserve)
-            if self.kv_pages is None or sum(self._need(s, per_row) for s in running) <= self.kv_pages:
+            if self.kv_pages is None or sum(self._need(s, per_row) for s in running) + self._held() <= self.kv_pages:
                 break
+            if self._evict():                                           # a retained prefix goes first
+                continue
             victim = max(running, key=lambda s: s.arrival)           # the youngest
             for s in victim.group.seqs if victim.group and victim.group.job else [victim]:
                 running.remove(s)
@@ -116,8 +125,10 @@ class Scheduler:
         used = sum(self._need(s, per_row) for s in running)
         left = self._feed(plan, pre, left, can_join)
         while waiting and left > 0 and len(running) < self.max_batch:
-            batch = self._admissible(waiting, used, len(running))
+            batch = self._admissible(waiting, used + self._held(), len(running))
             if not batch:
+                if self._evict():
+                    continue
                 break
             group = admit(batch)
             for s in batch:

@@ -166,6 +166,7 @@ class PrefixCache(Counted):
                                   fingerprint=self.fp, durable=durable)
             self._note_metas((key, self.disk.meta(key)) for key in self.disk.keys())
         self.swa = make_swa_pool(swa_pool) if isinstance(swa_pool, str) else swa_pool   # its TTL: DEFAULT_TTL_S
+        self.device = None          # the engine's device tier (`dsv41.kv.device_tier`), for its stats only
 
     @classmethod
     def from_config(cls, cfg, weights_id: str, tokenizer_id: str, **kw) -> "PrefixCache":
@@ -338,6 +339,15 @@ class PrefixCache(Counted):
             return Hit(U, state, swa, {"disk": U, "swa": U if swa is not None else 0}, key.hex())
         return None
 
+    def swa_at(self, token_ids, upto: int, salt: str | None = None) -> SwaState | None:
+        """The SWA snapshot of the unit ending at `upto` of these tokens, from the SWA pool alone (no disk read:
+        the device tier's hits take the global KV from the pool), or None. Never raises on storage faults."""
+        ids = encode_ids(token_ids)
+        if self.swa is None or not 0 < upto <= len(ids):
+            return None
+        chain = chain_keys(self.fp, ids, self.interval, upto, salt)
+        return self._guarded("SWA snapshot lookup", "a miss", self._swa_get, self._key_at(chain, ids, upto), upto)
+
     def _touch_path(self, chain: list[bytes], ids, bounds: list[int]) -> None:
         """Mark the units ending at `bounds` (one path, ascending) used, the deepest first: under LRU a path's
         longer units are evicted before the segments they need."""
@@ -450,10 +460,12 @@ class PrefixCache(Counted):
 
     # ---------------------------------------------------------------- metrics
     def stats(self) -> dict:
-        """Counters of the facade and both tiers: {"cache": {...}, "disk": {...} | None, "swa": {...} | None}."""
+        """Counters of the facade and its tiers: {"cache": {...}, "device": {...} | None, "disk": {...} | None,
+        "swa": {...} | None} (device: the pages an engine keeps in its pool, `dsv41.kv.device_tier`)."""
         with self._mu:
             cache = {**self.counters, "boundary_index_tails": sum(len(v) for v in self._extras.values())}
-        return {"cache": cache, "disk": None if self.disk is None else self.disk.stats(),
+        return {"cache": cache, "device": None if self.device is None else self.device.stats(),
+                "disk": None if self.disk is None else self.disk.stats(),
                 "swa": None if self.swa is None else self.swa.stats()}
 
     def metrics(self) -> dict[str, int | float]:

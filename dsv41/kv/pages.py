@@ -76,6 +76,7 @@ class PagedLayer:
         self.data = {k: torch.zeros(n_pages, page_size, b, dtype=torch.uint8, device=device)
                      for k, b in self.record_bytes.items()}
         self.free: list[int] = list(range(n_pages - 1, -1, -1))       # pop() hands out the lowest id first
+        self.refs: dict[int, int] = {}                                 # holders of shared pages (absent: one)
         self.version = 0                                               # bumped on every write (view memos)
         self.page_epoch = 0                                            # bumped whenever pages are released
 
@@ -97,10 +98,27 @@ class PagedLayer:
         return [self.free.pop() for _ in range(k)]
 
     def release(self, pages: list[int]) -> None:
-        self.limit.give(len(pages))
-        self.free.extend(reversed(pages))
+        """One holder lets go of these pages; a page returns to the free list with its last holder."""
+        freed = []
+        for p in pages:
+            n = self.refs.pop(p, 1)
+            if n > 2:
+                self.refs[p] = n - 1
+            elif n == 2:
+                pass                                               # one holder left: no entry
+            else:
+                freed.append(p)
+        self.limit.give(len(freed))
+        self.free.extend(reversed(freed))
         self.page_epoch += 1
         self.version += 1
+
+    def share(self, pages: list[int]) -> list[int]:
+        """One more holder of these (full, never again written) pages; returns them. The prefix device tier's
+        sharing (`PackedKVPool.share_prefix`): a page holds only entries its holders have written before."""
+        for p in pages:
+            self.refs[p] = self.refs.get(p, 1) + 1
+        return list(pages)
 
     def ensure(self, pages: list[int], entries: int) -> list[int]:
         """Extend a sequence's page list (in place) to hold `entries` entries; returns it."""

@@ -171,6 +171,57 @@ class PackedKVPool:
         dst.index_k_publisher = src.index_k_publisher
         return nid
 
+    def share_prefix(self, sid: int, src: int, upto: int, carries: dict | None = None,
+                     engram_history: torch.Tensor | None = None) -> None:
+        """Fresh sequence `sid` continues sequence `src`'s first `upto` positions (the prefix device tier,
+        `dsv41.kv.device_tier`): per KV-source layer its first upto // m entries shared page by page (full pages
+        get one more holder, no copy: the store is append-only, so neither sequence writes them again; the partly
+        filled last page is copied, since both append to it), pos = upto. The compressor carry at `upto`: none
+        when upto is a multiple of every ratio, else `carries` {layer: (kv, score)} captured when `src` stood
+        there, or src's own when it stands there now. SWA rings stay empty (import_swa, or replay);
+        engram_history as `import_global`'s. ValueError for a sequence that is not fresh or lacks the entries."""
+        s, d = self._seq(src), self._seq(sid)
+        upto = int(upto)
+        if d.pos != 0 or any(d.rows.values()):
+            raise ValueError(f"share_prefix: sequence {sid} is not fresh (pos {d.pos})")
+        if not 0 <= upto <= s.pos:
+            raise ValueError(f"share_prefix: upto {upto} is beyond sequence {src}'s position {s.pos}")
+        P = self.page_size
+        self._clear_pending(d.slot)
+        view = None
+        for L, pl in self.global_layers.items():
+            m = pl.spec.ratio
+            e1 = upto // m
+            if any(s.rows[(L, k)] < e1 for k in KINDS):
+                raise ValueError(f"share_prefix: sequence {src} layer {L} holds fewer than {e1} entries")
+            d.pages[L] = pl.share(s.pages[L][:e1 // P])
+            if e1 % P:
+                (page,) = pl.alloc(1)
+                for t in pl.data.values():
+                    t[page] = t[s.pages[L][e1 // P]]
+                d.pages[L].append(page)
+                pl.version += 1
+            for k in KINDS:
+                d.rows[(L, k)] = e1
+            if carry_rows(m, upto):
+                if carries is not None and L in carries:
+                    kv, sc = carries[L]
+                elif upto == s.pos:
+                    kv, sc = (t[s.slot] for t in self.pending[L])
+                else:
+                    raise ValueError(f"share_prefix: layer {L} has an open group at {upto}: pass its carry")
+                view = view or self.bind([sid])
+                view.set_compressor_state(L, kv.to(self.device).unsqueeze(0), sc.to(self.device).unsqueeze(0))
+        d.pos = upto
+        history = engram_history
+        if history is None and upto == s.pos:
+            history = s.engram_history
+        if self.history_width and history is None and upto > 0:
+            raise ValueError("share_prefix: this config has Engram: pass engram_history at upto")
+        d.engram_history = None if history is None or not self.history_width else \
+            self._history_arg("share_prefix", history).to(self.device)
+        d.index_k_publisher = s.index_k_publisher
+
     def bind(self, seq_ids) -> BatchView:
         """The DenseCache interface over these sequences, rows in this order."""
         return BatchView(self, list(seq_ids))
