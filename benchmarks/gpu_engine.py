@@ -8,7 +8,15 @@
    (`dsv41.kv.accounting.fill_random`: random codec records, not a real prefill) at each context; the measured
    global-KV bytes and the decode step time of the full 40-layer stack (reference torch path + the Triton
    dense sparse-attention kernel that `auto` picks on CUDA).
-Prints a table per part and a final JSON line; writes the JSON to $OUT/gpu_engine.json when OUT is set.
+4. eager vs CUDA graphs (`dsv41.engine.graphs`), side by side: v41-geometry decode steps at GRAPH_CONTEXT (4096)
+   for each of GRAPH_BATCHES (1,32) rows (synthetic stores), eager and replayed alternately on the same sequences:
+   wall per step, GPU busy (torch.profiler's kernel sum) and CUDA-event time, against the weight-read limit of
+   benchmarks/gpu_weights.py (`decode_read_bytes` over the copy bandwidth measured in this run), for each holding
+   in GRAPH_HOLDINGS (bfloat16,packed: the weights packed in place after the bf16 rows); "" skips the part.
+Prints a table per part and a final JSON line; writes the JSON to $OUT/gpu_engine.json when OUT is set, and the
+graph part also to benchmarks/results/gpu_graphs.json.
+
+    PREFILL_LENGTHS= DECODE_CONTEXTS= python benchmarks/gpu_engine.py      # the smoke test and part 4 only
 """
 
 from __future__ import annotations
@@ -110,6 +118,74 @@ def _decode_row(model, dev: str, n: int) -> dict:
     return row
 
 
+def _event_s(fn) -> float:
+    """Seconds between CUDA events around fn() (the stream's time: kernels and the gaps between them)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def _graph_row(model, cfg, dev: str, holding: str, bw: float, context: int, batch: int, steps: int) -> dict:
+    """One batch size: eager and graph-replayed decode steps alternately on the same synthetic sequences."""
+    from gpu_weights import gpu_busy
+
+    from dsv41.analysis.memory import decode_read_bytes
+    from dsv41.engine.bench import synthetic_batch, timed
+    from dsv41.engine.graphs import DecodeGraphs
+    pool, sids, tok = synthetic_batch(model, dev, batch, context)
+    graphs = DecodeGraphs(model, pool, max_seq_len=context + 4 * steps + 16)
+    paths = {"eager": lambda: model(tok, pool.bind(sids), last_only=True),
+             "graph": lambda: graphs.forward(tok, pool.bind(sids))}
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        paths["graph"]()                                       # the capture (and the warm-up steps)
+        _sync(dev)
+        capture_s = time.perf_counter() - t0
+        paths["eager"]()
+        times: dict = {k: [] for k in paths}
+        for _ in range(steps):
+            for k, fn in paths.items():
+                times[k].append(timed(fn, dev))
+        busy = {k: gpu_busy(fn) for k, fn in paths.items()}
+        event = {k: statistics.median(_event_s(fn) for _ in range(3)) for k, fn in paths.items()}
+    limit = decode_read_bytes(cfg, batch, holding)["bytes"] / bw
+    row = {"holding": holding, "batch": batch, "context": context, "limit_s": limit, "capture_s": capture_s,
+           "captures": graphs.captures}
+    for k in paths:
+        step = statistics.median(times[k])
+        row.update({f"{k}_step_s": step, f"{k}_steps_s": times[k], f"{k}_gpu_busy_s": busy[k],
+                    f"{k}_event_s": event[k], f"{k}_step_over_limit": step / limit})
+    row["graph_speedup"] = row["eager_step_s"] / row["graph_step_s"]
+    print(f"{holding:9s} batch {batch:3d}: eager {row['eager_step_s'] * 1e3:7.1f} ms (busy "
+          f"{busy['eager'] * 1e3:6.1f}), graphs {row['graph_step_s'] * 1e3:7.1f} ms (busy {busy['graph'] * 1e3:6.1f}, "
+          f"events {event['graph'] * 1e3:6.1f}); limit {limit * 1e3:5.2f} ms: graphs x{row['graph_step_over_limit']:.1f}"
+          f", eager x{row['eager_step_over_limit']:.1f}", flush=True)
+    return row
+
+
+def _graph_part(model, cfg, dev: str, out_of_time) -> dict:
+    """Part 4 for every holding in GRAPH_HOLDINGS (packing the weights in place for `packed`)."""
+    from gpu_weights import copy_bandwidth
+
+    from dsv41.model.packed_weights import pack_weights
+    batches = [int(x) for x in os.environ.get("GRAPH_BATCHES", "1,32").split(",") if x]
+    context = int(os.environ.get("GRAPH_CONTEXT", "4096"))
+    steps = int(os.environ.get("GRAPH_STEPS", "8"))
+    bw = copy_bandwidth(dev)
+    part: dict = {"copy_bandwidth": bw, "context": context, "rows": []}
+    for holding in [h for h in os.environ.get("GRAPH_HOLDINGS", "bfloat16,packed").split(",") if h]:
+        if holding == "packed":
+            pack_weights(model)
+            torch.cuda.empty_cache()
+        part["rows"] += [dict(r, holding=holding) for r in _rows(
+            batches, "batch", lambda b: _graph_row(model, cfg, dev, holding, bw, context, b, steps), out_of_time)]
+    return part
+
+
 def _rows(items: list[int], key: str, measure, out_of_time) -> list[dict]:
     """measure(item) for each item, printed; an error or the time budget gives a row saying so."""
     rows = []
@@ -191,6 +267,14 @@ def main() -> None:
         res["decode_ratio"] = ratio
         print("decode ratio", ratio, flush=True)
     res["decode"] = drows
+
+    # 4. eager vs CUDA graphs
+    if os.environ.get("GRAPH_HOLDINGS", "bfloat16,packed") and dev == "cuda":
+        res["graphs"] = _graph_part(model, cfg, dev, out_of_time)
+        results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_graphs.json")
+        with open(results, "w") as f:
+            f.write(json.dumps({k: res[k] for k in ("gpu", "torch", "triton", "commit", "command", "graphs")},
+                               indent=1) + "\n")
     line = json.dumps(res)
     print(line)
     if os.environ.get("OUT"):

@@ -79,9 +79,10 @@ def bench_prefill(config="tiny", lengths=(4096, 16384), dtype=torch.float32, dev
 
 
 def bench_decode(config="tiny", contexts=(1024, 4096), batches=(1, 8), steps=8, dtype=torch.float32,
-                 device="cpu", quant=True) -> list[dict]:
+                 device="cpu", quant=True, cuda_graphs: bool = False) -> list[dict]:
     """Decode step time vs context (batch 1) and tokens/s at several batch sizes; contexts are filled by a
-    ced-bounded prefill of random tokens."""
+    ced-bounded prefill of random tokens. cuda_graphs: also the step of fixed shapes (`dsv41.engine.graphs`:
+    replayed from CUDA graphs on a GPU, its eager twin elsewhere) on the same sequences, after the eager steps."""
     cfg, m = _model(config, dtype, device, quant)
     out = []
     for n in contexts:
@@ -107,7 +108,19 @@ def bench_decode(config="tiny", contexts=(1024, 4096), batches=(1, 8), steps=8, 
             gemm = time_gemms(shapes, dtype, device, repeats=max(3, steps // 2))
             out.append({"context": n, "batch": b, "step_s": step, "tokens_per_s": b / step, "gemm_s": gemm,
                         "gemms": len(shapes), "step_over_gemm": step / gemm})
+            if cuda_graphs:
+                out[-1].update(time_graph_steps(m, pool, sids, tok, n + 2 * steps + 8, steps, step))
     return out
+
+
+def time_graph_steps(m, pool, sids, tok, max_seq_len: int, steps: int, eager_s: float) -> dict:
+    """Median seconds of the static decode step on these sequences (the first call, which captures, untimed)."""
+    from dsv41.engine.graphs import DecodeGraphs
+    graphs = DecodeGraphs(m, pool, max_seq_len)
+    with torch.no_grad():
+        times = [timed(lambda: graphs.forward(tok, pool.bind(sids)), tok.device) for _ in range(steps + 1)]
+    step = statistics.median(times[1:])
+    return {"graph_step_s": step, "graph_captured": graphs.capture, "eager_over_graph": eager_s / step}
 
 
 def gemm_shapes(m, run) -> list[tuple[int, int, int]]:
@@ -149,6 +162,8 @@ def register(bsub) -> None:
     d.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     d.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     d.add_argument("--steps", type=int, default=8)
+    d.add_argument("--cuda-graphs", action="store_true",
+                   help="also time the step of fixed shapes: CUDA graphs on a GPU, their eager twin on a CPU")
     d.set_defaults(func=_decode_main)
     for q in (p, d):
         q.add_argument("--config", default="tiny")
@@ -170,11 +185,14 @@ def _prefill_main(args) -> int:
 
 def _decode_main(args) -> int:
     rows = bench_decode(args.config, args.contexts, args.batches, args.steps, parse_dtype(args.dtype), args.device,
-                        not args.no_quant)
+                        not args.no_quant, args.cuda_graphs)
+    graph = (lambda r: f" {r['graph_step_s'] * 1e3:>9.1f} {r['eager_over_graph']:>12.2f}") if args.cuda_graphs \
+        else (lambda r: "")
     return _report(args, "decode", rows, f"{'context':>8} {'batch':>6} {'step ms':>9} {'tokens/s':>9} "
-                   f"{'GEMMs ms':>9} {'step/GEMM':>10}",
+                   f"{'GEMMs ms':>9} {'step/GEMM':>10}" + (f" {'graph ms':>9} {'eager/graph':>12}"
+                                                          if args.cuda_graphs else ""),
                    lambda r: f"{r['context']:>8} {r['batch']:>6} {r['step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.1f} "
-                             f"{r['gemm_s'] * 1e3:>9.1f} {r['step_over_gemm']:>10.2f}")
+                             f"{r['gemm_s'] * 1e3:>9.1f} {r['step_over_gemm']:>10.2f}" + graph(r))
 
 
 def _report(args, bench: str, rows: list[dict], header: str, line) -> int:

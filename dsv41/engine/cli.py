@@ -62,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser, checkpoint_required: bool = True
                    help="batch-invariant numerics (implies --tie-break recent): a request's tokens and log-probs do "
                         "not depend on its batch, chunking, speculation or a cache resume, and equal the training "
                         "forward's bit for bit (docs/system.md §10); slower")
+    p.add_argument("--no-cuda-graphs", "--eager", dest="cuda_graphs", action="store_false", default=None,
+                   help="decode steps run eagerly on a GPU (default: replayed from CUDA graphs where the model "
+                        "supports them, dsv41.engine.graphs)")
 
 
 def engine_args(**overrides) -> argparse.Namespace:
@@ -103,7 +106,8 @@ def engine_from_args(args: argparse.Namespace, model=None, tokenizer=None) -> En
     return Engine(model, tokenizer, prefill_mode=args.prefill_mode, max_batch=args.max_batch,
                   max_seq_len=args.max_seq_len, chunk_size=args.chunk_size, cache_dir=cache_dir,
                   swa_pool=swa_pool, speculative=spec, step_profile=profile, deterministic=args.deterministic,
-                  max_step_tokens=args.max_step_tokens, kv_pages=args.kv_pages, kv_page_size=args.kv_page_size)
+                  max_step_tokens=args.max_step_tokens, kv_pages=args.kv_pages, kv_page_size=args.kv_page_size,
+                  cuda_graphs=args.cuda_graphs)
 
 
 def register(sub) -> None:

@@ -14,7 +14,8 @@ past the real batch point at a scratch sequence (its own ring slot, one page per
 no compressed entry writes its (unused) record there too. After it, the bookkeeping the eager store does inside
 its writes: positions, entries held, the index-key publisher, the Engram history.
 
-Capture is lazy, per bucket: a warm-up on a side stream, then the capture, all rows on the scratch sequence, into
+A bucket is (rows, context span): the span, a power of two of positions, sizes the page tables, so a short context
+never scores the entries a long one could hold. Capture is lazy, per bucket: a warm-up on a side stream, then the capture, all rows on the scratch sequence, into
 one memory pool shared by the buckets. The graphs hold the addresses of the pool's pages and rings, so when the
 pool grows (new pages or slots: its tensors are reallocated) they are captured again.
 
@@ -34,6 +35,7 @@ import torch
 from dsv41.kernels import pack_swa_kv as pack_swa_rows
 from dsv41.codecs import index_k_bytes, main_kv_bytes, pack_index_k, pack_main_kv_exact
 from dsv41.kv import PackedKVPool
+from dsv41.kv.batch_view import BatchView
 from dsv41.kv.pages import KINDS
 from dsv41.model.attention import Attention
 from dsv41.model.engram import DEAD
@@ -66,6 +68,7 @@ class StaticStore:
         self.slots = torch.zeros(rows, dtype=torch.long, device=dev)
         self.tables = {L: torch.zeros(rows, capacity[L], dtype=torch.int32, device=dev) for L in pool.global_layers}
         self.scratch_rows = {L: torch.zeros((), dtype=torch.long, device=dev) for L in pool.global_layers}
+        self.table_keys = {L: [None] * rows for L in pool.global_layers}     # what each table row holds now
         k = pool.history_width
         self.history = torch.full((rows, k), DEAD, dtype=torch.long, device=dev) if k else None
         self.index_k_publisher: int | None = None
@@ -105,8 +108,7 @@ class StaticStore:
         ring = self.pool.swa[layer]
         ring[self.slots, start % ring.size(1)] = pack_swa_rows(kv[:, 0].detach())
 
-    def packed_ring(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool.swa[layer], self.slots
+    packed_ring = BatchView.packed_ring
 
     def packed_pages(self, layer: int | None, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         if layer is None:
@@ -131,15 +133,30 @@ class StaticStore:
         assert k.size(1) == 1, "a decode step completes at most one group per row"
         self._write(layer, "index", row0, pack_index_k(k[:, 0].detach(), check_finite=False), count)
 
-    # ------------------------------------------------------------------ compressor carry
-    def compressor_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv, sc = self.pool.pending[layer]
-        return kv[self.slots], sc[self.slots]
+    # ------------------------------------------------------------------ compressor carry, ring: BatchView's own
+    # (device gathers and scatters by `self.slots`, as here)
+    compressor_state = BatchView.compressor_state
+    set_compressor_state = BatchView.set_compressor_state
 
-    def set_compressor_state(self, layer: int, kv: torch.Tensor, score: torch.Tensor) -> None:
-        st_kv, st_sc = self.pool.pending[layer]
-        st_kv[self.slots] = kv.detach().to(st_kv.dtype)
-        st_sc[self.slots] = score.detach().to(st_sc.dtype)
+
+def _update_table(table: torch.Tensor, keys: list, seqs, layer: int, epoch: int) -> None:
+    """Bring the device page table [Bp, MP] up to the rows' page lists, copying only what changed: a list that
+    only grew since (same list, same release epoch of the layer) copies its new tail, any other change its whole
+    row (a long context's table is large; it gains a page every P * m tokens)."""
+    for b, s in enumerate(seqs):
+        pages = s.pages[layer]
+        old = keys[b]
+        if old is not None and old[0] is pages and old[2] == epoch and old[1] == len(pages):
+            continue
+        lo = old[1] if old is not None and old[0] is pages and old[2] == epoch and old[1] < len(pages) else 0
+        row = torch.zeros(table.size(1) - lo, dtype=torch.int32) if lo == 0 else None
+        new = torch.tensor(pages[lo:], dtype=torch.int32)
+        if row is not None:
+            row[:len(new)] = new
+            table[b].copy_(row, non_blocking=True)
+        elif len(new):
+            table[b, lo:lo + len(new)].copy_(new, non_blocking=True)
+        keys[b] = (pages, len(pages), epoch)
 
 
 @dataclass
@@ -173,9 +190,10 @@ def supports(model, pool, capture: bool = True) -> str | None:
 
 class DecodeGraphs:
     """The decode step of `model` over `pool` with fixed shapes, captured per bucket (capture=True, CUDA) or run
-    eagerly (the eager twin). max_seq_len: the longest sequence a row may reach; it sizes the page tables."""
+    eagerly (the eager twin). max_seq_len: the longest sequence a row may reach; it and min_span bound the spans
+    that size the page tables."""
 
-    def __init__(self, model, pool, max_seq_len: int, capture: bool | None = None):
+    def __init__(self, model, pool, max_seq_len: int, capture: bool | None = None, min_span: int = 1024):
         self.model, self.pool, self.device = model, pool, pool.device
         self.capture = pool.device.type == "cuda" if capture is None else capture
         if self.capture and pool.device.type != "cuda":
@@ -183,9 +201,8 @@ class DecodeGraphs:
         why = supports(model, pool, self.capture)
         if why is not None:
             raise ValueError(f"the {'captured' if self.capture else 'static'} decode step does not support {why}")
-        P = pool.page_size
-        self.capacity = {L: max(1, -(-(max_seq_len // pl.spec.ratio) // P)) for L, pl in pool.global_layers.items()}
-        self.buckets: dict[int, _Bucket] = {}
+        self.max_seq_len, self.min_span = max_seq_len, min_span
+        self.buckets: dict[tuple[int, int], _Bucket] = {}      # by (rows, context span)
         self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.signature = None
         self.captures = 0                           # graphs captured so far (tests, benchmarks)
@@ -213,22 +230,34 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ the step
     def applies(self, view) -> bool:
-        """Whether this batch fits the graphs: at most the largest bucket, no row beyond the page tables."""
-        if len(view.seqs) > BUCKETS[-1]:
-            return False
+        """Whether this batch fits the graphs: at most the largest bucket, no row past max_seq_len."""
+        return len(view.seqs) <= BUCKETS[-1] and all(s.pos < self.max_seq_len for s in view.seqs)
+
+    def span(self, seqs) -> int:
+        """The context span of a step: positions its page tables address, the next power of two (>= min_span) of
+        the longest row's length after the step, at most max_seq_len. Graphs are captured per span too, so a short
+        context does not score the entries a long one could hold."""
+        need = max(s.pos + 1 for s in seqs)
+        return min(self.max_seq_len, max(self.min_span, 1 << (need - 1).bit_length()))
+
+    def _capacity(self, span: int) -> dict[int, int]:
+        """Pages per row of each KV-source layer's page table for a span."""
         P = self.pool.page_size
-        return all(-(-((s.pos + 1) // pl.spec.ratio) // P) <= self.capacity[L]
-                   for s in view.seqs for L, pl in self.pool.global_layers.items())
+        return {L: max(1, -(-(span // pl.spec.ratio) // P)) for L, pl in self.pool.global_layers.items()}
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, view) -> ForwardOut:
         """The decode step of the rows of `view` (a `BatchView`, one token each: ids [B,1]); -> the model's
         `ForwardOut` (last-position logits [B,1,V]), the store advanced as the eager step advances it."""
         B = ids.size(0)
-        bucket = self._bucket(bucket_for(B))
-        self._load(bucket, view.seqs, ids)
+        bucket = self._bucket(bucket_for(B), self.span(view.seqs))
+        self._allocate(view.seqs)
         if self.capture:
             self._ensure_graph(bucket)
+        self._inputs(bucket.store, view.seqs)
+        bucket.ids[:B].copy_(ids)
+        bucket.ids[B:].zero_()
+        if self.capture:
             bucket.graph.replay()
             out = bucket.out
         else:
@@ -239,24 +268,21 @@ class DecodeGraphs:
     def _run(self, bucket: _Bucket) -> ForwardOut:
         return self.model(bucket.ids, bucket.store, last_only=True)
 
-    def _bucket(self, rows: int) -> _Bucket:
-        if rows not in self.buckets:
-            store = StaticStore(self.pool, rows, self.capacity)
-            self.buckets[rows] = _Bucket(store, torch.zeros(rows, 1, dtype=torch.long, device=self.device))
-        return self.buckets[rows]
+    def _bucket(self, rows: int, span: int) -> _Bucket:
+        if (rows, span) not in self.buckets:
+            store = StaticStore(self.pool, rows, self._capacity(span))
+            ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+            self.buckets[(rows, span)] = _Bucket(store, ids)
+        return self.buckets[(rows, span)]
 
     # ------------------------------------------------------------------ host work before and after
-    def _load(self, bucket: _Bucket, seqs, ids: torch.Tensor) -> None:
-        """Pages for the entries this step completes, then every buffer: real rows first, the rest the scratch's."""
-        pool, st = self.pool, bucket.store
+    def _allocate(self, seqs) -> None:
+        """Pages for the entries this step completes (the pool may grow: the graphs are then captured again)."""
         for s in seqs:
-            for L, pl in pool.global_layers.items():
+            for L, pl in self.pool.global_layers.items():
                 done = (s.pos + 1) // pl.spec.ratio
                 if done > s.rows[(L, "main")]:
                     pl.ensure(s.pages[L], done)
-        self._inputs(st, seqs)
-        bucket.ids[:ids.size(0)].copy_(ids)
-        bucket.ids[ids.size(0):].zero_()
 
     def _inputs(self, st: StaticStore, seqs) -> None:
         """Positions, slots, page tables, the Engram history and the scratch rows of `seqs` into st's buffers
@@ -268,11 +294,7 @@ class DecodeGraphs:
         st.slots.copy_(torch.tensor([s.slot for s in rows], dtype=torch.long), non_blocking=True)
         P = pool.page_size
         for L, table in st.tables.items():
-            host = torch.zeros(table.shape, dtype=torch.int32)
-            for b, s in enumerate(rows):
-                if s.pages[L]:
-                    host[b, :len(s.pages[L])] = torch.tensor(s.pages[L], dtype=torch.int32)
-            table.copy_(host, non_blocking=True)
+            _update_table(table, st.table_keys[L], rows, L, pool.global_layers[L].page_epoch)
             st.scratch_rows[L].fill_(scratch.pages[L][0] * P)
         if st.history is not None:
             dead = torch.full((st.history.size(1),), DEAD, dtype=torch.long, device=self.device)
@@ -325,11 +347,8 @@ class DecodeGraphs:
 
     def _capture(self, bucket: _Bucket) -> None:
         """Warm up on a side stream, then capture, with every row on the scratch sequence (the warm-up runs the
-        step: its writes must land nowhere that matters); the real rows are loaded again afterwards."""
-        st = bucket.store
-        saved = (st.start.clone(), st.slots.clone(), {L: t.clone() for L, t in st.tables.items()},
-                 None if st.history is None else st.history.clone(), bucket.ids.clone())
-        self._inputs(st, [])
+        step: its writes must land nowhere that matters); the caller loads the real rows afterwards."""
+        self._inputs(bucket.store, [])
         bucket.ids.zero_()
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -342,13 +361,6 @@ class DecodeGraphs:
             bucket.out = self._run(bucket)
         bucket.graph = graph
         self.captures += 1
-        st.start.copy_(saved[0])
-        st.slots.copy_(saved[1])
-        for L, t in st.tables.items():
-            t.copy_(saved[2][L])
-        if st.history is not None:
-            st.history.copy_(saved[3])
-        bucket.ids.copy_(saved[4])
 
 
 def decode_graphs(model, pool, max_seq_len: int, cuda_graphs: bool | None) -> DecodeGraphs | None:
