@@ -14,7 +14,7 @@
    benchmarks/gpu_weights.py (`decode_read_bytes` over the copy bandwidth measured in this run), for each holding
    in GRAPH_HOLDINGS (bfloat16,packed: the weights packed in place after the bf16 rows); "" skips the part.
 Prints a table per part and a final JSON line; writes the JSON to $OUT/gpu_engine.json when OUT is set, and the
-graph part also to benchmarks/results/gpu_graphs.json.
+graph part also to benchmarks/results/gpu_graphs.json (and $OUT/gpu_graphs.json).
 
     PREFILL_LENGTHS= DECODE_CONTEXTS= python benchmarks/gpu_engine.py      # the smoke test and part 4 only
 """
@@ -271,10 +271,11 @@ def main() -> None:
     # 4. eager vs CUDA graphs
     if os.environ.get("GRAPH_HOLDINGS", "bfloat16,packed") and dev == "cuda":
         res["graphs"] = _graph_part(model, cfg, dev, out_of_time)
-        results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_graphs.json")
-        with open(results, "w") as f:
-            f.write(json.dumps({k: res[k] for k in ("gpu", "torch", "triton", "commit", "command", "graphs")},
-                               indent=1) + "\n")
+        part = json.dumps({k: res[k] for k in ("gpu", "torch", "triton", "commit", "command", "graphs")}, indent=1)
+        for folder in [os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")] + \
+                [os.environ["OUT"]] * bool(os.environ.get("OUT")):
+            with open(os.path.join(folder, "gpu_graphs.json"), "w") as f:
+                f.write(part + "\n")
     line = json.dumps(res)
     print(line)
     if os.environ.get("OUT"):
