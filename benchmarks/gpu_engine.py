@@ -154,7 +154,7 @@ def _graph_row(model, cfg, dev: str, holding: str, bw: float, context: int, batc
         event = {k: statistics.median(_event_s(fn) for _ in range(3)) for k, fn in paths.items()}
     limit = decode_read_bytes(cfg, batch, holding)["bytes"] / bw
     row = {"holding": holding, "batch": batch, "context": context, "limit_s": limit, "capture_s": capture_s,
-           "captures": graphs.captures}
+           "captures": graphs.captures, "capture_failure": graphs.failure}
     for k in paths:
         step = statistics.median(times[k])
         row.update({f"{k}_step_s": step, f"{k}_steps_s": times[k], f"{k}_gpu_busy_s": busy[k],

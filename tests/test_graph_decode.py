@@ -254,7 +254,6 @@ def test_captured_replay_equals_eager_on_cuda(rows):
                       pool.bind([sid]))
         states.append((pool, sids))
     graphs = DecodeGraphs(model, states[1][0], max_seq_len=2048)
-    assert graphs.capture
     with torch.no_grad():
         for step in range(200):
             ids = torch.randint(0, cfg.vocab_size, (rows, 1), generator=gen).cuda()
@@ -265,7 +264,7 @@ def test_captured_replay_equals_eager_on_cuda(rows):
             top2 = a.topk(2, dim=-1).values
             clear = (top2[:, 0] - top2[:, 1]) > tol
             assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear]), step
-    assert graphs.captures >= 1 and bucket_for(rows) in {r for r, _ in graphs.buckets}
+    assert graphs.failure is None and graphs.captures >= 1 and bucket_for(rows) in {r for r, _ in graphs.buckets}
 
 
 @pytest.mark.gpu
@@ -281,6 +280,7 @@ def test_engine_cuda_graphs_long_run_equals_eager():
         eng = Engine(model, max_batch=4, cuda_graphs=g)
         assert (eng.graphs is None) == (g is False)
         runs.append([c.output_ids for c in eng.generate(prompts, params)])
+        assert eng.graphs is None or (eng.graphs.failure is None and eng.graphs.capture and eng.graphs.captures)
     same = sum(x == y for a, b in zip(*runs) for x, y in zip(a, b)) / sum(len(a) for a in runs[0])
     print(f"graph vs eager greedy tokens equal: {same:.4f}")
     assert same >= 0.95

@@ -206,6 +206,7 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.signature = None
         self.captures = 0                           # graphs captured so far (tests, benchmarks)
+        self.failure: str | None = None             # why capture failed (then the static step runs eagerly)
         self._order = [b.attn for b in model.layers]
         self._scratch = self._scratch_sequence()
         self._rope_on_device()
@@ -253,7 +254,11 @@ class DecodeGraphs:
         bucket = self._bucket(bucket_for(B), self.span(view.seqs))
         self._allocate(view.seqs)
         if self.capture:
-            self._ensure_graph(bucket)
+            try:
+                self._ensure_graph(bucket)
+            except RuntimeError as e:              # serve on: the same static step, uncaptured
+                self.capture, self.failure = False, f"{type(e).__name__}: {e}"
+                log.warning("CUDA graph capture failed; decode steps run the static step eagerly: %s", e)
         self._inputs(bucket.store, view.seqs)
         bucket.ids[:B].copy_(ids)
         bucket.ids[B:].zero_()
