@@ -4,8 +4,10 @@
 
 fp32: the golden blocks' inputs through every block on the GPU, each output against the official capture: the
 gate is 1e-5 relative L2 per row with at most one row above it per tensor (docs/golden.md §4), for the dense and
-the packed weight storage (the packed one reading the checkpoint bytes in the GPU kernels where they exist), and
-in the deterministic mode (exact 32-wide block sums and fixed reduction orders on the GPU too).
+the packed weight storage (the packed one reading the checkpoint bytes in the GPU kernels where they exist), with
+the official order among exact top-k ties ("official-cpu"; CUDA's own topk order is reported beside it: ties alone
+fail the gate). The deterministic mode (exact 32-wide block sums, fixed reduction orders, the "recent" tie rule,
+which is not the official one) against the same mode on the CPU, per block.
 bf16: the same teacher-forced run in bf16 on the GPU and on the CPU (our reference), per block the largest and the
 median relative error per row of GPU vs CPU: the GPU's bf16 tolerance, measured.
 """
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from safetensors.torch import load_file  # noqa: E402
 
 from dsv41.kernels import deterministic  # noqa: E402
+from dsv41.model.attention import set_tie_break  # noqa: E402
 from dsv41.model.loading import load_model  # noqa: E402
 from dsv41.model.runner import compare_captures, rel_rows, run_teacher_forced  # noqa: E402
 
@@ -63,10 +66,21 @@ def main(argv: list[str] | None = None) -> int:
     blocks = load_file(GOLDEN / "a.fp32.fix.blocks-seq0.safetensors")
     res: dict = {"gpu": torch.cuda.get_device_name() if dev == "cuda" else None, "torch": torch.__version__}
     for storage in ("dense", "packed"):
-        m = load_model(case, storage=storage)[0]
-        res[f"fp32_{storage}"] = gate1(teacher_forced(m, blocks, dev), blocks)
+        for ties in ("official-cpu", "official"):
+            m = load_model(case, storage=storage)[0]
+            set_tie_break(m, ties)
+            res[f"fp32_{storage}" + ("" if ties == "official-cpu" else "_device_ties")] = gate1(
+                teacher_forced(m, blocks, dev), blocks)
     with deterministic():                 # exact 32-wide block sums, fixed reduction orders (docs/system.md §10)
-        res["fp32_deterministic"] = gate1(teacher_forced(load_model(case)[0], blocks, dev), blocks)
+        runs = {}
+        for d in (dev, "cpu"):
+            m = load_model(case)[0]
+            set_tie_break(m, "recent")
+            runs[d] = teacher_forced(m, blocks, d)
+        pb = per_block(runs[dev], runs["cpu"])
+        res["fp32_deterministic_vs_cpu"] = {"max_rel": max(v["max"] for v in pb.values()),
+                                            "bitwise_equal": all(torch.equal(runs[dev][k], runs["cpu"][k])
+                                                                 for k in runs["cpu"])}
     for storage in ("dense", "packed"):
         cpu = teacher_forced(load_model(case, dtype=torch.bfloat16, storage=storage)[0], blocks, "cpu")
         gpu = teacher_forced(load_model(case, dtype=torch.bfloat16, storage=storage)[0], blocks, dev)
@@ -75,9 +89,12 @@ def main(argv: list[str] | None = None) -> int:
                                   "median_of_medians": sorted(v["median"] for v in pb.values())[len(pb) // 2],
                                   "blocks": pb}
     if not args.json:
-        for storage in ("dense", "packed", "deterministic"):
+        d = res["fp32_deterministic_vs_cpu"]
+        print(f"fp32 deterministic mode, GPU vs CPU per block: max rel {d['max_rel']:.2e}, bitwise equal "
+              f"{d['bitwise_equal']}")
+        for storage in ("dense", "packed", "dense_device_ties", "packed_device_ties"):
             g = res[f"fp32_{storage}"]
-            print(f"fp32 {storage:13s} gate 1: max rel {g['max_rel']:.2e} over {g['tensors']} captures, rows > 1e-5: "
+            print(f"fp32 {storage:18s} gate 1: max rel {g['max_rel']:.2e} over {g['tensors']} captures, rows > 1e-5: "
                   f"{g['rows_over_1e-5']}, failing: {g['tensors_failing'] or 'none'} -> "
                   f"{'PASS' if g['passes'] else 'FAIL'}")
         for storage in ("dense", "packed"):

@@ -225,3 +225,30 @@ def test_negative_controls_fail_gate1(breakage, monkeypatch, blocks):
     prefill_only = {k: v for k, v in blocks.items() if not k.startswith("decode_")}
     bad, _ = gate1_failures(run_teacher_forced(model, prefill_only), prefill_only)
     assert bad, f"{breakage.__name__} went unnoticed"
+
+
+def test_tie_rule_decides_gate1(blocks):
+    """Exact ties among indexer scores (all-zero ReLU rows) are where gate 1 is sensitive: another tie order
+    ("recent") fails it from the first compressed layer on, while "official-cpu" is the official order."""
+    model = load_model(CASE_A)[0]
+    attention.set_tie_break(model, "recent")
+    bad, _ = gate1_failures(run_teacher_forced(model, blocks), blocks)
+    assert "block_out.2" in bad and "block_out.0" not in bad and "block_out.1" not in bad
+    attention.set_tie_break(model, "official-cpu")
+    bad, _ = gate1_failures(run_teacher_forced(model, blocks), blocks)
+    assert not bad, bad
+    with pytest.raises(ValueError, match="tie break"):
+        attention.set_tie_break(model, "newest")
+
+
+@pytest.mark.gpu
+def test_gate1_teacher_forced_fp32_on_the_gpu(blocks):
+    """Gate 1 on a GPU in fp32, dense and packed storage: the official tie order ("official-cpu") is all the
+    GPU needs beyond its own summation order (CUDA's topk orders exact ties otherwise)."""
+    for storage in ("dense", "packed"):
+        model = load_model(CASE_A, storage=storage)[0].cuda()
+        attention.set_tie_break(model, "official-cpu")
+        with torch.no_grad():
+            ours = run_teacher_forced(model, {k: v.cuda() for k, v in blocks.items()})
+        bad, _ = gate1_failures({k: v.cpu() for k, v in ours.items()}, blocks)
+        assert not bad, (storage, bad)

@@ -191,6 +191,25 @@ def test_engine_with_static_steps_equals_eager_engine(tiny):
     set_tie_break(model, "recent")
 
 
+def test_engine_prefix_reuse_with_static_steps(tiny, tmp_path):
+    """Prompts resumed from the prefix cache (SWA snapshot hits) decode with the static step exactly as eagerly
+    (deterministic mode: bit for bit)."""
+    cfg, model = tiny
+    base = "The shared prefix of every request goes on for a while, long enough to pass the window. " * 2
+    prompts = [base + s for s in ("one", "two two", "three three three")]
+    runs = []
+    for graphs in (False, True):
+        eng = Engine(model, max_batch=4, cuda_graphs=graphs, deterministic=True, kv_page_size=4,
+                     cache_dir=tmp_path / str(graphs), swa_pool="memory")
+        runs.append([c for ps in (prompts, prompts[::-1]) for c in eng.generate(ps, SamplingParams(max_tokens=10,
+                                                                                                   logprobs=2))])
+    paths = [[c.stats["cache_path"] for c in r] for r in runs]
+    assert paths[0] == paths[1] and paths[1][3:] == ["swa-hit"] * 3
+    for a, b in zip(*runs):
+        assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
+    set_tie_break(model, "recent")
+
+
 def test_static_step_reads_nothing_on_the_host(tiny, monkeypatch):
     """The sync guard around the model's forward: the eager step reads values on the host (the census below
     pins the kinds), the static step none."""

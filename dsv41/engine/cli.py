@@ -55,8 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser, checkpoint_required: bool = True
                         "drafter, else off); outputs keep the target distribution exactly")
     p.add_argument("--step-profile", default=None,
                    help="T(n) profile for the dspark scheduler (default: CHECKPOINT/step_profile.json)")
-    p.add_argument("--tie-break", choices=["official", "recent"], default="official",
-                   help="indexer top-k tie rule: official (torch.topk, parity with the official code) or recent "
+    p.add_argument("--tie-break", choices=["official", "official-cpu", "recent"], default="official",
+                   help="indexer top-k tie rule: official (torch.topk on the model's device: parity with the official "
+                        "code on a CPU), official-cpu (the CPU's order on any device: a host sync per top-k) or recent "
                         "(deterministic: greedy outputs then do not depend on which requests share a batch)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics (implies --tie-break recent): a request's tokens and log-probs do "
@@ -94,10 +95,10 @@ def engine_from_args(args: argparse.Namespace, model=None, tokenizer=None) -> En
     from dsv41.model.loading import load_model
 
     if model is None:
-        model, _ = load_model(args.checkpoint, dtype=parse_dtype(args.dtype), storage=args.storage,
+        model, _ = load_model(args.checkpoint, dtype=parse_dtype(args.dtype or "float32"), storage=args.storage,
                               engram_tables=args.engram_tables)
-    if args.tie_break == "recent":
-        set_tie_break(model, "recent")
+    if args.tie_break != "official":
+        set_tie_break(model, args.tie_break)
     tokenizer = tokenizer or load_tokenizer(args.checkpoint, model.cfg.vocab_size)
     spec, profile = resolve_speculation(model, args.checkpoint, args.speculative, args.step_profile, args.max_batch)
     packed = all(m.quant for m in model.modules() if isinstance(m, QuantSite))      # the engine's packed store

@@ -110,14 +110,20 @@ def indexer_scores_packed_ref(q: torch.Tensor, w: torch.Tensor, index_pages: tor
     return score.float().masked_fill(~visible, -torch.inf)
 
 
+TIE_RULES = ("official", "official-cpu", "recent")
+
+
 def topk_indices(score: torch.Tensor, k: int, ties: str) -> torch.Tensor:
-    """Indices of the k largest entries along the last axis: ties="official" torch's `topk(sorted=False)`,
-    ties="recent" ties broken toward the larger index (`dsv41.model.attention.topk_indices`, which could import
-    this one)."""
-    if ties == "official":
+    """Indices of the k largest entries along the last axis. ties="official": torch's `topk(sorted=False)` on the
+    score's device (on a CPU the official code's order among exact ties; CUDA's topk orders ties otherwise);
+    "official-cpu": the official order on any device (a GPU's rows go through the host: one sync a call, for parity
+    runs); "recent": ties broken toward the larger index (`dsv41.model.attention.set_tie_break`)."""
+    if ties == "official" or (ties == "official-cpu" and score.device.type == "cpu"):
         return score.topk(k, dim=-1, sorted=False).indices
+    if ties == "official-cpu":
+        return score.cpu().topk(k, dim=-1, sorted=False).indices.to(score.device)
     if ties != "recent":
-        raise ValueError(f"tie break must be 'official' or 'recent', got {ties!r}")
+        raise ValueError(f"tie break must be one of {TIE_RULES}, got {ties!r}")
     order = torch.sort(score.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
     return score.size(-1) - 1 - order
 

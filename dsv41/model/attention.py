@@ -26,7 +26,7 @@ from dsv41.devices import h2d
 from dsv41.kernels import qdq_fp8, sparse_attn
 from dsv41.kernels.invariant import (canonical_lists, index_scores, is_deterministic, set_deterministic,
                                      small_sum, tiled_linear)
-from dsv41.kernels.packed_ref import top_blocks, topk_indices
+from dsv41.kernels.packed_ref import TIE_RULES, top_blocks, topk_indices
 from dsv41.model import packed_decode
 from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope, lin_kind
 from dsv41.model.step import StepContext
@@ -40,9 +40,12 @@ def set_tie_break(model: nn.Module, ties: str) -> None:
       the official selections (gate 1) but a chunked prefill or a decode step can pick another member of a tie.
     ties="recent": ties broken toward the larger index (the more recent entry): a fixed rule under which
       chunked prefill, decode and batching select exactly what one-shot prefill selects, even at exact ties
-      (all-zero ReLU score rows are common). Used for the engine's exactness checks."""
-    if ties not in ("official", "recent"):
-        raise ValueError(f"tie break must be 'official' or 'recent', got {ties!r}")
+      (all-zero ReLU score rows are common). Used for the engine's exactness checks.
+    ties="official-cpu": the official order on any device. CUDA's topk orders exact ties otherwise than the CPU's,
+      which alone fails gate 1 on a GPU from the first compressed layer on (docs/golden.md §4); this rule takes the
+      score rows through the host (a sync per top-k: parity runs, not serving)."""
+    if ties not in TIE_RULES:
+        raise ValueError(f"tie break must be one of {TIE_RULES}, got {ties!r}")
     for m in model.modules():
         if isinstance(m, Indexer):
             m.ties = ties
