@@ -7,11 +7,14 @@ captured in a CUDA graph and replayed: no host launch overhead; median of 5 repl
 that the weights come from HBM and not from L2) and of dequantize-then-matmul (what a packed model did before);
 bytes/s on the bytes the kernel must read (weight codes + scales; x and y at prefill) as a share of the device-to-
 device copy bandwidth measured in this run, and TFLOP/s as a share of the bf16 GEMM rate measured in this run (8192
-x 5120 x 5120). Then the MoE op of a decode step (B = 1, 8, 32, 64 tokens x top-6 of v41-geometry's 16 fp4 routed
-experts + the fp8 shared expert) over packed and over dense bf16 experts.
+x 5120 x 5120; and of torch's per-tensor FP8 GEMM, the FP8 tensor cores' rate: a prefill-size call over an fp8
+weight runs on them, `dsv41.kernels.triton.fp8_gemm`, fp4 weights decode once and run the bf16 GEMM). Then the MoE
+op of a decode step (B = 1, 8, 32, 64 tokens x top-6 of v41-geometry's 16 fp4 routed experts + the fp8 shared
+expert) over packed and over dense bf16 experts.
 
     python benchmarks/packed_gemm.py          # writes benchmarks/results/packed_gemm_h200.json
-    python benchmarks/packed_gemm.py --sweep  # first picks the decode tiles (DECODE_CONFIG) on two shapes
+    python benchmarks/packed_gemm.py --sweep  # first picks the decode tiles (DECODE_CONFIG) on two shapes and the
+                                              # prefill tiles of the FP8 tensor-core GEMM (fp8_gemm.PREFILL_CONFIG)
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.codecs import qdq_fp8  # noqa: E402
 from dsv41.codecs.weights import PackedWeight, pack_weight  # noqa: E402
-from dsv41.kernels.triton import packed_gemm  # noqa: E402
+from dsv41.kernels.triton import fp8_gemm, packed_gemm  # noqa: E402
 from dsv41.kernels.triton.moe_kernel import moe_experts_triton  # noqa: E402
 from dsv41.kernels.triton.packed_gemm import packed_linear_triton  # noqa: E402
 
@@ -105,6 +108,44 @@ def sweep(dev: str) -> dict:
     return {"sweep": table, "decode_config": dict(packed_gemm.DECODE_CONFIG)}
 
 
+def sweep_prefill(dev: str) -> dict:
+    """The prefill tiles of the FP8 tensor-core GEMM with the least summed GPU time over two M = 4096 calls (wq_b's
+    and a shared expert's w1 shapes); sets `fp8_gemm.PREFILL_CONFIG` and returns the table."""
+    cases = []
+    for N, K in ((64 * 512, 1280), (2304, 5120)):
+        codes, scale = pack_weight(torch.randn(N, K, device=dev) * K ** -0.5, "fp8")
+        cases.append((PackedWeight(codes, scale, "fp8", (N, K), torch.bfloat16),
+                      qdq_fp8(torch.randn(4096, K, device=dev, dtype=torch.bfloat16))))
+    table = []
+    for bm, bn, warps in ((64, 128, 4), (128, 128, 8), (128, 256, 8), (64, 256, 4)):
+        for stages in (3, 5):
+            fp8_gemm.PREFILL_CONFIG.update(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+            try:
+                t = sum(cuda_time(lambda: fp8_gemm.fp8_linear_triton(x, w)) for w, x in cases)
+            except Exception as e:              # a tile that does not fit the SM's shared memory
+                print(f"sweep prefill BM {bm} BN {bn} warps {warps} stages {stages}: {type(e).__name__}")
+                continue
+            table.append({"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages, "seconds": t})
+            print(f"sweep prefill BM {bm:3d} BN {bn:3d} warps {warps} stages {stages}: {t * 1e6:7.1f} us", flush=True)
+    best = min(table, key=lambda r: r["seconds"])
+    fp8_gemm.PREFILL_CONFIG.update({k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages")})
+    print(f"prefill tiles: {fp8_gemm.PREFILL_CONFIG}")
+    return {"sweep_prefill": table, "prefill_config": dict(fp8_gemm.PREFILL_CONFIG)}
+
+
+def fp8_rate(dev: str) -> float | None:
+    """torch's per-tensor FP8 GEMM (`torch._scaled_mm`) at 8192 x 5120 x 5120: the FP8 tensor cores' rate here."""
+    try:
+        a = torch.randn(8192, 5120, device=dev).to(torch.float8_e4m3fn)
+        b = torch.randn(5120, 5120, device=dev).to(torch.float8_e4m3fn)
+        one = torch.ones((), device=dev)
+        return 2 * 8192 * 5120 * 5120 / cuda_time(lambda: torch._scaled_mm(a, b.T, one, one,
+                                                                            out_dtype=torch.bfloat16), 5)
+    except Exception as e:  # pragma: no cover - a torch without it
+        print(f"no FP8 reference rate: {type(e).__name__}: {e}")
+        return None
+
+
 def moe_rows(dev: str, bw: float) -> list[dict]:
     """The MoE op of one decode step over B tokens (top-6 of 16 fp4 routed experts + the fp8 shared expert, held
     packed) against the same op over the dense bf16 twins: GPU time, and bytes/s on the packed bytes of the experts
@@ -145,11 +186,16 @@ def main() -> None:
     a, b = (torch.randn(8192, 5120, device=dev, dtype=torch.bfloat16) for _ in range(2))
     rate = 2 * 8192 * 5120 * 5120 / cuda_time(lambda: a @ b.T, 5)
     a = b = None
-    res = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "bf16_gemm_rate": rate, "rows": []}
+    rate8 = fp8_rate(dev)
+    res = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "bf16_gemm_rate": rate,
+           "fp8_gemm_rate_per_tensor": rate8, "rows": []}
     if "--sweep" in sys.argv:
         res.update(sweep(dev))
+        res.update(sweep_prefill(dev))
     res["decode_config"] = dict(packed_gemm.DECODE_CONFIG)
-    print(f"copy {bw / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
+    res["prefill_config"] = dict(fp8_gemm.PREFILL_CONFIG)
+    print(f"copy {bw / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s, FP8 (per-tensor, torch) "
+          f"{(rate8 or 0) / 1e12:.0f} TFLOP/s")
     print(f"{'weight':11s}{'kind':>5}{'M':>6}{'packed us':>11}{'bf16 us':>9}{'deq+mm us':>10}{'x bf16':>8}"
           f"{'TB/s':>7}{'%bw':>6}{'TFLOP/s':>9}{'%mma':>6}")
     for name, kind, N, K in SHAPES:
@@ -167,7 +213,8 @@ def main() -> None:
             row = {"weight": name, "kind": kind, "N": N, "K": K, "M": M, "packed_s": t_p, "bf16_s": t_b,
                    "dequant_matmul_s": t_d, "speedup_vs_bf16": t_b / t_p, "bytes": nbytes,
                    "bytes_per_s": nbytes / t_p, "share_of_copy_bw": nbytes / t_p / bw,
-                   "flops_per_s": 2 * M * N * K / t_p, "share_of_bf16_rate": 2 * M * N * K / t_p / rate}
+                   "flops_per_s": 2 * M * N * K / t_p, "share_of_bf16_rate": 2 * M * N * K / t_p / rate,
+                   "share_of_fp8_rate": 2 * M * N * K / t_p / rate8 if rate8 else None}
             res["rows"].append(row)
             print(f"{name:11s}{kind:>5}{M:>6}{t_p * 1e6:>11.1f}{t_b * 1e6:>9.1f}{t_d * 1e6:>10.1f}"
                   f"{row['speedup_vs_bf16']:>8.2f}{row['bytes_per_s'] / 1e12:>7.2f}"

@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 
+from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_MAX_INV, pow2_ceil
 from dsv41.codecs.weights import PackedWeight
 
 __all__ = ["GEMM_BLOCK", "block_scaled_linear_ref", "weight_column_chunks", "packed_linear_ref"]
@@ -71,3 +72,11 @@ def packed_linear_ref(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor 
     then one `F.linear` (the library's order). The GPU twin (`dsv41.kernels.triton.packed_gemm`) reads the bytes
     instead; on a CPU the model takes `block_scaled_linear_ref` (the official order) and not this."""
     return torch.nn.functional.linear(x.to(weight.dtype), weight.dequant(), bias)
+
+
+def quant_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's codes and scales for the FP8 tensor cores (reference of `dsv41.kernels.triton.fp8_gemm.quant_rows_triton`):
+    exact (codes x scales = x) for a QDQ'd x. x [M, K] -> (codes float8_e4m3fn [M, K], scales fp32 [M, K / 32])."""
+    g = x.float().unflatten(-1, (-1, 32))
+    s = pow2_ceil(g.abs().amax(-1).clamp_min(FP8_AMAX_FLOOR) * FP8_MAX_INV)
+    return (g / s[..., None]).flatten(-2).to(torch.float8_e4m3fn), s

@@ -16,10 +16,10 @@ tests/test_kernels_packed_gemm.py, benchmarks/gpu_parity.py). Only the weight's 
 half a byte (fp4) per weight instead of bf16's 2; the scales are read once per row and block, not per weight.
 
 Decode-size calls (M <= 64) are bound by reading W: the grid covers N in tiles of BN and, when that leaves SMs
-idle, splits K into S parts whose fp32 partials one sum adds (a fixed order). Larger M (prefill) decodes the weight
-once into a bf16 scratch (`dequant_triton`, one pass over the bytes) and runs the library's bf16 GEMM: its cost is
-shared by the M rows. (A tensor-core FP8 kernel with the per-32 K-block promotion would halve the GEMM's operand
-bytes; not written yet.)
+idle, splits K into S parts whose fp32 partials one sum adds (a fixed order). Larger M (prefill): an fp8 weight of
+a bf16 model goes to the FP8 tensor cores with the per-32 K-block promotion (`dsv41.kernels.triton.fp8_gemm`);
+fp4 weights (Hopper has no FP4 tensor cores) and fp32 models decode the weight once into a scratch
+(`dequant_triton`, one pass over the bytes) and run the library's GEMM: its cost is shared by the M rows.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import triton.language as tl
 from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.triton.common import ASM, DOT_BF16, LAST, sm_count
 from dsv41.kernels.triton.decoders import P2_112, P2_118, e2m1_split, swa_split, ue8m0_to_f32
+from dsv41.kernels.triton.fp8_gemm import fp8_linear_triton, fp8_prefill_fits
 
 __all__ = ["packed_linear_triton", "packed_block", "block_dot", "packed_rows_dot", "check_offsets", "dequant_triton",
            "DECODE_ROWS", "DECODE_CONFIG"]
@@ -165,7 +166,9 @@ def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
     y = torch.empty(M, N, dtype=weight.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
-    if M > DECODE_ROWS:                  # prefill sizes: decode the weight once, then the library's bf16 GEMM
+    if M > DECODE_ROWS and fp8_prefill_fits(a, weight):     # prefill sizes, fp8: the FP8 tensor cores
+        return fp8_linear_triton(a, weight, bias).view(*x.shape[:-1], N)
+    if M > DECODE_ROWS:                  # prefill sizes otherwise: decode the weight once, then the library's GEMM
         w = dequant_triton(weight)
         return torch.nn.functional.linear(a.to(weight.dtype), w, bias).view(*x.shape[:-1], N)
     check_offsets(weight)
