@@ -2,6 +2,11 @@
 runs/experiments/NAME/{report.md, report.json, plot.png}; the task data they need; the indexer's recall.
 
 Examples
+    dsv41 experiments train-task --out runs/experiments/task-kv-compact     # the task model (curriculum, ~20 min)
+    dsv41 experiments accuracy --checkpoint runs/experiments/task-kv-compact
+    dsv41 experiments run needle --checkpoint runs/experiments/task-kv-compact --task kv-compact
+    dsv41 experiments run budget --scale 0.5                                # trains one task model per KV split
+    dsv41 experiments run all --checkpoint runs/experiments/task-kv-compact --task kv-compact --size 32 --scale 0.5
     dsv41 experiments task kv-retrieval --out runs/experiments/data/kv-retrieval-60.jsonl --docs 3000 --size 60
     dsv41 train --preset tiny --data runs/experiments/data/kv-retrieval-60.jsonl --seq-len 512 --batch-size 4 \\
         --out runs/experiments/task-kv-tiny
@@ -18,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-STUDIES = ("approximations", "replay")
+STUDIES = ("approximations", "replay", "needle", "budget")
 
 
 def register(subparsers) -> None:
@@ -29,9 +34,15 @@ def register(subparsers) -> None:
     run.add_argument("name", choices=STUDIES + ("all",))
     _model_args(run)
     run.add_argument("--out", default="runs/experiments")
+    run.add_argument("--scale", type=float, default=1.0, help="budget: the curriculum's steps x SCALE per model")
+    run.add_argument("--splits", default=None, help="budget: the KV splits to train, comma-separated (default all: "
+                     "preset, swapped, three m=2, six m=4)")
+    run.add_argument("--device", default="auto", help="budget: where its task models train")
+    run.add_argument("--sizes", default=None, help="needle / budget: document sizes (pairs per document), "
+                     "comma-separated (default: needle 16,32,64; budget 8,16,32)")
     run.set_defaults(func=_run)
     task = sub.add_parser("task", help="write a long-context task's training documents as JSONL")
-    task.add_argument("name", help="kv-retrieval | needle")
+    task.add_argument("name", help="kv-retrieval | kv-compact | needle")
     task.add_argument("--out", required=True)
     task.add_argument("--docs", type=int, default=3000)
     task.add_argument("--size", type=int, default=60, help="pairs (kv-retrieval) or filler lines (needle)")
@@ -40,10 +51,27 @@ def register(subparsers) -> None:
     rec = sub.add_parser("recall", help="the indexers' recall of the attention's top-k, and the task accuracy")
     _model_args(rec)
     rec.set_defaults(func=_recall)
+    tt = sub.add_parser("train-task", help="train the kv-compact task model (curriculum of growing contexts)")
+    tt.add_argument("--out", default="runs/experiments/task-kv-compact")
+    tt.add_argument("--scale", type=float, default=1.0, help="the curriculum's steps x SCALE")
+    tt.add_argument("--lr", type=float, default=3e-2)
+    tt.add_argument("--seed", type=int, default=0)
+    tt.add_argument("--threads", type=int, default=1)
+    tt.add_argument("--device", default="auto")
+    tt.add_argument("--sizes", default="4,8,16,32,64", help="the accuracy afterwards: pairs per document")
+    tt.add_argument("--docs", type=int, default=16, help="the accuracy afterwards: documents a size")
+    tt.set_defaults(func=_train_task)
+    acc = sub.add_parser("accuracy", help="a kv-compact model's retrieval accuracy against context and distance")
+    acc.add_argument("--checkpoint", required=True)
+    acc.add_argument("--sizes", default="4,8,16,32,64", help="pairs per document, comma-separated")
+    acc.add_argument("--docs", type=int, default=16)
+    acc.add_argument("--seed", type=int, default=1)
+    acc.add_argument("--threads", type=int, default=1)
+    acc.set_defaults(func=_accuracy, task="kv-compact", size=0)
 
 
 def _model_args(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="a `dsv41 train` output directory")
+    p.add_argument("--checkpoint", help="a `dsv41 train` output directory (all studies but budget)")
     p.add_argument("--task", default="kv-retrieval")
     p.add_argument("--size", type=int, default=60, help="the task size the model was trained on")
     p.add_argument("--docs", type=int, default=16, help="evaluation documents")
@@ -58,6 +86,8 @@ def _load(args):
     from dsv41.train.tasks_longctx import task_documents
 
     torch.set_num_threads(args.threads)
+    if not args.checkpoint:
+        raise ValueError("--checkpoint DIR is required (a `dsv41 train` or `experiments train-task` directory)")
     tok_path = Path(args.checkpoint) / "tokenizer.json"
     if not tok_path.is_file():
         raise ValueError(f"--checkpoint {args.checkpoint}: no tokenizer.json (a `dsv41 train` directory?)")
@@ -66,35 +96,100 @@ def _load(args):
                                                                             args.size)
 
 
-def _command(args) -> str:
-    return (f"dsv41 experiments run {args.name} --checkpoint {args.checkpoint} --task {args.task} --size {args.size} "
-            f"--docs {args.docs} --seed {args.seed}")
+def _command(args, name: str) -> str:
+    """The command that reruns study `name` alone."""
+    sizes = f" --sizes {args.sizes}" if args.sizes and name in ("needle", "budget") else ""
+    if name == "budget":
+        splits = f" --splits '{args.splits}'" if args.splits else ""
+        return (f"dsv41 experiments run budget --scale {args.scale:g}{splits}{sizes} --docs {args.docs} "
+                f"--seed {args.seed} --threads {args.threads}")
+    return (f"dsv41 experiments run {name} --checkpoint {args.checkpoint} --task {args.task} --size {args.size}"
+            f"{sizes} --docs {args.docs} --seed {args.seed} --threads {args.threads}")
+
+
+def _train_task(args) -> int:
+    from dsv41.experiments.taskmodel import CURRICULUM, scaled, train_task_model
+
+    train_task_model(args.out, curriculum=scaled(CURRICULUM, args.scale), lr=args.lr, seed=args.seed,
+                     threads=args.threads, device=args.device)
+    args.checkpoint, args.seed = args.out, 1                  # evaluation seed (training documents used --seed)
+    return _accuracy(args)
+
+
+def _accuracy(args) -> int:
+    from tokenizers import Tokenizer
+
+    from dsv41.experiments.report import write_report
+    from dsv41.experiments.taskmodel import accuracy_by_length, accuracy_tables
+    from dsv41.model.loading import load_model
+
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(args.checkpoint)
+    tok = Tokenizer.from_file(str(Path(args.checkpoint) / "tokenizer.json"))
+    t = time.time()
+    result = accuracy_by_length(model.eval(), tok, tuple(int(s) for s in args.sizes.split(",")), args.docs, args.seed)
+    result["seconds"] = time.time() - t
+    title = (f"retrieval accuracy of {args.checkpoint} on kv-compact (teacher-forced exact match, {args.docs} "
+             f"documents a size, each pair queried once; seed {args.seed})")
+    command = (f"dsv41 experiments accuracy --checkpoint {args.checkpoint} --sizes {args.sizes} --docs {args.docs} "
+               f"--seed {args.seed}")
+    out = write_report(Path(args.checkpoint) / "accuracy", title, command, accuracy_by_length.__doc__,
+                       accuracy_tables(result), result)
+    print(f"{title}:\n")
+    print(accuracy_tables(result))
+    print(f"-> {out}/report.md")
+    return 0
 
 
 def _run(args) -> int:
-    from dsv41.experiments import approximations, replay
     from dsv41.experiments.report import write_report
-    from dsv41.train.tasks_longctx import encode_tasks
 
-    model, tok, docs = _load(args)
-    for name in STUDIES if args.name == "all" else (args.name,):
+    # all: every study; needle only on kv-compact documents (the task its pool bookkeeping reads)
+    names = (args.name,)
+    if args.name == "all":
+        names = tuple(n for n in STUDIES if n != "needle" or args.task == "kv-compact")
+        if "needle" not in names:
+            print(f"all: the needle study runs on kv-compact models (--task kv-compact), skipped for {args.task}")
+    model, tok, docs = _load(args) if names != ("budget",) else (None, None, None)
+    for name in names:
         t = time.time()
-        if name == "approximations":
-            mod, result = approximations, approximations.approximation_study(model, tok, docs)
-        else:
-            L, W = model.cfg.n_layers, model.cfg.window_size
-            stream = torch.cat([encode_tasks(tok, [d]).ids[0] for d in docs])
-            n = W + L * W
-            rows = min(2, stream.numel() // n)
-            if rows == 0:
-                raise ValueError(f"the {args.docs} documents hold {stream.numel()} tokens, the replay study needs {n}")
-            mod, result = replay, replay.replay_study(model, stream[:rows * n].view(rows, n))
+        mod, result = _study(name, args, model, tok, docs)
         result["seconds"] = time.time() - t
-        out = write_report(Path(args.out) / name, f"{name} ({args.checkpoint})", _command(args).replace(f" {args.name} ", f" {name} "),
+        command = _command(args, name)
+        out = write_report(Path(args.out) / name, f"{name} ({args.checkpoint or 'task preset'})", command,
                            mod.__doc__, mod.table(result), result, mod.plot(result))
         print(mod.table(result))
         print(f"-> {out}/report.md ({result['seconds']:.0f} s)")
     return 0
+
+
+def _study(name, args, model, tok, docs):
+    """(the study's module, its result)."""
+    from dsv41.experiments import approximations, budget, needle, replay
+    from dsv41.train.tasks_longctx import encode_tasks
+
+    sizes = {"sizes": tuple(int(s) for s in args.sizes.split(","))} if args.sizes else {}
+    if name == "budget":
+        names = tuple(n.strip() for n in args.splits.split(",")) if args.splits else tuple(budget.SPLITS)
+        for n in names:
+            if n not in budget.SPLITS:
+                raise ValueError(f"--splits: unknown split {n!r}; choose from {', '.join(budget.SPLITS)}")
+        return budget, budget.budget_study(Path(args.out) / "budget", args.scale, names, **sizes, docs=args.docs,
+                                           seed=args.seed, threads=args.threads, device=args.device)
+    if name == "needle":
+        if args.task != "kv-compact":
+            raise ValueError(f"the needle study runs on kv-compact documents (a train-task model), got --task "
+                             f"{args.task}")
+        return needle, needle.needle_study(model, tok, **sizes, docs=min(args.docs, 8), seed=args.seed)
+    if name == "approximations":
+        return approximations, approximations.approximation_study(model, tok, docs)
+    L, W = model.cfg.n_layers, model.cfg.window_size
+    stream = torch.cat([encode_tasks(tok, [d]).ids[0] for d in docs])
+    n = W + L * W
+    rows = min(2, stream.numel() // n)
+    if rows == 0:
+        raise ValueError(f"the {args.docs} documents hold {stream.numel()} tokens, the replay study needs {n}")
+    return replay, replay.replay_study(model, stream[:rows * n].view(rows, n))
 
 
 def _task(args) -> int:

@@ -5,6 +5,11 @@
                 `queries` lines "? key value" for keys drawn from the list: each answer is a copy from far back
                 (up to the whole document), through the sliding window only when the pair is recent, otherwise
                 through the compressed KV the indexer selects.
+  kv-compact    the same retrieval in a form a debug-size model learns in CPU minutes: every line ": key value"
+                (`size` pairs, keys drawn without repetition from a fixed set of `COMPACT_KEYS` 2-letter keys,
+                2-digit values), then `queries` lines "? key value"; a BPE at the debug vocabulary spells each key
+                and each value as one token, the same token in the pair line and the query, so an answer is one
+                token copied from the position after the matching key (chance 1/100).
   needle        filler lines of words, one line "key value" (the needle) at a random depth, then "? key value":
                 one long-distance copy per document, at a recorded depth (the candidate-pool study buckets by it).
 
@@ -27,7 +32,8 @@ import torch
 
 from dsv41.train.data import BOS_ID, EOS_ID, PAD_ID
 
-TASKS = ("kv-retrieval", "needle")
+TASKS = ("kv-retrieval", "kv-compact", "needle")
+COMPACT_KEYS = 64
 WORDS = ("the", "of", "and", "a", "in", "is", "it", "for", "on", "with", "as", "was", "at", "by", "this", "from",
          "or", "be", "are", "an", "but", "not", "all", "were", "when", "we", "there", "can", "which", "their")
 
@@ -39,10 +45,10 @@ class TaskDoc:
     sources: list[int] = field(default_factory=list)   # character offset of each answer's "key value" line
 
 
-def _keys(rng: random.Random, n: int) -> list[str]:
+def _keys(rng: random.Random, n: int, letters: int = 3) -> list[str]:
     keys: set[str] = set()
     while len(keys) < n:
-        keys.add("".join(rng.choices(string.ascii_lowercase, k=3)))
+        keys.add("".join(rng.choices(string.ascii_lowercase, k=letters)))
     return sorted(keys, key=lambda _: rng.random())
 
 
@@ -62,6 +68,29 @@ def kv_document(rng: random.Random, pairs: int, queries: int) -> TaskDoc:
     return TaskDoc(text, answers, sources)
 
 
+def compact_keys() -> list[str]:
+    """The fixed key set of kv-compact (the same for every seed: the model learns its tokens once)."""
+    return _keys(random.Random("kv-compact:keys"), COMPACT_KEYS, 2)
+
+
+def kv_compact_document(rng: random.Random, pairs: int, queries: int) -> TaskDoc:
+    if pairs > COMPACT_KEYS:
+        raise ValueError(f"kv-compact holds at most {COMPACT_KEYS} pairs per document, got {pairs}")
+    keys = rng.sample(compact_keys(), pairs)
+    values = [f"{rng.randrange(100):02d}" for _ in keys]
+    text, where = "", []
+    for k, v in zip(keys, values):
+        where.append(len(text))
+        text += f": {k} {v}\n"
+    answers, sources = [], []
+    for i in rng.sample(range(pairs), min(queries, pairs)):
+        line = f"? {keys[i]} "
+        answers.append((len(text) + len(line), len(text) + len(line) + 2))
+        sources.append(where[i])
+        text += line + values[i] + "\n"
+    return TaskDoc(text, answers, sources)
+
+
 def needle_document(rng: random.Random, lines: int, words: int = 8) -> TaskDoc:
     key, value = _keys(rng, 1)[0], f"{rng.randrange(1000):03d}"
     depth = rng.randrange(lines + 1)
@@ -74,7 +103,7 @@ def needle_document(rng: random.Random, lines: int, words: int = 8) -> TaskDoc:
 
 
 def task_documents(task: str, n: int, seed: int, size: int, queries: int = 4) -> list[TaskDoc]:
-    """n documents of `task`; size: pairs (kv-retrieval) or filler lines (needle)."""
+    """n documents of `task`; size: pairs (kv-retrieval, kv-compact) or filler lines (needle)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     if size < 1 or n < 1:
@@ -82,6 +111,8 @@ def task_documents(task: str, n: int, seed: int, size: int, queries: int = 4) ->
     rng = random.Random(f"{task}:{seed}")
     if task == "kv-retrieval":
         return [kv_document(rng, size, queries) for _ in range(n)]
+    if task == "kv-compact":
+        return [kv_compact_document(rng, size, queries) for _ in range(n)]
     return [needle_document(rng, size) for _ in range(n)]
 
 
