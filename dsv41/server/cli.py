@@ -1,10 +1,12 @@
 """`dsv41 serve` (the OpenAI-compatible server) and `dsv41 demo` (the main job). The engine's flags are the
-engine's (`dsv41.engine.cli`); these add the server's own."""
+engine's (`dsv41.engine.cli`); these add the server's own, and serve's device and weights (`dsv41.server.device`:
+--device, --random-weights --config, --kernels)."""
 
 from __future__ import annotations
 
 from dsv41.engine.cli import add_engine_args
 from dsv41.server import demo
+from dsv41.server.device import add_device_args
 
 
 def add_server_args(p) -> None:
@@ -17,7 +19,10 @@ def add_server_args(p) -> None:
 
 def register(sub) -> None:
     s = sub.add_parser("serve", help="serve a checkpoint over the OpenAI API (chat, completions, metrics)")
-    add_engine_args(s)
+    s.add_argument("--checkpoint", default=None, help="checkpoint directory (ours or the official layout); or "
+                   "--random-weights --config PRESET")
+    add_engine_args(s, checkpoint_required=False)
+    add_device_args(s)
     add_server_args(s)
     s.set_defaults(cache_dir="auto", swa_pool="auto")         # prefix caching on (`dsv41.kv.cache_cli`)
     s.add_argument("--host", default="127.0.0.1")
@@ -38,21 +43,40 @@ def register(sub) -> None:
 def serve_main(args) -> int:
     import uvicorn
 
-    from dsv41.parallel.lockstep import release_ranks, serving_engine
+    from dsv41.parallel.lockstep import release_ranks
     from dsv41.server.app import create_app
     from dsv41.server.state import ServerSettings
 
-    engine = serving_engine(args)           # under torchrun: rank 0's lockstep engine; other ranks follow, then None
+    engine = build_engine(args)             # under torchrun: rank 0's lockstep engine; other ranks follow, then None
     if engine is None:
         return 0
     settings = ServerSettings.from_args(args)
     app = create_app(engine, settings)
     print(f"dsv41 serve: model `{settings.model_name}` ({engine.cfg.n_layers} layers, vocab {engine.cfg.vocab_size},"
           f" prefill {engine.prefill_mode}, max batch {engine.max_batch}, context {engine.max_seq_len}, chat template"
-          f" {app.state.dsv41.template.name}, speculative {engine.speculation}) on http://{args.host}:{args.port}/v1",
+          f" {app.state.dsv41.template.name}, speculative {engine.speculation}, {engine.device} {args.dtype}) on"
+          f" http://{args.host}:{args.port}/v1",
           flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         release_ranks(engine)
     return 0
+
+
+def build_engine(args):
+    """The engine for serve's flags: in one process the model on --device (`dsv41.server.device.serving_model`);
+    under torchrun each rank's shard on its own GPU (`serving_engine`), where --device and --random-weights do not
+    apply."""
+    from dsv41.engine.cli import engine_from_args
+    from dsv41.parallel.lockstep import launched, serving_engine
+    from dsv41.server.device import check_weight_flags, resolve_dtype, serving_model
+
+    if not launched():
+        return engine_from_args(args, model=serving_model(args))
+    if args.random_weights or args.device != "cpu":
+        raise ValueError(f"under torchrun every rank loads its shard of --checkpoint on its own GPU: --device "
+                         f"{args.device} / --random-weights do not apply")
+    check_weight_flags(args)
+    resolve_dtype(args)
+    return serving_engine(args)

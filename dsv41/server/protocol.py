@@ -220,6 +220,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)      # extension (vLLM)
+    return_tokens_as_token_ids: bool = False                    # extension (vLLM): logprobs name "token_id:ID"
     _null_is_false = ("echo",)
 
     def check_unsupported(self) -> None:

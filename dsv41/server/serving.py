@@ -9,8 +9,9 @@ its engine requests aborted, which frees their batch slots.
 
 Extensions beyond OpenAI's fields: request `top_k`, `ignore_eos`, `stop_token_ids`, `repetition_penalty`,
 `cache_salt` (vLLM's: requests with different salts never share prefix-cache entries), `prompt_logprobs`,
+`return_tokens_as_token_ids` (completions' logprobs name token ids),
 `return_prompt` (the response then carries the rendered `prompt`); response `engine_stats` (per choice: prefill mode, timings, KV bytes, cache
-path); `usage.prompt_tokens_details` carries `cached_tokens_by_tier` and `cache_path` next to OpenAI's
+path, preemptions); `usage.prompt_tokens_details` carries `cached_tokens_by_tier` and `cache_path` next to OpenAI's
 `cached_tokens`.
 
 Streams are server-sent events (`sse`): one `data:` line per chunk, `data: [DONE]` last; a failure once the
@@ -190,7 +191,8 @@ def derive_seed(seed: int | None, index: int) -> int | None:
 
 
 def engine_stats(c: Choice, comp) -> dict:
-    keys = ("prefill_mode", "prefill_s", "decode_s", "ttft_s", "kv_bytes", "cache_path", "cached_tokens", "speculative")
+    keys = ("prefill_mode", "prefill_s", "decode_s", "ttft_s", "kv_bytes", "cache_path", "cached_tokens", "preemptions",
+            "speculative")
     return {"index": c.index, **{k: comp.stats.get(k) for k in keys}}
 
 

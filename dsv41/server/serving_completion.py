@@ -5,11 +5,14 @@ logprobs, and prompt log-probabilities.
 token has none: null), `max_tokens: 0` with `echo` only scores the prompt, and `prompt_logprobs` (vLLM's
 extension) adds the per-position dicts vLLM returns. That is the protocol `lm-evaluation-harness`'s
 `local-completions` model scores multiple-choice and perplexity tasks with (`scoring` computes the numbers).
-`response_format` json_object / json_schema constrain the completion as in chat.
+`response_format` json_object / json_schema constrain the completion as in chat. `return_tokens_as_token_ids`
+(vLLM's extension) names each logprobs token "token_id:ID" instead of its text, so a client sees the exact ids
+(text_offset still counts the text's characters).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator
 
 from dsv41.engine.engine import StepOutput
@@ -17,6 +20,10 @@ from dsv41.server.logprobs import completion_logprobs, echo_entries, prompt_logp
 from dsv41.server.protocol import CompletionRequest, bad_request
 from dsv41.server.serving import MAX_SEQUENCES_PER_REQUEST, Choice, OpenAIServing
 from dsv41.server.validation import check_ids, encode
+
+
+def token_id_name(i: int) -> str:
+    return f"token_id:{i}"
 
 
 class ServingCompletion(OpenAIServing):
@@ -54,7 +61,14 @@ class ServingCompletion(OpenAIServing):
         return self.prompt[c.prompt_index] if self.req.echo else ""
 
     def _logprobs(self, entries: list[dict], offset: int = 0) -> dict | None:
-        return None if self.req.logprobs is None else completion_logprobs(entries, self.state.token_text.text, offset)
+        if self.req.logprobs is None:
+            return None
+        text = self.state.token_text.text
+        if not self.req.return_tokens_as_token_ids:
+            return completion_logprobs(entries, text, offset)
+        lps = completion_logprobs(entries, token_id_name, offset)
+        lps["text_offset"] = list(itertools.accumulate((len(text(e["token"])) for e in entries), initial=offset))[:-1]
+        return lps
 
     def _prompt_entries(self, c: Choice) -> list[dict]:
         """The echoed prompt's logprob entries (with `echo` and `logprobs`), top alternatives cut to `logprobs`."""

@@ -34,9 +34,11 @@ class ServerSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
         """The settings `dsv41 serve` / `dsv41 demo` flags give: the model is named after its checkpoint
-        directory unless --served-model-name says otherwise; the checkpoint path and "dsv41" are aliases."""
+        directory (random weights: `<config>-random`) unless --served-model-name says otherwise; the checkpoint path
+        and "dsv41" are aliases."""
         ckpt = args.checkpoint
-        name = args.served_model_name or (Path(ckpt).resolve().name if ckpt else "dsv41")
+        random_name = f"{Path(args.config).stem}-random" if getattr(args, "random_weights", False) else "dsv41"
+        name = args.served_model_name or (Path(ckpt).resolve().name if ckpt else random_name)
         aliases = tuple(a for a in {str(ckpt), "dsv41"} if ckpt and a != name)
         return cls(model_name=name, aliases=aliases, chat_template=args.chat_template,
                    default_max_tokens=args.default_max_tokens, checkpoint=str(ckpt) if ckpt else None,
