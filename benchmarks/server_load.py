@@ -29,10 +29,13 @@ the wheels carried in benchmarks/wheels/py312 (`pip download` them here; the fol
 
 Each token streams as its own chunk with its id (`logprobs: 0` with vLLM's `return_tokens_as_token_ids`), so
 tokens that decode to no text still count. Results: printed, one JSON line, and --out (default
-benchmarks/results/server_bench-<device>-<model>.json).
+benchmarks/results/server_bench-<mode>-<device>-<model>.json), with the command, the commit and the machine.
 
     PYTHONPATH=. python benchmarks/server_load.py --num-prompts 32 --input-len 128 --output-len 32 --max-batch 16
-    PYTHONPATH=. python benchmarks/server_load.py --mode overload --num-prompts 12 --input-len 40 --output-len 12
+    PYTHONPATH=. python benchmarks/server_load.py --mode overload --num-prompts 12 --input-len 32 --output-len 24 \
+        --kv-page-size 8 --max-seq-len 256
+    PYTHONPATH=. python benchmarks/server_load.py --mode chat --num-prompts 24 --max-concurrency 8 --output-len 16 \
+        --check --deterministic
     PYTHONPATH=. python benchmarks/server_load.py --num-prompts 128 --request-rate 4 --random-weights \\
         --config v41-geometry --device cuda --max-batch 32 --max-seq-len 4096
     PYTHONPATH=. python benchmarks/server_load.py --url http://127.0.0.1:8000 --mode serving   # a running server
@@ -45,7 +48,9 @@ import asyncio
 import importlib.util
 import json
 import os
+import platform
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -458,6 +463,11 @@ def bench_args(argv) -> tuple[argparse.Namespace, list[str]]:
     return ap.parse_known_args(argv)
 
 
+def machine() -> dict:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"usable_cpus": cpus, "cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
+
+
 def _commit() -> str | None:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     return os.environ.get("DSV41_GIT_COMMIT") or r.stdout.strip() or None
@@ -479,6 +489,7 @@ def run_mode(a: argparse.Namespace, url: str, model: str, vocab: int,
 
 
 def run(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
     a, flags = bench_args(argv)
     if missing(CLIENT_DEPS):
         raise SystemExit(f"the client needs {', '.join(missing(CLIENT_DEPS))}: python -m pip install --no-index "
@@ -509,19 +520,21 @@ def run(argv=None) -> dict:
     name = f"{a.mode}-{setup.get('device', 'remote')}-{model}".replace(":", "").replace("/", "_")
     out = a.out or str(ROOT / "benchmarks" / "results" / f"server_bench-{name}.json")
     return {"mode": a.mode, "model": model, "url": a.url, "result_file": out, "num_prompts": a.num_prompts,
-            "input_len": a.input_len, "output_len": a.output_len, "range_ratio": a.range_ratio, "request_rate": str(a.request_rate),
-            "max_concurrency": a.max_concurrency, "dataset_seed": a.dataset_seed, "serve_flags": flags,
-            "server": setup, "commit": _commit(), **summary}
+            "input_len": a.input_len, "output_len": a.output_len, "range_ratio": a.range_ratio,
+            "request_rate": str(a.request_rate), "max_concurrency": a.max_concurrency, "dataset_seed": a.dataset_seed,
+            "serve_flags": flags,
+            "server": setup, "commit": _commit(), "command": shlex.join(["python", "benchmarks/server_load.py", *argv]),
+            "machine": machine(), **summary}
 
 
 def report(res: dict) -> None:
     if res["mode"] == "serving":
-        idle = res.get("idle_ttft") or {}
+        idle = res.get("idle_ttft")
         print(f"{res['completed']} completed, {res['failed']} failed in {res['duration_s']} s: "
               f"{res['request_throughput']} req/s, {res['output_throughput']} output tokens/s; TTFT p50 "
               f"{res['ttft_ms']['p50']} / p99 {res['ttft_ms']['p99']} ms; ITL p50 {res['itl_ms']['p50']} / p99 "
-              f"{res['itl_ms']['p99']} ms; TPOT p50 {res['tpot_ms']['p50']} ms; idle TTFT of "
-              f"{idle.get('prompt_tokens')} tokens p50 {idle.get('p50_ms')} ms")
+              f"{res['itl_ms']['p99']} ms; TPOT p50 {res['tpot_ms']['p50']} ms"
+              + (f"; idle TTFT of {idle['prompt_tokens']} tokens p50 {idle['p50_ms']} ms" if idle else ""))
     elif res["mode"] == "overload":
         print(f"overload: {res['completed']} of {res['requests']} completed at once (kv_pages "
               f"{res['server'].get('kv_pages')}, max batch {res['server'].get('max_batch')}, {res['preemptions']} "
@@ -529,7 +542,9 @@ def report(res: dict) -> None:
               f"{res['equal']} of {res['requests']} ({res['equal_share']:.0%})")
     else:
         print(f"{res['requests']} chat requests, {res['failures']} failed; {res['requests_per_s']} req/s; latency "
-              f"p50 {res['p50_latency_s']} s, p99 {res['p99_latency_s']} s; {res['tokens_per_s']} tokens/s")
+              f"p50 {res['p50_latency_s']} s, p99 {res['p99_latency_s']} s; {res['tokens_per_s']} tokens/s"
+              + (f"; greedy texts unlike one at a time: {res['mismatches_vs_sequential']}"
+                 if "mismatches_vs_sequential" in res else ""))
 
 
 def main(argv=None) -> int:
