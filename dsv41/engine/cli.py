@@ -100,7 +100,8 @@ def engine_from_args(args: argparse.Namespace, model=None, tokenizer=None) -> En
     if args.tie_break != "official":
         set_tie_break(model, args.tie_break)
     tokenizer = tokenizer or load_tokenizer(args.checkpoint, model.cfg.vocab_size)
-    spec, profile = resolve_speculation(model, args.checkpoint, args.speculative, args.step_profile, args.max_batch)
+    spec, profile = resolve_speculation(model, args.checkpoint, args.speculative, args.step_profile, args.max_batch,
+                                         device=next(model.parameters()).device)
     packed = all(m.quant for m in model.modules() if isinstance(m, QuantSite))      # the engine's packed store
     cache_dir, swa_pool = resolve_prefix_flags(args.cache_dir, args.swa_pool, packed,
                                                lambda: weights_fingerprint(model))
