@@ -4,12 +4,17 @@ Examples
     dsv41 posttrain sft --minutes 4                     # -> runs/post-sft
     dsv41 posttrain rl --minutes 8                      # runs/post-sft -> runs/post-rl
     dsv41 posttrain opd --minutes 4                     # runs/post-rl -> runs/post-opd
+    dsv41 posttrain dspark --minutes 2                  # runs/post-opd -> runs/post-dspark (drafter only)
     dsv41 posttrain eval --checkpoint runs/post-rl --baseline runs/post-sft --problems 500
-    dsv41 posttrain all                                 # the four in a row, ~20 minutes on 2 CPU cores
+    dsv41 posttrain all                                 # sft, rl, opd, dspark, eval in a row, ~22 minutes on 2 cores
+    dsv41 posttrain rl --drafter-lr 3e-3                # RL that also trains the drafter on every update's rollouts
     dsv41 posttrain rl --dispatch batch --out runs/post-rl-batch   # another dispatch granularity, to compare
     dsv41 posttrain team --checkpoint runs/post-rl      # the multi-agent task: solo vs split, derived latency
 
-A stage run again on its output directory resumes (SFT and RL: weights, optimizer, step).
+A stage run again on its output directory resumes (SFT, RL and DSpark: weights, optimizer, step).
+The DSpark stage trains only the drafter (`mtp.*`) on the checkpoint's own sampled responses, the backbone frozen
+(checked bit-identical), and writes the acceptance per draft position on held-out greedy responses, before and
+after, to <out>/dspark.json.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 
 from dsv41.posttrain.sft import SFTConfig, TaskMix, run_sft
 
-STAGES = ("sft", "rl", "opd", "eval", "team", "all")
+STAGES = ("sft", "rl", "opd", "dspark", "eval", "team", "all")
 
 
 def register(subparsers) -> None:
@@ -31,7 +36,8 @@ def register(subparsers) -> None:
     p.add_argument("--runs", default="runs", help="directory of the post-* checkpoints (default runs)")
     p.add_argument("--minutes", type=float, help="time budget of the stage (default: its own)")
     p.add_argument("--steps", type=int, help="step budget of the stage (default: its own)")
-    p.add_argument("--checkpoint", help="eval: the checkpoint to evaluate (default runs/post-rl)")
+    p.add_argument("--checkpoint", help="eval: the checkpoint to evaluate (default runs/post-rl); dspark: the "
+                   "post-trained checkpoint whose drafter trains (default runs/post-opd)")
     p.add_argument("--baseline", help="eval: a checkpoint to compare with, paired (default runs/post-sft)")
     p.add_argument("--problems", type=int, default=200, help="eval: held-out problems per level (default 200)")
     p.add_argument("--levels", default="1,25,50,75,100", help="training effort levels, comma-separated")
@@ -39,6 +45,9 @@ def register(subparsers) -> None:
                    help="eval: effort levels, the training ones and held-out ones between them")
     p.add_argument("--dispatch", default="sample", choices=("sync", "sample", "prompt", "batch"),
                    help="rl: synchronous steps or the dispatcher's granularity (default sample)")
+    p.add_argument("--drafter-lr", type=float, default=0.0,
+                   help="rl: also train the drafter on every update's rollouts at this learning rate (default 0: "
+                   "off); dspark: its learning rate (default 3e-3)")
     p.add_argument("--out", help="the stage's output directory (default runs/post-<stage>)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--seed", type=int, default=0)
@@ -59,7 +68,9 @@ def main(args) -> int:
     levels = tuple(int(x) for x in args.levels.split(","))
     mix = TaskMix(levels=levels).check()
     runs = Path(args.runs)
-    stages = ("sft", "rl", "opd", "eval") if args.stage == "all" else (args.stage,)
+    stages = ("sft", "rl", "opd", "dspark", "eval") if args.stage == "all" else (args.stage,)
+    if args.drafter_lr < 0:
+        raise SystemExit(f"--drafter-lr must be >= 0, got {args.drafter_lr}")
     for st in stages:
         out = args.out if args.out and args.stage != "all" else str(runs / f"post-{st}")
         t0 = time.time()
@@ -68,10 +79,17 @@ def main(args) -> int:
         elif st == "rl":
             from dsv41.posttrain.rl import RLConfig, run_rl
             run_rl(_budget(RLConfig(init=str(runs / "post-sft"), out=out, seed=args.seed, mix=mix,
-                                    dispatch=args.dispatch, quiet=args.quiet), args))
+                                    dispatch=args.dispatch, quiet=args.quiet, drafter_lr=args.drafter_lr), args))
         elif st == "opd":
             from dsv41.posttrain.opd import OPDConfig, run_opd
             run_opd(_budget(OPDConfig(init=str(runs / "post-rl"), out=out, seed=args.seed, mix=mix), args))
+        elif st == "dspark":
+            from dsv41.posttrain.dspark import DSparkConfig, run_dspark
+            cfg = DSparkConfig(init=args.checkpoint if args.checkpoint and args.stage != "all" else
+                               str(runs / "post-opd"), out=out, seed=args.seed, mix=mix, quiet=args.quiet)
+            if args.drafter_lr:
+                cfg.lr = args.drafter_lr
+            run_dspark(_budget(cfg, args))
         elif st == "team":
             print(json.dumps(run_team(args.checkpoint or str(runs / "post-rl"), args.problems), indent=2))
         else:

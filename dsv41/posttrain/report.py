@@ -79,3 +79,25 @@ def plot_eval(report: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def plot_dspark(result: dict, history: list[dict], path: str | Path) -> Path:
+    """The drafter stage: held-out acceptance per draft position before and after (all levels), and the training
+    match rate of the drafter's greedy drafts against the backbone's per step."""
+    plt = _pyplot()
+    fig, (ax_a, ax_m) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for label, key in (("before", "acceptance_before"), ("after", "acceptance_after")):
+        acc = result[key]["all"]["acceptance"]
+        ax_a.plot(range(1, len(acc) + 1), acc, "o-",
+                  label=f"{label} ({result[key]['all']['tokens_per_step']:.3f} tokens/step)")
+    ax_a.set(xlabel="draft position i", ylabel="conditional acceptance a_i", title="held-out greedy responses")
+    if history:
+        ax_m.plot([h["step"] for h in history], [h["draft_match"] for h in history], lw=1.5)
+    ax_m.set(xlabel="drafter step", ylabel="draft = target argmax", title="training minibatches")
+    for ax in (ax_a, ax_m):
+        ax.grid(alpha=0.3)
+    ax_a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

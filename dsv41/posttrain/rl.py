@@ -72,6 +72,7 @@ class RLConfig:
     slots: int = 64                   # generation slots (the engine's max batch)
     max_staleness: int = 1            # dispatched: tokens older than this many versions are masked
     quiet: bool = False
+    drafter_lr: float = 0.0           # > 0: a drafter step (dspark.py, backbone frozen) on every update's rollouts
     mix: TaskMix = field(default_factory=TaskMix)
     length: LengthReward = field(default_factory=LengthReward)
 
@@ -175,6 +176,12 @@ class RLRun:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         if resume and (self.out / "optimizer.pt").is_file():
             self.opt.load_state_dict(torch.load(self.out / "optimizer.pt"))
+        self.dopt = None
+        if cfg.drafter_lr > 0:
+            from dsv41.posttrain.dspark import drafter_optimizer
+            self.dopt = drafter_optimizer(self.model, cfg.drafter_lr)
+            if resume and (self.out / "drafter_optimizer.pt").is_file():
+                self.dopt.load_state_dict(torch.load(self.out / "drafter_optimizer.pt"))
         if resume:
             say(f"rl: resuming {self.out} at step {self.step}")
         self.t0 = time.time()
@@ -188,6 +195,9 @@ class RLRun:
         rewards = rewards_of(rs, self.cfg.length)
         adv = group_advantages(rewards, [(r.problem.content, r.effort) for r in rs])
         stats = train_step(self.model, self.opt, rs, adv, self.cfg, self.tok.pad_id, masks)
+        if self.dopt is not None:       # the drafter on the same rollouts, against the updated backbone
+            from dsv41.posttrain.dspark import drafter_step
+            stats.update(drafter_step(self.model, self.dopt, rs, self.tok.pad_id))
         self.step += 1
         lv = level_stats(rs, rewards)
         self.history.append({"step": self.step, **stats, "levels": lv, "elapsed": time.time() - self.t0,
@@ -201,6 +211,8 @@ class RLRun:
         save(self.model, self.tok, self.out, {"stage": "rl", "step": self.step, "history": self.history,
                                               "config": asdict(self.cfg), **meta})
         torch.save(self.opt.state_dict(), self.out / "optimizer.pt")
+        if self.dopt is not None:
+            torch.save(self.dopt.state_dict(), self.out / "drafter_optimizer.pt")
         if self.history:
             plot_rl(self.history, self.out / "rl_curves.png")
         return self.out

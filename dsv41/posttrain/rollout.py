@@ -44,12 +44,19 @@ def sampling(max_tokens: int, seed: int | None, temperature: float = 1.0) -> Sam
 
 
 def rollouts(engine: Engine, tok, items: list[tuple[T.Problem, int, int | None]], max_tokens: int,
-             temperature: float = 1.0, routes: bool = False) -> list[Rollout]:
-    """One response per (problem, effort, seed); seed None with temperature 0 is greedy. routes: record each
-    response's expert routing at the current weights (routing.py; call before the weights change)."""
-    rids = []
-    for p, b, seed in items:
-        rids.append(engine.add_request(T.prompt_ids(tok, p, b), sampling(max_tokens, seed, temperature)))
+             temperature: float | list[float] = 1.0, routes: bool = False) -> list[Rollout]:
+    """One response per (problem, effort, seed), in the order of items; seed None with temperature 0 is greedy;
+    temperature: one for all, or one per item. routes: record each response's expert routing at the current
+    weights (routing.py; call before the weights change)."""
+    prompts = [T.prompt_ids(tok, p, b) for p, b, _ in items]
+    temps = list(temperature) if isinstance(temperature, (list, tuple)) else [temperature] * len(items)
+    if len(temps) != len(items):
+        raise ValueError(f"{len(temps)} temperatures for {len(items)} items")
+    rids = [None] * len(items)
+    # equal-length prompts queued together prefill as one batch (the engine groups consecutive ones); in the
+    # deterministic mode the order changes no response
+    for i in sorted(range(len(items)), key=lambda i: len(prompts[i])):
+        rids[i] = engine.add_request(prompts[i], sampling(max_tokens, items[i][2], temps[i]))
     while engine.has_unfinished():
         engine.step()
     out = []
