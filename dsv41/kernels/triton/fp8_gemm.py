@@ -31,8 +31,8 @@ from dsv41.kernels.triton.decoders import ue8m0_to_f32
 
 __all__ = ["fp8_linear_triton", "quant_rows_triton", "fp8_prefill_fits", "PREFILL_CONFIG"]
 
-AMAX_FLOOR = 1e-4               # dsv41.codecs.fp8.FP8_AMAX_FLOOR
-MAX_INV = 1.0 / 448.0           # FP8_MAX_INV (fp32(1/448) once multiplied with an fp32 amax)
+AMAX_FLOOR = tl.constexpr(1e-4)             # dsv41.codecs.fp8.FP8_AMAX_FLOOR
+MAX_INV = tl.constexpr(1.0 / 448.0)         # FP8_MAX_INV (fp32(1/448) once multiplied with an fp32 amax)
 
 
 @triton.jit
