@@ -10,6 +10,7 @@ Examples
     dsv41 posttrain rl --drafter-lr 3e-3                # RL that also trains the drafter on every update's rollouts
     dsv41 posttrain rl --dispatch batch --out runs/post-rl-batch   # another dispatch granularity, to compare
     dsv41 posttrain team --checkpoint runs/post-rl      # the multi-agent task: solo vs split, derived latency
+    dsv41 posttrain report --out DIR                    # the closing numbers of runs/post-* -> DIR/closing.{json,md}
 
 A stage run again on its output directory resumes (SFT, RL and DSpark: weights, optimizer, step).
 The DSpark stage trains only the drafter (`mtp.*`) on the checkpoint's own sampled responses, the backbone frozen
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from dsv41.posttrain.sft import SFTConfig, TaskMix, run_sft
 
-STAGES = ("sft", "rl", "opd", "dspark", "eval", "team", "all")
+STAGES = ("sft", "rl", "opd", "dspark", "eval", "team", "all", "report")
 
 
 def register(subparsers) -> None:
@@ -90,6 +91,19 @@ def main(args) -> int:
             if args.drafter_lr:
                 cfg.lr = args.drafter_lr
             run_dspark(_budget(cfg, args))
+        elif st == "report":
+            from dsv41.posttrain.report import closing, closing_markdown
+            c = closing(runs)
+            md = closing_markdown(c)
+            if args.out:
+                import shutil
+                dest = Path(args.out)
+                dest.mkdir(parents=True, exist_ok=True)
+                (dest / "closing.json").write_text(json.dumps(c, indent=2) + "\n")
+                (dest / "closing.md").write_text(md + "\n")
+                for png in sorted(runs.glob("post-*/*.png")):
+                    shutil.copy(png, dest / f"{png.parent.name}-{png.name}")
+            print(md)
         elif st == "team":
             print(json.dumps(run_team(args.checkpoint or str(runs / "post-rl"), args.problems), indent=2))
         else:
@@ -112,18 +126,35 @@ def run_team(checkpoint: str, n: int, workers: int = 2) -> dict:
     return {plan: score_team(problems, agent, plan, workers) for plan in ("solo", "split")}
 
 
+def _evaluate_cached(checkpoint: str, problems, mix: TaskMix) -> dict:
+    """evaluate() of the checkpoint, reusing <checkpoint>/eval_raw.json when it holds the same problems and levels
+    and the checkpoint's weights are not newer (a checkpoint is then evaluated once, whatever it is paired with)."""
+    from dsv41.posttrain.model import load
+    from dsv41.posttrain.rollout import evaluate
+    raw = Path(checkpoint) / "eval_raw.json"
+    key = {"problems": [p.content for p in problems], "levels": list(mix.levels)}
+    newest = max((f.stat().st_mtime for f in Path(checkpoint).iterdir() if f.name != "eval_raw.json"
+                  and f.suffix in (".pt", ".safetensors", ".json") and not f.name.startswith("eval")), default=0.0)
+    if raw.is_file() and raw.stat().st_mtime >= newest:
+        got = json.loads(raw.read_text())
+        if got.get("key") == key:
+            return {int(b): v for b, v in got["res"].items()}
+    model, tok, _ = load(checkpoint)
+    res = evaluate(model, tok, problems, mix.levels, max_tokens=32)
+    raw.write_text(json.dumps({"key": key, "res": res}) + "\n")
+    return res
+
+
 def run_eval(checkpoint: str, baseline: str | None, n: int, mix: TaskMix) -> dict:
     """Greedy accuracy and reasoning length per level on n held-out problems, the affine fit per difficulty,
     and, against the baseline, the paired sign test of accuracy (written to <checkpoint>/eval.json)."""
     from dsv41.posttrain.model import load
     from dsv41.posttrain.rollout import evaluate, held_out_problems, sign_test, summarize
     problems = held_out_problems(mix, n)
-    model, tok, _ = load(checkpoint)
-    res = evaluate(model, tok, problems, mix.levels, max_tokens=32)
+    res = _evaluate_cached(checkpoint, problems, mix)
     report = {"checkpoint": checkpoint, **summarize(res)}
     if baseline and Path(baseline).is_dir():
-        bmodel, btok, _ = load(baseline)
-        bres = evaluate(bmodel, btok, problems, mix.levels, max_tokens=32)
+        bres = _evaluate_cached(baseline, problems, mix)
         flat = lambda r: [c for b in mix.levels for c in r[b]["correct"]]   # noqa: E731
         report["baseline"] = {"checkpoint": baseline, **summarize(bres)}
         report["paired"] = sign_test(flat(bres), flat(res))

@@ -18,6 +18,7 @@ The loss is token-level normalised over every response position of the batch.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -150,6 +151,7 @@ class OPDConfig:
     max_tokens: int = 32
     lr: float = 1e-3
     teacher_steps: int = 300
+    eval_problems: int = 100          # held-out problems (all levels) for the student-vs-teacher accuracy; 0: off
     seed: int = 0
     mix: TaskMix = field(default_factory=TaskMix)
 
@@ -185,4 +187,40 @@ def run_opd(cfg: OPDConfig, say=print) -> Path:
         say(f"opd step {step}/{cfg.steps} kl {float(loss):.4f} acc {history[-1]['accuracy']:.2f} "
             f"({time.time() - t0:.0f}s)")
     save(model, tok, Path(cfg.out), {"stage": "opd", "step": step, "history": history, "config": asdict(cfg)})
+    if "chase" in teachers:
+        torch.save(teachers["chase"].state_dict(), Path(cfg.out) / "teacher_chase.pt")
+    if cfg.eval_problems:
+        from dsv41.posttrain.rollout import evaluate, held_out_problems
+        t1 = time.time()
+        problems = held_out_problems(cfg.mix, cfg.eval_problems)
+        res = evaluate(model, tok, problems, cfg.mix.levels, cfg.max_tokens)
+        rep = {"problems": len(problems), "levels": list(cfg.mix.levels), "greedy": True, "families": {}}
+        for fam, t in teachers.items():
+            idx = [i for i, p in enumerate(problems) if p.family == fam]
+            tc = [int(T.check(tok, problems[i], teacher_greedy(t, tok, problems[i], b, cfg.max_tokens)).correct)
+                  for b in cfg.mix.levels for i in idx]
+            sc = [res[b]["correct"][i] for b in cfg.mix.levels for i in idx]
+            ta, sa = sum(tc) / len(tc), sum(sc) / len(sc)
+            rep["families"][fam] = {"teacher": type(t).__name__, "n": len(tc), "teacher_accuracy": ta,
+                                    "student_accuracy": sa, "student_pct_of_teacher": 100 * sa / ta if ta else None}
+        rep["seconds"] = time.time() - t1
+        (Path(cfg.out) / "opd.json").write_text(json.dumps(rep, indent=2) + "\n")
+        say(f"opd: held-out greedy accuracy, student vs teacher: " + ", ".join(
+            f"{f} {v['student_accuracy']:.3f} / {v['teacher_accuracy']:.3f}" for f, v in rep["families"].items()))
     return Path(cfg.out)
+
+
+@torch.no_grad()
+def teacher_greedy(teacher, tok, p: T.Problem, effort: int, max_tokens: int) -> list[int]:
+    """The teacher's greedy response to the (problem, effort) prompt: the argmax of its next-token distribution,
+    token by token, up to the EOS or max_tokens (the row after the output is read by appending a placeholder id,
+    which the next-token distribution of a causal teacher does not see)."""
+    prompt, out = T.prompt_ids(tok, p, effort), []
+    while len(out) < max_tokens:
+        probe = out + [tok.pad_id]
+        lp = teacher.logprobs(p, probe, prompt) if isinstance(teacher, DenseTeacher) else teacher.logprobs(p, probe)
+        nxt = int(lp[-1].argmax())
+        out.append(nxt)
+        if nxt == tok.eos_id:
+            break
+    return out

@@ -101,3 +101,156 @@ def plot_dspark(result: dict, history: list[dict], path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def adjacent_levels(report: dict) -> list[dict]:
+    """Adjacent effort levels of an eval report (sorted by b): the two mean reasoning lengths, whether the mean
+    increases, and whether their 95% bootstrap intervals are apart (the upper level's interval entirely above the
+    lower one's)."""
+    lv = sorted(report["levels"], key=float)
+    out = []
+    for a, b in zip(lv, lv[1:]):
+        la, lb = report["levels"][a], report["levels"][b]
+        out.append({"from": float(a), "to": float(b), "mean_from": la["mean_length"], "mean_to": lb["mean_length"],
+                    "increasing": lb["mean_length"] > la["mean_length"],
+                    "ci_apart": lb["length_ci95"][0] > la["length_ci95"][1]})
+    return out
+
+
+def equal_tokens(rl_history: list[dict], opd_history: list[dict], tail: int = 5) -> dict:
+    """Distillation vs RL at an equal number of student-sampled tokens: OPD's total, the RL step at which RL had
+    sampled as many, and each run's sampled (T = 1, training prompts, not held out) accuracy over its last `tail`
+    steps up to that count. RL's accuracy mixes the effort levels its steps drew; OPD's likewise."""
+    n = sum(h["sampled_tokens"] for h in opd_history)
+    cum, upto = 0, []
+    for h in rl_history:
+        if cum >= n:
+            break
+        cum += h["sampled_tokens"]
+        upto.append(h)
+
+    def acc(h):
+        if "accuracy" in h:
+            return h["accuracy"]
+        lv = h["levels"].values()
+        return sum(v["accuracy"] for v in lv) / len(lv)
+    mean = lambda hs: sum(acc(h) for h in hs) / len(hs) if hs else None   # noqa: E731
+    return {"opd_tokens": n, "opd_steps": len(opd_history), "rl_steps_to_equal_tokens": len(upto),
+            "rl_tokens": cum, "rl_reached": cum >= n,
+            "opd_sampled_accuracy_tail": mean(opd_history[-tail:]), "rl_sampled_accuracy_tail": mean(upto[-tail:]),
+            "opd_sampled_accuracy_first": mean(opd_history[:tail]), "rl_sampled_accuracy_first": mean(upto[:tail])}
+
+
+def _read(path: Path):
+    import json
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def closing(runs: str | Path, occupancy_runs: dict[str, str | Path] | None = None) -> dict:
+    """The closing numbers of a post-training run directory (runs/post-{sft,rl,opd,dspark}): the held-out eval
+    reports (each checkpoint's eval.json; paired against its baseline), length vs b per level (adjacent levels'
+    intervals), the per-difficulty fit, OPD's student as % of teacher (opd.json), distillation vs RL at equal
+    sampled tokens, the dispatcher's slot occupancy (each RL run's posttrain.json; occupancy_runs: granularity ->
+    directory of extra runs) and DSpark's acceptance per draft position (dspark.json)."""
+    runs = Path(runs)
+    out: dict = {"runs": str(runs), "stages": {}}
+    for st in ("sft", "rl", "opd", "dspark"):
+        meta = _read(runs / f"post-{st}" / "posttrain.json")
+        if meta:
+            hist = meta.get("history", [])
+            out["stages"][st] = {"steps": meta.get("step"),
+                                 "elapsed_s": hist[-1].get("elapsed") if hist and "elapsed" in hist[-1] else None,
+                                 "sampled_tokens": sum(h.get("sampled_tokens", 0) for h in hist) or None}
+    out["eval"] = {}
+    for st in ("sft", "rl", "opd"):
+        rep = _read(runs / f"post-{st}" / "eval.json")
+        if rep:
+            e = {"levels": {b: {k: v[k] for k in ("accuracy", "mean_length", "length_ci95", "n")}
+                            for b, v in rep["levels"].items()},
+                 "accuracy_by_family": rep.get("accuracy_by_family"),
+                 "fit_by_difficulty": rep["fit_by_difficulty"], "adjacent_levels": adjacent_levels(rep)}
+            if "baseline" in rep:
+                e["baseline"] = rep["baseline"]["checkpoint"]
+                e["paired"], e["paired_by_problem"] = rep["paired"], rep["paired_by_problem"]
+                e["baseline_accuracy"] = {b: v["accuracy"] for b, v in rep["baseline"]["levels"].items()}
+            out["eval"][st] = e
+    out["opd_vs_teacher"] = _read(runs / "post-opd" / "opd.json")
+    rl, opd = _read(runs / "post-rl" / "posttrain.json"), _read(runs / "post-opd" / "posttrain.json")
+    if rl and opd:
+        out["opd_vs_rl_equal_tokens"] = equal_tokens(rl["history"], opd["history"])
+    occ = {}
+    extra = {d.name[len("post-rl-"):]: d for d in sorted(runs.glob("post-rl-*")) if d.is_dir()}
+    for name, d in {"main": runs / "post-rl", **extra, **(occupancy_runs or {})}.items():
+        meta = _read(Path(d) / "posttrain.json")
+        if meta and "dispatch" in meta:
+            occ[name] = {**meta["dispatch"], "steps": meta["step"],
+                         "elapsed_s": meta["history"][-1]["elapsed"] if meta["history"] else None}
+    out["occupancy"] = occ
+    ds = _read(runs / "post-dspark" / "dspark.json")
+    if ds:
+        out["dspark"] = {k: ds[k] for k in ("checkpoint", "steps", "held_out", "pool", "backbone_unchanged")}
+        for key in ("acceptance_before", "acceptance_after"):
+            out["dspark"][key] = ds[key]["all"]
+    return out
+
+
+def closing_markdown(c: dict) -> str:
+    """closing() as a short markdown table set."""
+    f3 = lambda x: "-" if x is None else f"{x:.3f}"   # noqa: E731
+    lines = [f"# Post-training closing numbers ({c['runs']})", ""]
+    if c["stages"]:
+        lines += ["| stage | steps | seconds | sampled tokens |", "|---|---|---|---|"]
+        lines += [f"| {k} | {v['steps']} | {f3(v['elapsed_s']) if v['elapsed_s'] else '-'} | {v['sampled_tokens'] or '-'} |"
+                  for k, v in c["stages"].items()] + [""]
+    for st, e in c["eval"].items():
+        lines += [f"## held-out eval: post-{st}" + (f" (paired against {e['baseline']})" if "baseline" in e else ""),
+                  "", "| b | accuracy | baseline accuracy | mean reasoning tokens | 95% bootstrap | n |",
+                  "|---|---|---|---|---|---|"]
+        for b, v in sorted(e["levels"].items(), key=lambda kv: float(kv[0])):
+            base = e.get("baseline_accuracy", {}).get(b)
+            lines.append(f"| {b} | {f3(v['accuracy'])} | {f3(base)} | {f3(v['mean_length'])} | "
+                         f"[{v['length_ci95'][0]:.3f}, {v['length_ci95'][1]:.3f}] | {v['n']} |")
+        lines.append("")
+        if "paired" in e:
+            p, q = e["paired"], e["paired_by_problem"]
+            lines.append(f"paired (problem, level): {p['improved']} improved, {p['worsened']} worsened, one-sided p "
+                         f"{p['p_one_sided']:.3g}; per problem: {q['improved']} / {q['worsened']}, p "
+                         f"{q['p_one_sided']:.3g}")
+        if e.get("accuracy_by_family"):
+            lines.append("accuracy by family: " + ", ".join(f"{k} {v:.3f}" for k, v in e["accuracy_by_family"].items()))
+        adj = e["adjacent_levels"]
+        lines.append(f"adjacent levels with increasing mean length: {sum(a['increasing'] for a in adj)}/{len(adj)}; "
+                     f"with 95% intervals apart: {sum(a['ci_apart'] for a in adj)}/{len(adj)}")
+        lines.append("affine fit of mean length in b per difficulty: " + "; ".join(
+            f"d={d}: slope {v['slope']:.4f}, R^2 {v['r2']:.2f}" for d, v in e["fit_by_difficulty"].items()))
+        lines.append("")
+    if c.get("opd_vs_teacher"):
+        o = c["opd_vs_teacher"]
+        lines += [f"## OPD: student vs teacher ({o['problems']} held-out problems x levels {o['levels']}, greedy)", "",
+                  "| family | teacher | teacher accuracy | student accuracy | % of teacher |", "|---|---|---|---|---|"]
+        lines += [f"| {k} | {v['teacher']} | {f3(v['teacher_accuracy'])} | {f3(v['student_accuracy'])} | "
+                  f"{'-' if v['student_pct_of_teacher'] is None else format(v['student_pct_of_teacher'], '.1f')} |"
+                  for k, v in o["families"].items()] + [""]
+    if c.get("opd_vs_rl_equal_tokens"):
+        q = c["opd_vs_rl_equal_tokens"]
+        lines += [f"OPD vs RL at equal student-sampled tokens ({q['opd_tokens']} OPD tokens, RL reached "
+                  f"{q['rl_tokens']} in {q['rl_steps_to_equal_tokens']} steps): sampled accuracy first/last steps "
+                  f"OPD {f3(q['opd_sampled_accuracy_first'])} -> {f3(q['opd_sampled_accuracy_tail'])}, RL "
+                  f"{f3(q['rl_sampled_accuracy_first'])} -> {f3(q['rl_sampled_accuracy_tail'])} (training samples, "
+                  f"T = 1, not held out)", ""]
+    if c["occupancy"]:
+        lines += ["## dispatcher: generation-slot occupancy", "", "| run | granularity | steps | occupancy | seconds |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {k} | {v['granularity']} | {v['steps']} | {f3(v['occupancy'])} | "
+                  f"{'-' if v['elapsed_s'] is None else format(v['elapsed_s'], '.0f')} |"
+                  for k, v in c["occupancy"].items()] + [""]
+    if c.get("dspark"):
+        d = c["dspark"]
+        lines += [f"## DSpark drafter on {d['checkpoint']} ({d['steps']} steps, {d['held_out']} held-out greedy "
+                  f"responses, backbone unchanged: {d['backbone_unchanged']})", "",
+                  "| | acceptance per draft position | tokens per step |", "|---|---|---|"]
+        for k in ("acceptance_before", "acceptance_after"):
+            lines.append(f"| {k.split('_')[1]} | {' '.join(f'{x:.3f}' for x in d[k]['acceptance'])} | "
+                         f"{d[k]['tokens_per_step']:.3f} |")
+        lines.append("")
+    return "\n".join(lines)

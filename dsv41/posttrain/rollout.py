@@ -151,6 +151,10 @@ def summarize(res: dict) -> dict:
         out["levels"][b] = {"accuracy": sum(r["correct"]) / len(r["correct"]),
                             "mean_length": sum(r["length"]) / len(r["length"]),
                             "length_ci95": bootstrap_ci(r["length"]), "n": len(r["length"])}
+        if "family" in r:
+            fams = sorted(set(r["family"]))
+            out["levels"][b]["accuracy_by_family"] = {
+                f: sum(c for c, ff in zip(r["correct"], r["family"]) if ff == f) / r["family"].count(f) for f in fams}
     diffs = sorted(set(res[levels[0]]["difficulty"]))
     fits = {}
     for d in diffs:
@@ -160,4 +164,8 @@ def summarize(res: dict) -> dict:
             means.append(sum(ls) / len(ls))
         fits[d] = affine_fit(levels, means)
     out["fit_by_difficulty"] = fits
+    if "family" in res[levels[0]]:
+        fam = res[levels[0]]["family"]
+        out["accuracy_by_family"] = {f: sum(c for b in levels for c, ff in zip(res[b]["correct"], fam) if ff == f)
+                                     / (fam.count(f) * len(levels)) for f in sorted(set(fam))}
     return out
