@@ -209,17 +209,20 @@ def main() -> None:
             t_p = cuda_time(cycling(lambda w: packed_linear_triton(x, w), pws))
             t_b = cuda_time(cycling(lambda w: x @ w.T, wbs))
             t_d = cuda_time(cycling(lambda w: x @ w.dequant().T, pws))
+            t_f = (cuda_time(cycling(lambda w: fp8_gemm.fp8_linear_triton(x, w), pws))
+                   if kind == "fp8" and M > packed_gemm.DECODE_ROWS else None)      # the FP8 tensor-core GEMM
             nbytes = pw.nbytes + (2 * M * (K + N) if M > 64 else 0)
             row = {"weight": name, "kind": kind, "N": N, "K": K, "M": M, "packed_s": t_p, "bf16_s": t_b,
                    "dequant_matmul_s": t_d, "speedup_vs_bf16": t_b / t_p, "bytes": nbytes,
                    "bytes_per_s": nbytes / t_p, "share_of_copy_bw": nbytes / t_p / bw,
                    "flops_per_s": 2 * M * N * K / t_p, "share_of_bf16_rate": 2 * M * N * K / t_p / rate,
-                   "share_of_fp8_rate": 2 * M * N * K / t_p / rate8 if rate8 else None}
+                   "share_of_fp8_rate": 2 * M * N * K / t_p / rate8 if rate8 else None, "fp8_tensor_core_s": t_f}
             res["rows"].append(row)
             print(f"{name:11s}{kind:>5}{M:>6}{t_p * 1e6:>11.1f}{t_b * 1e6:>9.1f}{t_d * 1e6:>10.1f}"
                   f"{row['speedup_vs_bf16']:>8.2f}{row['bytes_per_s'] / 1e12:>7.2f}"
                   f"{row['share_of_copy_bw'] * 100:>6.0f}"
-                  f"{row['flops_per_s'] / 1e12:>9.1f}{row['share_of_bf16_rate'] * 100:>6.0f}", flush=True)
+                  f"{row['flops_per_s'] / 1e12:>9.1f}{row['share_of_bf16_rate'] * 100:>6.0f}"
+                  + (f"  fp8 tensor cores {t_f * 1e6:.1f} us (x {t_b / t_f:.2f} bf16)" if t_f else ""), flush=True)
     res["moe_decode"] = moe_rows(dev, bw)
     out = Path(__file__).parent / "results" / "packed_gemm_h200.json"
     out.write_text(json.dumps(res, indent=1))

@@ -2,7 +2,8 @@
 power-of-two scales are exact for a QDQ'd x (CPU: the reference; GPU: the kernel equals it bit for bit), and the
 GEMM with its per-block promotion follows `packed_linear_ref` (the weight dequantized, one F.linear) within the FP8
 tensor cores' in-block accumulation error (measured values printed with pytest -s), for fp32 and bf16 outputs, odd
-shapes, bias; `packed_linear_triton` sends prefill-size fp8 calls of a bf16 model there."""
+shapes, bias; `packed_linear_triton` sends prefill-size fp8 calls of a bf16 model there
+when FP8_PREFILL is on."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_fp8_gemm_follows_the_reference(M, N, K):
         assert got.shape == (M, N) and got.dtype == torch.float32
         err = rel_rows(got, want)
         print(f"fp8 GEMM M {M} N {N} K {K} bias {bias is not None}: fp32 output, max relative row error {err:.2e}")
-        assert err < 1e-4
+        assert err < 2e-4         # measured 0.7-1.0e-4 on an H100: the FP8 tensor cores' in-block accumulation
         got16 = fp8_linear_triton(x, w, bias)
         assert got16.dtype == torch.bfloat16
         assert rel_rows(got16, want) < 5e-3
@@ -63,6 +64,7 @@ def _as_fp32(w):
 @pytest.mark.gpu
 def test_packed_linear_sends_prefill_fp8_to_the_tensor_cores(monkeypatch):
     from dsv41.kernels.triton import packed_gemm
+    monkeypatch.setattr(packed_gemm, "FP8_PREFILL", True)
     w = packed(256, 512, "fp8", dtype=torch.bfloat16, device="cuda")
     x = qdq_fp8(torch.randn(200, 512).bfloat16()).cuda()
     monkeypatch.setattr(packed_gemm, "dequant_triton", lambda weight: pytest.fail("decoded the fp8 weight"))

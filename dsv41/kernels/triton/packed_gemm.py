@@ -16,10 +16,11 @@ tests/test_kernels_packed_gemm.py, benchmarks/gpu_parity.py). Only the weight's 
 half a byte (fp4) per weight instead of bf16's 2; the scales are read once per row and block, not per weight.
 
 Decode-size calls (M <= 64) are bound by reading W: the grid covers N in tiles of BN and, when that leaves SMs
-idle, splits K into S parts whose fp32 partials one sum adds (a fixed order). Larger M (prefill): an fp8 weight of
-a bf16 model goes to the FP8 tensor cores with the per-32 K-block promotion (`dsv41.kernels.triton.fp8_gemm`);
-fp4 weights (Hopper has no FP4 tensor cores) and fp32 models decode the weight once into a scratch
-(`dequant_triton`, one pass over the bytes) and run the library's GEMM: its cost is shared by the M rows.
+idle, splits K into S parts whose fp32 partials one sum adds (a fixed order). Larger M (prefill) decodes the weight
+once into a scratch (`dequant_triton`, one pass over the bytes) and runs the library's GEMM: its cost is shared by
+the M rows. The FP8 tensor-core GEMM with the per-32 K-block promotion (`dsv41.kernels.triton.fp8_gemm`) serves
+fp8 weights of bf16 models instead when FP8_PREFILL is set: measured on an H100 it ran at 0.26-0.35 x the bf16
+GEMM's speed (benchmarks/results/packed_gemm_h100-2026-12-05.json), slower than decoding first, so it is off.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from dsv41.kernels.triton.decoders import P2_112, P2_118, e2m1_split, swa_split,
 from dsv41.kernels.triton.fp8_gemm import fp8_linear_triton, fp8_prefill_fits
 
 __all__ = ["packed_linear_triton", "packed_block", "block_dot", "packed_rows_dot", "check_offsets", "dequant_triton",
-           "DECODE_ROWS", "DECODE_CONFIG"]
+           "DECODE_ROWS", "DECODE_CONFIG", "FP8_PREFILL"]
 
 DECODE_ROWS = 64        # up to this many rows: the weight-read-bound configuration (split-K)
+FP8_PREFILL = False     # prefill-size fp8 calls on the FP8 tensor cores (slower than dequant + bf16 GEMM today)
 
 
 @triton.jit
@@ -166,7 +168,7 @@ def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
     y = torch.empty(M, N, dtype=weight.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
-    if M > DECODE_ROWS and fp8_prefill_fits(a, weight):     # prefill sizes, fp8: the FP8 tensor cores
+    if M > DECODE_ROWS and FP8_PREFILL and fp8_prefill_fits(a, weight):    # opt in: the FP8 tensor cores
         return fp8_linear_triton(a, weight, bias).view(*x.shape[:-1], N)
     if M > DECODE_ROWS:                  # prefill sizes otherwise: decode the weight once, then the library's GEMM
         w = dequant_triton(weight)
