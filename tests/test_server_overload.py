@@ -7,6 +7,7 @@ the same requests run one at a time. Through benchmarks/server_load.py's overloa
 from __future__ import annotations
 
 import importlib.util
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,7 @@ def test_overload_completes_and_equals_one_at_a_time(tmp_path):
         requests = server_load.random_requests(N, INPUT_LEN, OUTPUT_LEN, RANGE, vocab, seed=0)
         res = server_load.overload(server.url, server.model, requests, lambda: server.preemptions)
         health = server_load.wait_idle(server.url)
+        metrics = urllib.request.urlopen(server.url.rstrip("/") + "/metrics").read().decode()
     finally:
         server.stop()
 
@@ -58,4 +60,5 @@ def test_overload_completes_and_equals_one_at_a_time(tmp_path):
     assert [len(ids) for ids in res["ids_together"]] == [n for _, n in lengths]       # ignore_eos: full lengths
     assert res["ids_together"] == res["ids_alone"] and res["equal"] == N
     assert res["preemptions"] > 0 and max(waiting_seen) > 0           # the pool really overflowed
+    assert f"dsv41_preemptions_total {float(res['preemptions'])}" in metrics     # the server counts them too
     assert health["step_failures"] == 0 and health["running"] == 0 and health["in_flight"] == 0

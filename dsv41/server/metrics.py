@@ -8,6 +8,7 @@
     dsv41_running_sequences / dsv41_waiting_sequences
     dsv41_finished_sequences_total{reason}         stop / length
     dsv41_aborted_sequences_total                  client went away (slot freed)
+    dsv41_preemptions_total                        times finished sequences were preempted (pages freed, recomputed)
     dsv41_prefix_cache_queries_total               prompt tokens looked up in the prefix cache
     dsv41_prefix_cache_hits_total{tier}            prompt tokens served from the cache, by tier
     dsv41_prefix_cache_requests_total{path}        sequences by cache path (cold / swa-hit / replay)
@@ -52,6 +53,8 @@ class ServerMetrics:
         self.waiting = metric(Gauge, "dsv41_waiting_sequences", "Sequences waiting for admission")
         self.finished = metric(Counter, "dsv41_finished_sequences", "Finished sequences by reason", ["reason"])
         self.aborted = metric(Counter, "dsv41_aborted_sequences", "Sequences aborted because their client went away")
+        self.preemptions = metric(Counter, "dsv41_preemptions", "Preemptions of finished sequences (their pages "
+                                  "freed when the pool ran out, recomputed on resumption)")
         self.cache_queries = metric(Counter, "dsv41_prefix_cache_queries", "Prompt tokens looked up in the prefix "
                                     "cache")
         self.cache_hits = metric(Counter, "dsv41_prefix_cache_hits", "Prompt tokens served from the prefix cache by "
@@ -100,6 +103,7 @@ class ServerMetrics:
         if st.get("ttft_s") is not None:
             self.ttft.observe(max(0.0, float(st["ttft_s"])))
         self.finished.labels(str(comp.finish_reason)).inc()
+        self.preemptions.inc(int(st.get("preemptions") or 0))
         d = u["prompt_tokens_details"]
         self.cache_queries.inc(u["prompt_tokens"])
         for tier, n in d["cached_tokens_by_tier"].items():
