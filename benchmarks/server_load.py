@@ -277,7 +277,7 @@ class LocalServer:
         if kv_pages is not None:
             self.args.kv_pages = kv_pages(model.cfg, self.args.kv_page_size)
         self.engine = engine_from_args(self.args, model=model)
-        self.preemptions = 0                    # the scheduler's preemptions (also dsv41_preemptions_total on /metrics, counted as sequences finish)
+        self.preemptions = 0          # the scheduler's preemptions, as they happen (/metrics counts them at finish)
         preempt = self.engine._preempt
 
         def counted(seq) -> None:
