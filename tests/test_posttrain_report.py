@@ -80,3 +80,13 @@ def test_closing_from_a_run_directory(tmp_path):
     assert c["opd_vs_rl_equal_tokens"]["rl_tokens"] == 40
     md = closing_markdown(c)
     assert "| sums | SolverTeacher | 1.000 | 0.500 | 50.0 |" in md and "0.500 0.250" in md
+
+
+def test_affine_fit_flags_a_flat_line():
+    from dsv41.posttrain.rollout import affine_fit
+    assert affine_fit([1, 50, 100], [0.0, 0.0, 0.0])["flat"] and not affine_fit([1, 50, 100], [1, 2, 4])["flat"]
+    rep = summarize({b: {"correct": [1, 0], "length": [0, 0], "difficulty": [2, 2], "family": ["sums"] * 2}
+                     for b in (1, 100)})
+    assert "flat (R^2 undefined)" in closing_markdown({"runs": "r", "stages": {}, "eval": {"x": {
+        "levels": rep["levels"], "fit_by_difficulty": rep["fit_by_difficulty"], "adjacent_levels": adjacent_levels(rep)}},
+        "occupancy": {}})

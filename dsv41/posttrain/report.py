@@ -173,6 +173,8 @@ def closing(runs: str | Path, occupancy_runs: dict[str, str | Path] | None = Non
                 e["baseline"] = rep["baseline"]["checkpoint"]
                 e["paired"], e["paired_by_problem"] = rep["paired"], rep["paired_by_problem"]
                 e["baseline_accuracy"] = {b: v["accuracy"] for b, v in rep["baseline"]["levels"].items()}
+                e["baseline_mean_length"] = {b: v["mean_length"] for b, v in rep["baseline"]["levels"].items()}
+                e["baseline_accuracy_by_family"] = rep["baseline"].get("accuracy_by_family")
             out["eval"][st] = e
     out["opd_vs_teacher"] = _read(runs / "post-opd" / "opd.json")
     rl, opd = _read(runs / "post-rl" / "posttrain.json"), _read(runs / "post-opd" / "posttrain.json")
@@ -204,12 +206,13 @@ def closing_markdown(c: dict) -> str:
                   for k, v in c["stages"].items()] + [""]
     for st, e in c["eval"].items():
         lines += [f"## held-out eval: post-{st}" + (f" (paired against {e['baseline']})" if "baseline" in e else ""),
-                  "", "| b | accuracy | baseline accuracy | mean reasoning tokens | 95% bootstrap | n |",
-                  "|---|---|---|---|---|---|"]
+                  "", "| b | accuracy | baseline accuracy | mean reasoning tokens | 95% bootstrap | baseline mean "
+                  "reasoning tokens | n |", "|---|---|---|---|---|---|---|"]
         for b, v in sorted(e["levels"].items(), key=lambda kv: float(kv[0])):
             base = e.get("baseline_accuracy", {}).get(b)
             lines.append(f"| {b} | {f3(v['accuracy'])} | {f3(base)} | {f3(v['mean_length'])} | "
-                         f"[{v['length_ci95'][0]:.3f}, {v['length_ci95'][1]:.3f}] | {v['n']} |")
+                         f"[{v['length_ci95'][0]:.3f}, {v['length_ci95'][1]:.3f}] | "
+                         f"{f3(e.get('baseline_mean_length', {}).get(b))} | {v['n']} |")
         lines.append("")
         if "paired" in e:
             p, q = e["paired"], e["paired_by_problem"]
@@ -217,12 +220,15 @@ def closing_markdown(c: dict) -> str:
                          f"{p['p_one_sided']:.3g}; per problem: {q['improved']} / {q['worsened']}, p "
                          f"{q['p_one_sided']:.3g}")
         if e.get("accuracy_by_family"):
-            lines.append("accuracy by family: " + ", ".join(f"{k} {v:.3f}" for k, v in e["accuracy_by_family"].items()))
+            lines.append("accuracy by family: " + ", ".join(f"{k} {v:.3f}" for k, v in e["accuracy_by_family"].items())
+                         + ("; baseline: " + ", ".join(f"{k} {v:.3f}" for k, v in e["baseline_accuracy_by_family"].items())
+                            if e.get("baseline_accuracy_by_family") else ""))
         adj = e["adjacent_levels"]
         lines.append(f"adjacent levels with increasing mean length: {sum(a['increasing'] for a in adj)}/{len(adj)}; "
                      f"with 95% intervals apart: {sum(a['ci_apart'] for a in adj)}/{len(adj)}")
         lines.append("affine fit of mean length in b per difficulty: " + "; ".join(
-            f"d={d}: slope {v['slope']:.4f}, R^2 {v['r2']:.2f}" for d, v in e["fit_by_difficulty"].items()))
+            f"d={d}: slope {v['slope']:.4f}, " + ("flat (R^2 undefined)" if v.get("flat") else f"R^2 {v['r2']:.2f}")
+            for d, v in e["fit_by_difficulty"].items()))
         lines.append("")
     if c.get("opd_vs_teacher"):
         o = c["opd_vs_teacher"]

@@ -138,7 +138,8 @@ def affine_fit(bs: list[float], ls: list[float]) -> dict:
     a = float(ym) - s * float(xm)
     ss_tot = float(((y - ym) ** 2).sum())
     ss_res = float(((y - (a + s * x)) ** 2).sum())
-    return {"intercept": a, "slope": s, "r2": 1 - ss_res / ss_tot if ss_tot > 0 else 1.0}
+    # flat: every level has the same mean, R^2 is then 1 by convention and says nothing
+    return {"intercept": a, "slope": s, "r2": 1 - ss_res / ss_tot if ss_tot > 0 else 1.0, "flat": ss_tot == 0}
 
 
 def summarize(res: dict) -> dict:
