@@ -38,6 +38,8 @@ def register(subparsers) -> None:
     run.add_argument("--splits", default=None, help="budget: the KV splits to train, comma-separated (default all: "
                      "preset, swapped, three m=2, six m=4)")
     run.add_argument("--device", default="auto", help="budget: where its task models train")
+    run.add_argument("--lr", type=float, default=None, help="budget: its task models' peak learning rate "
+                     "(default train-task's)")
     run.add_argument("--sizes", default=None, help="needle / budget: document sizes (pairs per document), "
                      "comma-separated (default: needle 16,32,64; budget 8,16,32)")
     run.set_defaults(func=_run)
@@ -101,6 +103,7 @@ def _command(args, name: str) -> str:
     sizes = f" --sizes {args.sizes}" if args.sizes and name in ("needle", "budget") else ""
     if name == "budget":
         splits = f" --splits '{args.splits}'" if args.splits else ""
+        splits += f" --lr {args.lr:g}" if args.lr is not None else ""
         return (f"dsv41 experiments run budget --scale {args.scale:g}{splits}{sizes} --docs {args.docs} "
                 f"--seed {args.seed} --threads {args.threads}")
     return (f"dsv41 experiments run {name} --checkpoint {args.checkpoint} --task {args.task} --size {args.size}"
@@ -175,7 +178,8 @@ def _study(name, args, model, tok, docs):
             if n not in budget.SPLITS:
                 raise ValueError(f"--splits: unknown split {n!r}; choose from {', '.join(budget.SPLITS)}")
         return budget, budget.budget_study(Path(args.out) / "budget", args.scale, names, **sizes, docs=args.docs,
-                                           seed=args.seed, threads=args.threads, device=args.device)
+                                           seed=args.seed, threads=args.threads, device=args.device,
+                                           **({"lr": args.lr} if args.lr is not None else {}))
     if name == "needle":
         if args.task != "kv-compact":
             raise ValueError(f"the needle study runs on kv-compact documents (a train-task model), got --task "
