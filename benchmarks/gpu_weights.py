@@ -9,7 +9,8 @@ model is random (bf16), the KV a synthetic 4K context per row (`fill_random`); t
 rounded to the checkpoint formats), measure memory, time again.
 
     python benchmarks/gpu_weights.py           # writes benchmarks/results/gpu_weights_h200.json
-Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (6).
+Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (6), DENSE_ROWS (1: time the dense holding too;
+0 builds it only to pack it), OUT (the result file; default by GPU: gpu_weights_h200.json / gpu_weights_h100.json).
 """
 
 from __future__ import annotations
@@ -43,14 +44,18 @@ def copy_bandwidth(dev: str, nbytes: int = 2 << 30, reps: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def gpu_busy(fn) -> float:
+def gpu_busy(fn, top: int = 12) -> tuple[float, list[dict]]:
     """Seconds of kernel time in one call of fn (torch.profiler: the sum of kernel durations): what the step costs
-    the GPU, apart from the host's launching (the eager step is host-bound; graph capture removes that part)."""
+    the GPU, apart from the host's launching (the eager step is host-bound; graph capture removes that part); and
+    the `top` kernels by their summed time (name, ms, calls)."""
     from torch.profiler import ProfilerActivity, profile
     with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    ops = [{"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in events[:top]]
+    return sum(e.self_device_time_total for e in events) / 1e6, ops
 
 
 def decode_rows(model, cfg, dev: str, holding: str, bw: float, context: int, batches, n_steps: int) -> list[dict]:
@@ -63,12 +68,14 @@ def decode_rows(model, cfg, dev: str, holding: str, bw: float, context: int, bat
                 view = pool.bind(sids)
                 times.append(timed(lambda: model(tok, view, last_only=True), dev))
         step = statistics.median(times[1:])
-        busy = gpu_busy(lambda: model(tok, pool.bind(sids), last_only=True))
+        busy, ops = gpu_busy(lambda: model(tok, pool.bind(sids), last_only=True))
         limit = decode_read_bytes(cfg, B, holding)["bytes"] / bw
         rows.append({"holding": holding, "batch": B, "step_s": step, "gpu_busy_s": busy, "limit_s": limit,
-                     "step_over_limit": step / limit, "busy_over_limit": busy / limit})
+                     "step_over_limit": step / limit, "busy_over_limit": busy / limit, "top_kernels": ops})
         print(f"{holding:9s} batch {B:3d}: step {step * 1e3:8.1f} ms (GPU busy {busy * 1e3:6.1f} ms), weight-read "
               f"limit {limit * 1e3:6.2f} ms: wall x{step / limit:.1f}, busy x{busy / limit:.1f}", flush=True)
+        for op in ops:
+            print(f"    {op['ms']:8.2f} ms {op['calls']:5d} x  {op['kernel']}", flush=True)
         pool = None
         gc.collect()
     return rows
@@ -82,14 +89,17 @@ def main() -> None:
     batches = [int(b) for b in os.environ.get("BATCHES", "1,32").split(",")]
     n_steps = int(os.environ.get("STEPS", "6"))
     bw = copy_bandwidth(dev)
-    res = {"config": name, "gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "context": context}
+    res = {"config": name, "gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "context": context,
+           "commit": os.environ.get("COMMIT", "")}
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     model = random_model(cfg, dtype=torch.bfloat16, device=dev)
     res["dense_weight_bytes_measured"] = torch.cuda.memory_allocated() - base
     res["build_s"] = time.perf_counter() - t0
-    res["rows"] = decode_rows(model, cfg, dev, "bfloat16", bw, context, batches, n_steps)
+    res["rows"] = []
+    if os.environ.get("DENSE_ROWS", "1") == "1":
+        res["rows"] = decode_rows(model, cfg, dev, "bfloat16", bw, context, batches, n_steps)
     pack_weights(model)
     gc.collect()
     torch.cuda.empty_cache()
@@ -106,7 +116,8 @@ def main() -> None:
           f"{held['engram_tables'] / 1e9:.1f}); analytic {total_analytic / 1e9:.1f} GB; measured / analytic "
           f"{res['measured_over_analytic']:.3f}", flush=True)
     res["rows"] += decode_rows(model, cfg, dev, "packed", bw, context, batches, n_steps)
-    out = Path(__file__).parent / "results" / "gpu_weights_h200.json"
+    gpu = "h100" if "H100" in res["gpu"] else "h200"
+    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results" / f"gpu_weights_{gpu}.json")
     out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")
 
