@@ -10,7 +10,8 @@ rounded to the checkpoint formats), measure memory, time again.
 
     python benchmarks/gpu_weights.py           # writes benchmarks/results/gpu_weights_h200.json
 Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (6), DENSE_ROWS (1: time the dense holding too;
-0 builds it only to pack it), OUT (the result file; default by GPU: gpu_weights_h200.json / gpu_weights_h100.json).
+0 builds it only to pack it), OUT (the result file; default by GPU: gpu_weights_h200.json / gpu_weights_h100.json),
+TUNING (a `benchmarks/packed_gemm.py --sweep` result whose decode tiles to use).
 """
 
 from __future__ import annotations
@@ -81,6 +82,18 @@ def decode_rows(model, cfg, dev: str, holding: str, bw: float, context: int, bat
     return rows
 
 
+def apply_tuning(path: str) -> dict:
+    """The decode tiles a `benchmarks/packed_gemm.py --sweep` result picked (its decode_configs and moe_config),
+    set in this process."""
+    from dsv41.kernels.triton import moe_kernel, packed_gemm
+    tuned = json.loads(Path(path).read_text())
+    for rows, cfg in tuned.get("decode_configs", {}).items():
+        packed_gemm.DECODE_CONFIGS[int(rows)].update(cfg)
+    moe_kernel.CONFIG.update(tuned.get("moe_config", {}))
+    return {"decode_configs": {str(k): dict(v) for k, v in packed_gemm.DECODE_CONFIGS.items()},
+            "moe_config": dict(moe_kernel.CONFIG)}
+
+
 def main() -> None:
     dev = "cuda"
     name = os.environ.get("CONFIG", "v41-geometry")
@@ -91,6 +104,8 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     res = {"config": name, "gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "context": context,
            "commit": os.environ.get("COMMIT", "")}
+    if os.environ.get("TUNING"):
+        res["tuning"] = apply_tuning(os.environ["TUNING"])
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()

@@ -13,13 +13,18 @@ op of a decode step (B = 1, 8, 32, 64 tokens x top-6 of v41-geometry's 16 fp4 ro
 expert) over packed and over dense bf16 experts.
 
     python benchmarks/packed_gemm.py          # writes benchmarks/results/packed_gemm_h200.json
-    python benchmarks/packed_gemm.py --sweep  # first picks the decode tiles (DECODE_CONFIG) on two shapes and the
-                                              # prefill tiles of the FP8 tensor-core GEMM (fp8_gemm.PREFILL_CONFIG)
+    python benchmarks/packed_gemm.py --sweep  # first picks the decode tiles (DECODE_CONFIG) on two shapes, those of
+                                              # the 32- and 64-row buckets (DECODE_CONFIGS), the MoE kernels' packed
+                                              # tiles, and the prefill tiles of the FP8 tensor-core GEMM
+                                              # (fp8_gemm.PREFILL_CONFIG; --no-prefill-sweep skips them)
+Env: OUT (the result file). The result's decode_configs / moe_config are what `benchmarks/gpu_weights.py` applies
+with TUNING=that file.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -30,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.codecs import qdq_fp8  # noqa: E402
 from dsv41.codecs.weights import PackedWeight, pack_weight  # noqa: E402
-from dsv41.kernels.triton import fp8_gemm, packed_gemm  # noqa: E402
+from dsv41.kernels.triton import fp8_gemm, moe_kernel, packed_gemm  # noqa: E402
 from dsv41.kernels.triton.moe_kernel import moe_experts_triton  # noqa: E402
 from dsv41.kernels.triton.packed_gemm import packed_linear_triton  # noqa: E402
 
@@ -108,6 +113,82 @@ def sweep(dev: str) -> dict:
     return {"sweep": table, "decode_config": dict(packed_gemm.DECODE_CONFIG)}
 
 
+def sweep_buckets(dev: str) -> dict:
+    """The tiles of the 32- and 64-row buckets (`packed_gemm.DECODE_CONFIGS`): least summed GPU time over an fp8
+    (wo_b) and an fp4 (expert w1) call of that many rows; sets the buckets and returns the table."""
+    table = []
+    for M in (32, 64):
+        cases = []
+        for kind, N, K in (("fp8", 5120, 8192), ("fp4", 2304, 5120)):
+            codes, scale = pack_weight(torch.randn(N, K, device=dev) * K ** -0.5, kind)
+            pws = rotating(lambda: PackedWeight(codes.clone(), scale.clone(), kind, (N, K), torch.bfloat16),
+                           codes.numel() + scale.numel())
+            cases.append((pws, qdq_fp8(torch.randn(M, K, device=dev, dtype=torch.bfloat16))))
+        cfg = packed_gemm.DECODE_CONFIGS[M]
+        rows = []
+        for bm in sorted({16, 32, M}):
+            for bn in (32, 64, 128):
+                for unroll in (1, 2):
+                    for warps in (4, 8):
+                        cfg.update(block_m=bm, block_n=bn, unroll=unroll, num_warps=warps)
+                        try:
+                            t = sum(cuda_time(cycling(lambda w: packed_linear_triton(x, w), pws)) for pws, x in cases)
+                        except Exception as e:   # a tile that does not compile (registers, shared memory)
+                            print(f"sweep M {M} BM {bm} BN {bn} U {unroll} warps {warps}: {type(e).__name__}")
+                            continue
+                        rows.append({"M": M, "block_m": bm, "block_n": bn, "unroll": unroll, "num_warps": warps,
+                                     "seconds": t})
+                        print(f"sweep M {M} BM {bm:3d} BN {bn:3d} U {unroll} warps {warps}: {t * 1e6:7.1f} us",
+                              flush=True)
+        best = min(rows, key=lambda r: r["seconds"])
+        cfg.update({k: best[k] for k in ("block_m", "block_n", "unroll", "num_warps")})
+        print(f"decode tiles, {M} rows: {cfg}")
+        table += rows
+    return {"sweep_buckets": table, "decode_configs": {str(k): dict(v) for k, v in packed_gemm.DECODE_CONFIGS.items()}}
+
+
+def moe_weights(dev: str, g: torch.Generator) -> dict:
+    """v41-geometry's routed experts (fp4) and shared expert (fp8) held packed: {"w1": [...], "w3": [...], ...}."""
+    ws = {n: [] for n in ("w1", "w3", "w2")}
+    for e in range(EXPERTS + 1):
+        kind = "fp8" if e == EXPERTS else "fp4"
+        for n, shape in (("w1", (INTER, DIM)), ("w3", (INTER, DIM)), ("w2", (DIM, INTER))):
+            codes, scale = pack_weight(torch.randn(*shape, device=dev, generator=g) * shape[1] ** -0.5, kind)
+            ws[n].append(PackedWeight(codes, scale, kind, shape, torch.bfloat16))
+    return ws
+
+
+def sweep_moe(dev: str) -> dict:
+    """The MoE kernels' tiles over packed experts (`moe_kernel.CONFIG`'s packed_* keys): least summed GPU time of
+    the decode op at 1 and 32 tokens; sets them and returns the table."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    ws = moe_weights(dev, g)
+    cases = []
+    for B in (1, 32):
+        x = torch.randn(B, DIM, device=dev, dtype=torch.bfloat16, generator=g)
+        idx = torch.rand(B, EXPERTS, device=dev, generator=g).argsort(1)[:, :TOPK]
+        cases.append((x, idx, torch.rand(B, TOPK, device=dev, generator=g)))
+    table = []
+    for bf in (32, 64, 128):
+        for bd in (32, 64, 128):
+            for unroll in (2, 4):
+                for warps in (4, 8):
+                    over = {"packed_block_f": bf, "packed_down_block_d": bd, "packed_unroll": unroll,
+                            "packed_num_warps": warps}
+                    try:
+                        t = sum(cuda_time(lambda: moe_experts_triton(x, idx, wts, ws["w1"], ws["w3"], ws["w2"], 10.0,
+                                                                     True, True, **over)) for x, idx, wts in cases)
+                    except Exception as e:
+                        print(f"sweep MoE {over}: {type(e).__name__}")
+                        continue
+                    table.append({**over, "seconds": t})
+                    print(f"sweep MoE BF {bf:3d} BD {bd:3d} U {unroll} warps {warps}: {t * 1e6:7.1f} us", flush=True)
+    best = min(table, key=lambda r: r["seconds"])
+    moe_kernel.CONFIG.update({k: v for k, v in best.items() if k != "seconds"})
+    print(f"MoE packed tiles: {moe_kernel.CONFIG}")
+    return {"sweep_moe": table}
+
+
 def sweep_prefill(dev: str) -> dict:
     """The prefill tiles of the FP8 tensor-core GEMM with the least summed GPU time over two M = 4096 calls (wq_b's
     and a shared expert's w1 shapes); sets `fp8_gemm.PREFILL_CONFIG` and returns the table."""
@@ -151,12 +232,7 @@ def moe_rows(dev: str, bw: float) -> list[dict]:
     packed) against the same op over the dense bf16 twins: GPU time, and bytes/s on the packed bytes of the experts
     the step touches (w1, w3, w2 of each)."""
     g = torch.Generator(device=dev).manual_seed(0)
-    ws = {n: [] for n in ("w1", "w3", "w2")}
-    for e in range(EXPERTS + 1):
-        kind = "fp8" if e == EXPERTS else "fp4"
-        for n, shape in (("w1", (INTER, DIM)), ("w3", (INTER, DIM)), ("w2", (DIM, INTER))):
-            codes, scale = pack_weight(torch.randn(*shape, device=dev, generator=g) * shape[1] ** -0.5, kind)
-            ws[n].append(PackedWeight(codes, scale, kind, shape, torch.bfloat16))
+    ws = moe_weights(dev, g)
     dense = {n: [w.dequant() for w in v] for n, v in ws.items()}
     rows = []
     for B in TOKENS:
@@ -188,11 +264,17 @@ def main() -> None:
     a = b = None
     rate8 = fp8_rate(dev)
     res = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "bf16_gemm_rate": rate,
-           "fp8_gemm_rate_per_tensor": rate8, "rows": []}
+           "fp8_gemm_rate_per_tensor": rate8, "rows": [], "command": " ".join(["python"] + sys.argv),
+           "commit": os.environ.get("COMMIT", "")}
     if "--sweep" in sys.argv:
         res.update(sweep(dev))
-        res.update(sweep_prefill(dev))
+        res.update(sweep_buckets(dev))
+        res.update(sweep_moe(dev))
+        if "--no-prefill-sweep" not in sys.argv:
+            res.update(sweep_prefill(dev))
     res["decode_config"] = dict(packed_gemm.DECODE_CONFIG)
+    res["decode_configs"] = {str(k): dict(v) for k, v in packed_gemm.DECODE_CONFIGS.items()}
+    res["moe_config"] = dict(moe_kernel.CONFIG)
     res["prefill_config"] = dict(fp8_gemm.PREFILL_CONFIG)
     print(f"copy {bw / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s, FP8 (per-tensor, torch) "
           f"{(rate8 or 0) / 1e12:.0f} TFLOP/s")
@@ -224,7 +306,7 @@ def main() -> None:
                   f"{row['flops_per_s'] / 1e12:>9.1f}{row['share_of_bf16_rate'] * 100:>6.0f}"
                   + (f"  fp8 tensor cores {t_f * 1e6:.1f} us (x {t_b / t_f:.2f} bf16)" if t_f else ""), flush=True)
     res["moe_decode"] = moe_rows(dev, bw)
-    out = Path(__file__).parent / "results" / "packed_gemm_h200.json"
+    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results" / "packed_gemm_h200.json")
     out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")
 

@@ -40,9 +40,11 @@ from dsv41.kernels.triton.packed_gemm import check_offsets, packed_rows_dot
 __all__ = ["moe_experts_triton", "CONFIG"]
 
 # Picked by benchmarks/kernels.py on the H200 (figures: benchmarks/results/README.md); 64-wide F tiles spill.
-# packed_unroll: 32-wide blocks per loop step over packed weights.
+# Over packed weights (benchmarks/packed_gemm.py --sweep): packed_block_f / packed_down_block_d the up / down
+# kernels' output tiles, packed_unroll 32-wide blocks per loop step, packed_num_warps.
 CONFIG = {"block_m": 16, "up_block_f": 32, "up_block_d": 256, "down_block_d": 32, "down_block_f": 256,
-          "combine_block_d": 512, "num_warps": 4, "packed_unroll": 2}
+          "combine_block_d": 512, "num_warps": 4, "packed_unroll": 2, "packed_block_f": 32,
+          "packed_down_block_d": 32, "packed_num_warps": 4}
 
 
 @triton.jit
@@ -233,6 +235,13 @@ def _check(w1, w3, w2, F: int, D: int, dt: torch.dtype) -> None:
                                  f"or packed), got {w.dtype} {list(w.shape)}")
 
 
+def _tiles(cfg: dict, packed: bool) -> tuple[int, int, int]:
+    """(up kernel's F tile, down kernel's D tile, warps) over packed or dense expert weights."""
+    if packed:
+        return cfg["packed_block_f"], cfg["packed_down_block_d"], cfg["packed_num_warps"]
+    return cfg["up_block_f"], cfg["down_block_d"], cfg["num_warps"]
+
+
 def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w1: Sequence[torch.Tensor],
                        w3: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], limit: float, quant_in: bool,
                        quant_mid: bool, **over) -> torch.Tensor:
@@ -246,9 +255,9 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     _check(w1, w3, w2, F, D, dt)
     if F % FP8_GROUP:
         raise ValueError(f"moe_experts (triton): the hidden width must be a multiple of {FP8_GROUP}, got {F}")
-    BF = cfg["up_block_f"]
-    if BF % FP8_GROUP:
-        raise ValueError(f"moe_experts (triton): up_block_f must be a multiple of {FP8_GROUP}, got {BF}")
+    for key in ("up_block_f", "packed_block_f"):
+        if cfg[key] % FP8_GROUP:
+            raise ValueError(f"moe_experts (triton): {key} must be a multiple of {FP8_GROUP}, got {cfg[key]}")
     groups = _groups(w1, w3, w2)
     dev = x.device
     y = torch.empty(N, D, dtype=dt, device=dev)
@@ -266,10 +275,11 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     inv[order] = torch.arange(order.numel(), device=dev)
     h = torch.empty(N * KP, F, dtype=dt, device=dev)
     out = torch.empty(N * KP, D, dtype=dt, device=dev)
-    BM, nw, BD2 = cfg["block_m"], cfg["num_warps"], cfg["down_block_d"]
+    BM = cfg["block_m"]
     for e0, n in groups:
         t1, s1, packed, fp4, al1 = _tables(w1[e0:e0 + n], dev)
         t3, s3, _, _, al3 = _tables(w3[e0:e0 + n], dev)
+        BF, BD2, nw = _tiles(cfg, packed)
         LAST['moe_up'] = _moe_up_kernel[(n, triton.cdiv(F, BF))](
             xq, t1, t3, s1, s3, order, pw, counts, offs, h, e0, D, F, KP, float(limit), FP8_AMAX_FLOOR, FP8_MAX_INV,
             CLAMP=limit > 0, QUANT=bool(quant_mid), BM=BM, BF=BF, BD=cfg["up_block_d"], GROUP=FP8_GROUP,

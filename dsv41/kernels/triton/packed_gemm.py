@@ -35,7 +35,7 @@ from dsv41.kernels.triton.decoders import P2_112, P2_118, e2m1_split, swa_split,
 from dsv41.kernels.triton.fp8_gemm import fp8_linear_triton, fp8_prefill_fits
 
 __all__ = ["packed_linear_triton", "packed_block", "block_dot", "packed_rows_dot", "check_offsets", "dequant_triton",
-           "DECODE_ROWS", "DECODE_CONFIG", "FP8_PREFILL"]
+           "DECODE_ROWS", "DECODE_CONFIG", "DECODE_CONFIGS", "decode_config", "FP8_PREFILL"]
 
 DECODE_ROWS = 64        # up to this many rows: the weight-read-bound configuration (split-K)
 FP8_PREFILL = False     # prefill-size fp8 calls on the FP8 tensor cores (slower than dequant + bf16 GEMM today)
@@ -141,16 +141,26 @@ def _dequant_kernel(c_ptr, s_ptr, w_ptr, N, K, FP4: tl.constexpr, BN: tl.constex
                  mask=nm[:, None] & ok)
 
 
-# Decode-size tiles: benchmarks/packed_gemm.py --sweep picks them on the H200 (results/packed_gemm_h200.json).
-DECODE_CONFIG = {"block_n": 128, "unroll": 2, "num_warps": 4, "programs_per_sm": 4, "num_stages": 3}
+# Decode-size tiles per row bucket (calls of up to 16, 32, 64 rows): benchmarks/packed_gemm.py --sweep picks them
+# (results/packed_gemm_h200.json). block_m: the rows of x a program takes (a smaller one than the bucket's re-reads
+# the weight once per row tile, mostly from L2). DECODE_CONFIG is the 16-row bucket's.
+DECODE_CONFIG = {"block_m": 16, "block_n": 128, "unroll": 2, "num_warps": 4, "programs_per_sm": 4, "num_stages": 3}
+DECODE_CONFIGS = {16: DECODE_CONFIG,
+                  32: {**DECODE_CONFIG, "block_m": 32},
+                  64: {**DECODE_CONFIG, "block_m": 64}}
+
+
+def decode_config(M: int) -> dict:
+    """The tiles of a decode-size call of M rows (its bucket's entry of DECODE_CONFIGS)."""
+    return DECODE_CONFIGS[min(b for b in DECODE_CONFIGS if b >= min(M, DECODE_ROWS))]
 
 
 def _config(M: int, N: int, K: int, nbytes: int, device: torch.device) -> tuple[int, int, int, int]:
     """(BM, BN, U, split parts) of a decode-size call: K split until the grid has `programs_per_sm` programs per
     SM, each part at least 2 steps of U blocks, and the parts' fp32 partials (written and read back) at most half
     the weight's bytes."""
-    cfg = DECODE_CONFIG
-    BM = max(16, triton.next_power_of_2(M))
+    cfg = decode_config(M)
+    BM = max(16, min(cfg["block_m"], triton.next_power_of_2(M)))
     BN, U = cfg["block_n"], cfg["unroll"]
     tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
     want = triton.cdiv(cfg["programs_per_sm"] * sm_count(device), tiles)
@@ -175,6 +185,7 @@ def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
         return torch.nn.functional.linear(a.to(weight.dtype), w, bias).view(*x.shape[:-1], N)
     check_offsets(weight)
     BM, BN, U, split = _config(M, N, K, weight.nbytes, x.device)
+    cfg = decode_config(M)
     KB = K // 32
     kb_per_split = triton.cdiv(triton.cdiv(KB, split), U) * U
     split = triton.cdiv(KB, kb_per_split)
@@ -183,7 +194,7 @@ def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
     LAST["packed_linear"] = _packed_linear_kernel[grid](
         a, weight.codes, weight.scale, bias if bias is not None else a, out, M, N, K, kb_per_split,
         FP4=weight.kind == "fp4", HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=BM, BN=BN, U=U,
-        DOT_BF16=DOT_BF16, ASM=ASM, num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"])
+        DOT_BF16=DOT_BF16, ASM=ASM, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:
         s = out.sum(0)
         y = (s + bias.float() if bias is not None else s).to(weight.dtype)
