@@ -495,7 +495,7 @@ def test_profile_step_measures_every_shape(debug_model, one_thread):
 
 def test_profile_step_warms_up_each_shape(debug_model, one_thread, monkeypatch):
     """The first run of every (batch, verify) shape is not timed into the profile: a warm-up that costs 100 s
-    leaves no trace; the rounds visit every V in turn."""
+    leaves no trace; the rounds visit every shape in turn (plain decode and V = 0..G)."""
     from dsv41.engine.speculative import profile as prof_mod
     cfg, m = debug_model
     G = cfg.dspark_block_size
@@ -504,12 +504,14 @@ def test_profile_step_warms_up_each_shape(debug_model, one_thread, monkeypatch):
     def fake_timed(fn, device):
         fn()
         seen.append(len(seen))
-        return 100.0 if len(seen) <= G + 1 else 1.0 + 0.01 * len(seen)
+        return 100.0 if len(seen) <= G + 2 else 1.0 + 0.01 * len(seen)
     monkeypatch.setattr(prof_mod, "timed", fake_timed)
     prof = profile_step(m, batches=(1,), context=20, repeats=2, log=lambda *a: None)
-    assert len(seen) == 3 * (G + 1)                                  # 1 warm-up + 2 rounds per V
-    assert max(max(p["samples"]) for p in prof.meta["points"]) < 2.0
-    assert all(len(p["samples"]) == 2 for p in prof.meta["points"])
+    assert len(seen) == 3 * (G + 2)                                  # 1 warm-up + 2 rounds per shape
+    pts = prof.meta["points"] + prof.meta["plain"]
+    assert len(pts) == G + 2
+    assert max(max(p["samples"]) for p in pts) < 2.0
+    assert all(len(p["samples"]) == 2 for p in pts)
 
 
 def test_step_profile_never_cheaper_with_more_tokens():
@@ -593,6 +595,16 @@ def test_scheduler_stops_drafting_when_it_does_not_pay(debug_model, one_thread):
     calls = itertools.count()
     inner = good.drafter.propose
     good.drafter.propose = lambda *a: (next(calls), inner(*a))[1]
+    decisions = []                                 # (drafted, drafts that could still be emitted) per step
+    inner_pays = good._drafting_pays
+
+    def pays(live, drafts):
+        r = inner_pays(live, drafts)
+        decisions.append((r, max(s.params.max_tokens - len(s.output_ids) - 1 for s in live)))
+        return r
+    good._drafting_pays = pays
     res = good.generate(prompts, params)
     assert [c.output_ids for c in res] == want
-    assert next(calls) == res[0].stats["speculative"]["target_forwards"]    # drafted at every step
+    assert len(decisions) == res[0].stats["speculative"]["target_forwards"]
+    assert all(r for r, room in decisions if room > 0)      # drafted at every step where a draft could be emitted
+    assert next(calls) == sum(r for r, _ in decisions)

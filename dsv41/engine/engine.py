@@ -30,7 +30,8 @@ from dsv41.engine.speculative.drafter import DSparkDrafter
 from dsv41.engine.speculative.policy import Speculation
 from dsv41.engine.speculative.rejection import accept_drafts
 from dsv41.engine.speculative.rollback import VerifyJournal
-from dsv41.engine.speculative.scheduler import AcceptanceCalibration, MeasuredCost, choose_verify_lengths
+from dsv41.engine.speculative.scheduler import (AcceptanceCalibration, MeasuredCost, choose_verify_lengths,
+                                                plain_cost, spec_cost)
 from dsv41.engine.store import SequencePool, make_pool
 from dsv41.engine.tokenizer import ByteTokenizer
 from dsv41.kv.device_tier import DeviceTier
@@ -67,6 +68,9 @@ class Sequence:
     drafted: int = 0                         # speculative decoding: drafts verified / accepted, target forwards
     accepted: int = 0
     target_steps: int = 0
+    verify_lengths: dict = field(default_factory=dict)   # speculative: row-steps by verify length (0: no drafts)
+    predicted_tokens: float = 0.0            # speculative: tokens predicted per row-step (1 + S summed over the
+    realised_tokens: int = 0                 # verified drafts; 1 without drafts) and the tokens those steps emitted
     arrival: int = 0                         # scheduling: arrival order (the youngest is preempted first)
     fed: int = 0                             # tokens run into the store
     group: Group | None = None               # set while admitted (its body job until the body is done)
@@ -351,7 +355,8 @@ class Engine:
         t0 = time.perf_counter()
         sids = [s.sid for s in rows]
         view = self.pool.bind(sids)
-        if self.drafter is None or not self._drafting_pays(len(live), drafts):
+        spec_step = self.drafter is not None and self._drafting_pays(live, drafts)
+        if not spec_step:
             n_tokens = len(rows)
             ids = torch.tensor([[(s.prompt_ids + s.output_ids)[s.fed]] for s in rows], device=self.device)
             pos = view.pos.clone()
@@ -362,7 +367,12 @@ class Engine:
                 self.drafter.seed(view, out.main_hidden, pos)                  # drafter still sees its taps
             for b, s in enumerate(live):
                 s.pending = sample_token(logits[b], s.params, s.gen)
+                before = len(s.output_ids)
                 outs.append(self._emit(s, [s.pending], logits[b:b + 1]))
+                if self.drafter is not None:                      # a step decoded without drafts: length 0
+                    s.verify_lengths[0] = s.verify_lengths.get(0, 0) + 1
+                    s.predicted_tokens += 1.0
+                    s.realised_tokens += len(s.output_ids) - before
             for b, s in enumerate(join, len(live)):
                 s.fed += 1
                 if s.pending is None:
@@ -371,8 +381,8 @@ class Engine:
             n_tokens = self._verify(view, live, outs, drafts)
         self.pool.release(view, sids)
         dt = time.perf_counter() - t0
-        if isinstance(self.step_cost, MeasuredCost):
-            self.step_cost.record(n_tokens, dt)
+        if isinstance(self.step_cost, MeasuredCost) and live and not join:
+            self.step_cost.record(n_tokens, dt, batch=len(live), plain=not spec_step)
         for s in live:
             s.fed = target(s)
             s.decode_s += dt
@@ -380,20 +390,31 @@ class Engine:
         for s in join:
             s.prefill_s += dt
 
-    def _drafting_pays(self, B: int, drafts: int) -> bool:
-        """The dspark scheduler, before drafting: at the acceptance measured so far (per draft position, over this
-        engine's verified drafts) and T(n), would it verify anything? When it would pick 0 drafts for every row the
-        step decodes without proposing (the drafter's cost skipped: never slower than no speculation), drafting
-        again every `PROBE_EVERY`-th such step so that a drafter doing better is noticed. Fixed lengths always
-        draft; so does a scheduler without `MIN_EVIDENCE` verified first drafts."""
-        sc = self.spec_counts
-        if self.speculation.mode != "dspark" or (drafts > 0 and sc["reached"][0] < MIN_EVIDENCE):
-            return True
-        if drafts == 0:
+    def _drafting_pays(self, live: list[Sequence], drafts: int) -> bool:
+        """Whether this step drafts (proposes and verifies) or decodes plainly (one token a row, the drafter's cost
+        skipped: never slower than no speculation). Fixed lengths always draft (fixed:0 never). The dspark scheduler
+        compares, with its cost model (`spec_cost` / `plain_cost` at this batch: the profile, or what the engine
+        measured with dspark:online), B / T_plain(B) against the best verify length: first at acceptance 1 (when
+        even drafts that are always accepted do not pay, as at loaded batches where the forward's cost grows with
+        its tokens, it never drafts), then, once `MIN_EVIDENCE` first drafts were verified, at the acceptance
+        measured so far per draft position; while that says no, it drafts again every `PROBE_EVERY`-th such step
+        so that a drafter doing better is noticed."""
+        if drafts == 0 or self.speculation.mode == "fixed" and self.speculation.n == 0:
             return False
+        if self.speculation.mode != "dspark":
+            return True
+        B = len(live)
+        caps = [max(0, min(drafts, s.params.max_tokens - len(s.output_ids) - 1)) for s in live]
+        cost, plain = spec_cost(self.step_cost, B), plain_cost(self.step_cost, B)
+        G = self.cfg.dspark_block_size
+        if max(choose_verify_lengths(torch.ones(B, G), cost, caps, ragged=False, plain=plain)) == 0:
+            return False                                   # no acceptance could make a verify pay here
+        sc = self.spec_counts
+        if sc["reached"][0] < MIN_EVIDENCE:
+            return True
         rates = [a / r if r else 0.0 for a, r in zip(sc["accepted"], sc["reached"])]
         S = torch.tensor(rates).cumprod(0).expand(B, -1)
-        if choose_verify_lengths(S, self.step_cost, drafts, ragged=False)[0] > 0:
+        if choose_verify_lengths(S, cost, caps, ragged=False, plain=plain)[0] > 0:
             self._skipped = 0
             return True
         self._skipped += 1
@@ -404,11 +425,11 @@ class Engine:
         pos = view.pos.clone()
         prop = self.drafter.propose(view, live, pos)
         caps = [max(0, s.params.max_tokens - len(s.output_ids) - 1) for s in live]   # drafts that could be emitted
+        S = prop.survival(self.calibration)
         if self.speculation.mode == "fixed":
             V = min(self.speculation.n, prop.tokens.size(1), max(caps), drafts)
         else:
-            V = min(drafts, choose_verify_lengths(prop.survival(self.calibration), self.step_cost, caps,
-                                                  ragged=False)[0])
+            V = min(drafts, choose_verify_lengths(S, spec_cost(self.step_cost, len(live)), caps, ragged=False)[0])
         ids = torch.cat([torch.tensor([[s.pending] for s in live]), prop.tokens[:, :V]], dim=1).to(self.device)
         journal = VerifyJournal(self.model, view, pos, 1 + V)
         out = self.model(ids, view, opts=ForwardOptions(journal=journal.model_journal))
@@ -422,6 +443,9 @@ class Engine:
             outs.append(self._emit(s, toks, out.logits[b]))
             keep.append(1 + min(n, len(s.output_ids) - before))      # fed tokens whose output was emitted
             s.pending, s.drafted, s.accepted = nxt, s.drafted + v, s.accepted + n
+            s.verify_lengths[v] = s.verify_lengths.get(v, 0) + 1
+            s.predicted_tokens += 1.0 + float(S[b, :v].sum())
+            s.realised_tokens += len(s.output_ids) - before
             for k in range(min(v, n + 1)):
                 sc["reached"][k] += 1
                 sc["accepted"][k] += int(k < n)
@@ -495,7 +519,9 @@ class Engine:
                  "cache_path": s.cache_path, "cached_tokens": s.cached_tokens, "cached_tokens_by_tier": s.cached_tiers,
                  "preemptions": s.preemptions,
                  "speculative": {"mode": str(self.speculation), "drafted_tokens": s.drafted,
-                                 "accepted_tokens": s.accepted, "target_forwards": s.target_steps}}
+                                 "accepted_tokens": s.accepted, "target_forwards": s.target_steps,
+                                 "verify_lengths": dict(sorted(s.verify_lengths.items())),
+                                 "predicted_tokens": s.predicted_tokens, "realised_tokens": s.realised_tokens}}
         return Completion(s.request_id, s.prompt_ids, s.output_ids, s.text, s.finish_reason, stats, s.logprobs)
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:

@@ -35,6 +35,12 @@ optimum takes drafts in decreasing S order across rows (S is non-increasing in k
 then the budget with the best ratio wins. The engine's forward is padded (every row runs 1 + V tokens), so it
 uses `ragged=False`: the same objective with n = B (1 + V), whose optimum gives every row the same V.
 
+V = 0 is not a verify of 0 drafts but a plain decode step (no proposal): `choose_verify_lengths(..., plain=T_plain)`
+compares every verify length with B / T_plain(B), and before drafting the engine asks whether any length could win
+(at acceptance 1, then at the measured acceptance); when none can it decodes plainly, skipping the drafter's cost
+(`Engine._drafting_pays`). T comes from `StepProfile.spec(B, n)` / `plain(B)`: per-batch curves measured warm,
+median of repeats, non-decreasing (`profile.py`).
+
     policy.py     the `--speculative` flag (`Speculation`) and what `auto` resolves to for a checkpoint
     drafter.py    the DSpark drafter: propose (1) and seed (6)
     scheduler.py  the confidence scheduler (2) and its online corrections

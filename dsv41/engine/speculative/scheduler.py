@@ -34,33 +34,73 @@ class AcceptanceCalibration:
 
 
 class MeasuredCost:
-    """T(n) for the scheduler, corrected by the engine's own speculative step times.
+    """T(n) for the scheduler, corrected by the engine's own step times.
 
-    The profile is the prior. Each engine step records (n, seconds); the first step at each n is a warm-up and is
-    dropped. A measured n costs its mean; any other n costs profile(n) times the mean measured/profile ratio, which
-    puts a profile from another context length or machine on the engine's scale. A V whose verify costs more than
-    the profile said is corrected the first time the scheduler chooses it."""
+    The profile is the prior. Each engine step records (n, seconds) with its rows B and whether it was a plain
+    decode step (no drafts) or a speculative one, the time being the whole step as the engine runs it (proposal,
+    forward, each row's acceptance and emitted tokens, rollback); the first step of each kind at each (B, n) is a
+    warm-up and is dropped. A measured shape costs its mean; any other shape costs the profile's figure times the
+    mean measured/profile ratio of its kind (speculative or plain; the other kind's while it has none), which puts a
+    profile from another context length or machine on the engine's scale. A V whose verify costs more than the
+    profile said is corrected the first time the scheduler chooses it. `__call__(n)` is the one-dimensional view
+    (shapes recorded without a batch)."""
 
     def __init__(self, profile: Callable[[int], float]):
         self.profile = profile
-        self.seen: set[int] = set()
-        self.times: dict[int, list[float]] = {}                 # n -> measured seconds after the warm-up
+        self.seen: set[int] = set()                             # token counts of the steps recorded
+        self._keys: set = set()
+        self.times: dict = {}                                   # (B, n) or ("plain", B) -> seconds after warm-up
 
-    def record(self, n: int, seconds: float) -> None:
-        if n in self.seen:
-            self.times.setdefault(n, []).append(seconds)
+    def record(self, n: int, seconds: float, batch: int | None = None, plain: bool = False) -> None:
+        key = ("plain", n if batch is None else batch) if plain else (batch, n)
+        if key in self._keys:
+            self.times.setdefault(key, []).append(seconds)
+        self._keys.add(key)
         self.seen.add(n)
 
-    def mean(self, n: int) -> float:
-        return sum(self.times[n]) / len(self.times[n])
+    def mean(self, key) -> float:
+        ts = self.times[key]
+        return sum(ts) / len(ts)
+
+    def _prior(self, key) -> float:
+        if key[0] == "plain":
+            return plain_cost(self.profile, key[1])
+        B, n = key
+        return self.profile(n) if B is None else spec_cost(self.profile, B)(n)
+
+    def _scale(self, plain: bool) -> float:
+        for kind in (plain, not plain):
+            ks = [k for k in self.times if (k[0] == "plain") == kind]
+            if ks:
+                return sum(self.mean(k) / self._prior(k) for k in ks) / len(ks)
+        return 1.0
+
+    def _cost(self, key) -> float:
+        if key in self.times:
+            return self.mean(key)
+        return self._prior(key) * self._scale(key[0] == "plain")
 
     def __call__(self, n: int) -> float:
-        if n in self.times:
-            return self.mean(n)
-        if not self.times:
-            return self.profile(n)
-        scale = sum(self.mean(m) / self.profile(m) for m in self.times) / len(self.times)
-        return self.profile(n) * scale
+        return self._cost((None, n))
+
+    def spec(self, B: int, n: int) -> float:
+        return self._cost((B, n))
+
+    def plain(self, B: int) -> float:
+        return self._cost(("plain", B))
+
+
+def spec_cost(cost, B: int) -> Callable[[int], float]:
+    """n -> the cost of a speculative step of B rows over n tokens: cost.spec(B, n) when the cost model knows the
+    batch (`StepProfile`, `MeasuredCost`), else cost(n)."""
+    f = getattr(cost, "spec", None)
+    return (lambda n: f(B, n)) if f is not None else cost
+
+
+def plain_cost(cost, B: int) -> float:
+    """The cost of a decode step of B rows without drafts: cost.plain(B), else cost(B)."""
+    f = getattr(cost, "plain", None)
+    return f(B) if f is not None else cost(B)
 
 
 def expected_tokens(S: torch.Tensor, v: Sequence[int]) -> float:
@@ -69,23 +109,26 @@ def expected_tokens(S: torch.Tensor, v: Sequence[int]) -> float:
 
 
 def choose_verify_lengths(S: torch.Tensor, cost: Callable[[int], float], max_v: int | Sequence[int],
-                          ragged: bool = True) -> list[int]:
+                          ragged: bool = True, plain: float | None = None) -> list[int]:
     """The {v_r} maximising expected_tokens(S, v) / cost(tokens in the batch) (module docstring).
     S [B,G] prefix survivals (non-increasing along k); max_v: the most drafts per row (int or per row).
     ragged: tokens = sum_r (1 + v_r); otherwise (a padded forward) tokens = B (1 + max v) and every row gets
-    the same v."""
+    the same v. plain: the cost of the step with no drafts at all when it differs from cost(B) (plain decode: no
+    proposal, no verify bookkeeping); all zeros are chosen when nothing beats B / plain, so the objective never
+    prefers a verify that is slower than not speculating."""
     S = torch.as_tensor(S, dtype=torch.float64).cpu()
     B, G = S.shape
     caps = [max(0, min(G, int(c))) for c in (max_v if isinstance(max_v, Sequence) else [max_v] * B)]
+    base = B / (cost(B) if plain is None else plain)
     if not ragged:
-        best, best_v = -1.0, 0
-        for V in range(max(caps) + 1):
+        best, best_v = base, 0
+        for V in range(1, max(caps) + 1):
             ratio = expected_tokens(S, [min(V, c) for c in caps]) / cost(B * (1 + V))
             if ratio > best + 1e-12 * abs(best):
                 best, best_v = ratio, V
         return [best_v] * B
     gains = sorted(((float(S[r, k]), k, r) for r in range(B) for k in range(caps[r])), key=lambda g: (-g[0], g[1]))
-    num, best, best_b = float(B), B / cost(B), 0
+    num, best, best_b = float(B), base, 0
     for b, (s, _, _) in enumerate(gains, start=1):
         num += s
         ratio = num / cost(B + b)
