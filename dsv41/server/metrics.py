@@ -18,6 +18,13 @@
     dsv41_kv_bytes_peak{kind}                      the highest value of the above since start
     dsv41_prefix_store{name}                       the prefix cache's own counters, when the engine has one
                                                    (`engine.prefix_cache.metrics()`)
+    dsv41_speculative_verify_length_total{length}  speculative decoding: row-steps by the verify length chosen
+                                                   (0: the step decoded without drafts)
+    dsv41_speculative_predicted_tokens_total       tokens predicted per row-step: 1 + the prefix survivals S
+                                                   over the verified drafts (1 for a step without drafts)
+    dsv41_speculative_realised_tokens_total        tokens those row-steps emitted (predicted / realised over a
+                                                   window: the calibration of the confidence head)
+    dsv41_speculative_drafted_tokens_total / dsv41_speculative_accepted_tokens_total
 """
 
 from __future__ import annotations
@@ -65,6 +72,16 @@ class ServerMetrics:
         self.kv_peak = metric(Gauge, "dsv41_kv_bytes_peak", "Highest KV bytes in use seen since start", ["kind"])
         self.prefix_store = metric(Gauge, "dsv41_prefix_store", "Prefix-cache store counters (the engine's prefix_"
                                    "cache.metrics(): disk and SWA-pool hits, misses, bytes, evictions)", ["name"])
+        self.verify_lengths = metric(Counter, "dsv41_speculative_verify_length", "Speculative decoding: row-steps "
+                                     "by the verify length chosen (0: decoded without drafts)", ["length"])
+        self.spec_predicted = metric(Counter, "dsv41_speculative_predicted_tokens", "Speculative decoding: tokens "
+                                     "predicted per row-step (1 + prefix survivals of the verified drafts)")
+        self.spec_realised = metric(Counter, "dsv41_speculative_realised_tokens", "Speculative decoding: tokens the "
+                                    "row-steps emitted")
+        self.spec_drafted = metric(Counter, "dsv41_speculative_drafted_tokens", "Speculative decoding: drafts "
+                                   "verified")
+        self.spec_accepted = metric(Counter, "dsv41_speculative_accepted_tokens", "Speculative decoding: drafts "
+                                    "accepted")
         self._peak: dict[str, int] = {}
         for kind in ("global", "swa", "pending"):
             self.kv_bytes.labels(kind).set(0)
@@ -112,6 +129,14 @@ class ServerMetrics:
         self.cache_paths.labels(d["cache_path"]).inc()
         if d["cache_path"] == "replay":
             self.replays.inc()
+        sp = st.get("speculative") or {}
+        if sp.get("mode", "off") != "off":
+            for v, n in (sp.get("verify_lengths") or {}).items():
+                self.verify_lengths.labels(str(v)).inc(n)
+            self.spec_predicted.inc(float(sp.get("predicted_tokens") or 0.0))
+            self.spec_realised.inc(int(sp.get("realised_tokens") or 0))
+            self.spec_drafted.inc(int(sp.get("drafted_tokens") or 0))
+            self.spec_accepted.inc(int(sp.get("accepted_tokens") or 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
