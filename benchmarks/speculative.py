@@ -17,8 +17,9 @@ checkpoint's step_profile.json when it has one, else measured first at the bench
 run records the verify lengths the engine chose (row-steps by length, 0: decoded without drafting) and the tokens
 the scheduler predicted vs those emitted; a table of ratios vs off per batch closes the output.
 
-Decode phase only: the requests are admitted (prefilled) in a first engine step, then the remaining steps are
-timed. Prints a table and one JSON line (also written to --out).
+Decode phase only: the engine steps until every request is prefilled (its first token sampled; at batch 32 the
+prompts span several steps of the token budget), then the remaining steps are timed and the tokens they emit
+counted. Prints a table and one JSON line (also written to --out).
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ def stdlib_prompts(tok, n: int, chars: int = 400) -> list[list[int]]:
 def run_mode(engine, prompts, max_tokens: int, sync) -> dict:
     from dsv41.engine.sampling import SamplingParams
     rids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
-    engine.step()                                          # admit + prefill every request (no decode yet)
+    engine.step()                                          # admit + prefill every request
+    while engine.waiting or any(s.pending is None for s in engine.running):
+        engine.step()                                      # prompts beyond one step's token budget (batch 32)
+    before = {s.request_id: len(s.output_ids) for s in engine.running}
     sync()
     t0 = time.perf_counter()
     steps = 0
@@ -92,7 +96,7 @@ def run_mode(engine, prompts, max_tokens: int, sync) -> dict:
     sync()
     dt = time.perf_counter() - t0
     outs = [engine.completion(r).output_ids for r in rids]
-    tokens = sum(len(o) - 1 for o in outs)                 # the first token of each came from prefill
+    tokens = sum(len(o) - before.get(r, len(o)) for r, o in zip(rids, outs))   # emitted in the timed steps
     return {"seconds": dt, "steps": steps, "decode_tokens": tokens, "tok_per_s": tokens / dt,
             "tokens_per_forward_per_row": tokens / max(1, sum(engine.completion(r).stats["speculative"]
                                                                 ["target_forwards"] for r in rids)),
