@@ -10,7 +10,7 @@ rounded to the checkpoint formats), measure memory, time again.
 
     python benchmarks/gpu_weights.py           # writes benchmarks/results/gpu_weights_h200.json
 Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (6), DENSE_ROWS (1: time the dense holding too;
-0 builds it only to pack it), OUT (the result file; default by GPU: gpu_weights_h200.json / gpu_weights_h100.json),
+0 builds it only to pack it), RESULT (the result file; default by GPU: gpu_weights_h200.json / gpu_weights_h100.json),
 TUNING (a `benchmarks/packed_gemm.py --sweep` result whose decode tiles to use).
 """
 
@@ -132,7 +132,7 @@ def main() -> None:
           f"{res['measured_over_analytic']:.3f}", flush=True)
     res["rows"] += decode_rows(model, cfg, dev, "packed", bw, context, batches, n_steps)
     gpu = "h100" if "H100" in res["gpu"] else "h200"
-    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results" / f"gpu_weights_{gpu}.json")
+    out = Path(os.environ.get("RESULT") or Path(__file__).parent / "results" / f"gpu_weights_{gpu}.json")
     out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")
 

@@ -17,7 +17,7 @@ expert) over packed and over dense bf16 experts.
                                               # the 32- and 64-row buckets (DECODE_CONFIGS), the MoE kernels' packed
                                               # tiles, and the prefill tiles of the FP8 tensor-core GEMM
                                               # (fp8_gemm.PREFILL_CONFIG; --no-prefill-sweep skips them)
-Env: OUT (the result file). The result's decode_configs / moe_config are what `benchmarks/gpu_weights.py` applies
+Env: RESULT (the result file). The result's decode_configs / moe_config are what `benchmarks/gpu_weights.py` applies
 with TUNING=that file.
 """
 
@@ -127,7 +127,7 @@ def sweep_buckets(dev: str) -> dict:
         cfg = packed_gemm.DECODE_CONFIGS[M]
         rows = []
         for bm in sorted({16, 32, M}):
-            for bn in (32, 64, 128):
+            for bn in (64, 128, 256):
                 for unroll in (1, 2):
                     for warps in (4, 8):
                         cfg.update(block_m=bm, block_n=bn, unroll=unroll, num_warps=warps)
@@ -306,7 +306,7 @@ def main() -> None:
                   f"{row['flops_per_s'] / 1e12:>9.1f}{row['share_of_bf16_rate'] * 100:>6.0f}"
                   + (f"  fp8 tensor cores {t_f * 1e6:.1f} us (x {t_b / t_f:.2f} bf16)" if t_f else ""), flush=True)
     res["moe_decode"] = moe_rows(dev, bw)
-    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results" / "packed_gemm_h200.json")
+    out = Path(os.environ.get("RESULT") or Path(__file__).parent / "results" / "packed_gemm_h200.json")
     out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")
 
