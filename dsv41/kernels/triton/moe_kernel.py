@@ -42,7 +42,7 @@ __all__ = ["moe_experts_triton", "CONFIG"]
 # Picked by benchmarks/kernels.py on the H200 (figures: benchmarks/results/README.md); 64-wide F tiles spill.
 # Over packed weights (benchmarks/packed_gemm.py --sweep): packed_block_f / packed_down_block_d the up / down
 # kernels' output tiles, packed_unroll 32-wide blocks per loop step, packed_num_warps (H100: 1,763 us for the op
-# at 1 + 32 tokens against 2,226 with the dense tiles, results/packed_gemm_h100-2026-12-05b.json).
+# at 1 + 32 tokens against 2,226 with the dense tiles, results/packed_gemm_h100-2026-12-05b.log).
 CONFIG = {"block_m": 16, "up_block_f": 32, "up_block_d": 256, "down_block_d": 32, "down_block_f": 256,
           "combine_block_d": 512, "num_warps": 4, "packed_unroll": 2, "packed_block_f": 64,
           "packed_down_block_d": 128, "packed_num_warps": 4}

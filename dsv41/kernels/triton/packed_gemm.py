@@ -144,7 +144,7 @@ def _dequant_kernel(c_ptr, s_ptr, w_ptr, N, K, FP4: tl.constexpr, BN: tl.constex
 # Decode-size tiles per row bucket (calls of up to 16, 32, 64 rows): benchmarks/packed_gemm.py --sweep picks them
 # (results/packed_gemm_h200.json). block_m: the rows of x a program takes (a smaller one than the bucket's re-reads
 # the weight once per row tile, mostly from L2). DECODE_CONFIG is the 16-row bucket's.
-# On an H100 (results/packed_gemm_h100-2026-12-05b.json) 16-row tiles won in every bucket: at 64 rows 158 us
+# On an H100 (results/packed_gemm_h100-2026-12-05b.log) 16-row tiles won in every bucket: at 64 rows 158 us
 # against 388 for one 64-row tile (wo_b + an expert's w1), at 32 rows 88 against 132.
 DECODE_CONFIG = {"block_m": 16, "block_n": 128, "unroll": 1, "num_warps": 4, "programs_per_sm": 4, "num_stages": 3}
 DECODE_CONFIGS = {16: DECODE_CONFIG,
