@@ -185,8 +185,18 @@ def sweep_moe(dev: str) -> dict:
                     print(f"sweep MoE BF {bf:3d} BD {bd:3d} U {unroll} warps {warps}: {t * 1e6:7.1f} us", flush=True)
     best = min(table, key=lambda r: r["seconds"])
     moe_kernel.CONFIG.update({k: v for k, v in best.items() if k != "seconds"})
+    split_table = []
+    for split in (1, 2, 4, 8, 16):
+        for per_sm in (2, 4, 8):
+            over = {"packed_split": split, "packed_programs_per_sm": per_sm}
+            t = sum(cuda_time(lambda: moe_experts_triton(x, idx, wts, ws["w1"], ws["w3"], ws["w2"], 10.0, True, True,
+                                                         **over)) for x, idx, wts in cases)
+            split_table.append({**over, "seconds": t})
+            print(f"sweep MoE split {split:2d} programs/SM {per_sm}: {t * 1e6:7.1f} us", flush=True)
+    best = min(split_table, key=lambda r: r["seconds"])
+    moe_kernel.CONFIG.update({k: v for k, v in best.items() if k != "seconds"})
     print(f"MoE packed tiles: {moe_kernel.CONFIG}")
-    return {"sweep_moe": table}
+    return {"sweep_moe": table, "sweep_moe_split": split_table}
 
 
 def sweep_prefill(dev: str) -> dict:

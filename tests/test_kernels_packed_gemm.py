@@ -90,8 +90,9 @@ def test_linear_reads_packed_bytes_on_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", [1, 8])
 @pytest.mark.parametrize("shape", [(1, 64, 64, 6, 3), (5, 256, 96, 8, 2), (16, 512, 288, 16, 6)])
-def test_moe_kernel_reads_packed_experts(device, shape):
+def test_moe_kernel_reads_packed_experts(device, shape, split):
     """The MoE op's kernels over packed experts (fp4 routed, fp8 shared: two launches into the same slots) agree
     with the op over the dequantized twins (the same products; the packed kernels sum each 32-wide block apart and
     scale it, the dense ones sum wider tiles: the bf16-rounded expert outputs and the FP8 QDQ between w1/w3 and w2
@@ -112,7 +113,7 @@ def test_moe_kernel_reads_packed_experts(device, shape):
     x = (torch.randn(n, dim, generator=torch.Generator().manual_seed(n)) * 3).bfloat16().to(device)
     weights, indices, _ = moe.gate(x)
     ref = moe_experts_ref(x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:])
-    out = moe_experts_triton(x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:])
+    out = moe_experts_triton(x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:], packed_split=split)
     twin = moe_experts_triton(x, indices, weights, *([t.dequant() for t in ws] for ws in w[:3]),
                               moe.shared_experts.limit, *w[3:])
     assert out.dtype == x.dtype and torch.isfinite(out).all()

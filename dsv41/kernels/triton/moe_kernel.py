@@ -34,7 +34,7 @@ import triton.language as tl
 from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
 from dsv41.kernels.triton.quant_kernel import _fp8_groups, qdq_fp8_triton
 from dsv41.codecs.weights import PackedWeight
-from dsv41.kernels.triton.common import ASM, DOT_BF16, INTERPRET, LAST, libdevice
+from dsv41.kernels.triton.common import ASM, DOT_BF16, INTERPRET, LAST, libdevice, sm_count
 from dsv41.kernels.triton.packed_gemm import check_offsets, packed_rows_dot
 
 __all__ = ["moe_experts_triton", "CONFIG"]
@@ -42,10 +42,12 @@ __all__ = ["moe_experts_triton", "CONFIG"]
 # Picked by benchmarks/kernels.py on the H200 (figures: benchmarks/results/README.md); 64-wide F tiles spill.
 # Over packed weights (benchmarks/packed_gemm.py --sweep): packed_block_f / packed_down_block_d the up / down
 # kernels' output tiles, packed_unroll 32-wide blocks per loop step, packed_num_warps (H100: 1,763 us for the op
-# at 1 + 32 tokens against 2,226 with the dense tiles, results/packed_gemm_h100-2026-12-05b.log).
+# at 1 + 32 tokens against 2,226 with the dense tiles, results/packed_gemm_h100-2026-12-05b.log); packed_split: at
+# most that many parts of the reduced width (split-K: fp32 partials added in part order by a finish kernel) so that
+# a decode step's few busy experts fill about packed_programs_per_sm programs per SM.
 CONFIG = {"block_m": 16, "up_block_f": 32, "up_block_d": 256, "down_block_d": 32, "down_block_f": 256,
           "combine_block_d": 512, "num_warps": 4, "packed_unroll": 2, "packed_block_f": 64,
-          "packed_down_block_d": 128, "packed_num_warps": 4}
+          "packed_down_block_d": 128, "packed_num_warps": 4, "packed_split": 8, "packed_programs_per_sm": 4}
 
 
 @triton.jit
@@ -76,27 +78,54 @@ def _dense_tile(w_tab, j, r, c, mask, C, dtype):
 
 
 @triton.jit
-def _packed_rows_dot(acc, xrow, xm, w_tab, s_tab, j, rn, nm, C, BN: tl.constexpr, U: tl.constexpr,
+def _packed_rows_dot(acc, xrow, xm, w_tab, s_tab, j, rn, nm, C, kb_lo, kb_hi, BN: tl.constexpr, U: tl.constexpr,
                      FP4: tl.constexpr, DOT_BF16: tl.constexpr, ASM: tl.constexpr, ALIGNED: tl.constexpr):
-    """acc [BM, BN] + x W[rn]^T over all C columns for expert j's packed weight W [R, C] (`packed_rows_dot`): x's
-    rows at the pointers xrow [BM, 1] (mask xm)."""
+    """acc [BM, BN] + x W[rn]^T over the 32-wide column blocks kb_lo .. kb_hi - 1 for expert j's packed weight W
+    [R, C] (`packed_rows_dot`): x's rows at the pointers xrow [BM, 1] (mask xm)."""
     codes = tl.load(w_tab + j).to(tl.pointer_type(tl.uint8))
     if ALIGNED:                                        # every expert's codes at a multiple of 16 bytes (checked)
         codes = tl.multiple_of(codes, 16)
     scales = tl.load(s_tab + j).to(tl.pointer_type(tl.uint8))
-    return packed_rows_dot(acc, xrow, xm, codes, scales, rn, nm, C, 0, C >> 5, BN, U, FP4, DOT_BF16, ASM)
+    return packed_rows_dot(acc, xrow, xm, codes, scales, rn, nm, C, kb_lo, kb_hi, BN, U, FP4, DOT_BF16, ASM)
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, counts_ptr, offs_ptr, h_ptr, e0, D, F,
-                   KP, limit, floor, max_inv, CLAMP: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr,
-                   BF: tl.constexpr, BD: tl.constexpr, GROUP: tl.constexpr, DOT_BF16: tl.constexpr,
+def _up_finish(acc_g, acc_u, s, sm, f, fm, order_ptr, pw_ptr, h_ptr, F, limit, floor, max_inv, CLAMP: tl.constexpr,
+               QUANT: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr, GROUP: tl.constexpr,
+               LIBDEVICE: tl.constexpr):
+    """The up kernel's epilogue for the slots s [BM] (mask sm) x hidden columns f [BF]: gate / up rounded to the
+    weights' dtype, `expert_act_ref`'s math, times the routing weight, w2's FP8 QDQ -> h."""
+    pair = tl.load(order_ptr + s, mask=sm, other=0).to(tl.int64)
+    a = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)                    # the Linears' outputs
+    b = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
+    if CLAMP:
+        b = tl.where(b < -limit, -limit, tl.where(b > limit, limit, b))
+        a = tl.where(a > limit, limit, a)
+    h = _silu(a, LIBDEVICE) * b
+    h = tl.load(pw_ptr + pair, mask=sm, other=0.0)[:, None] * h
+    h = h.to(h_ptr.dtype.element_ty).to(tl.float32)
+    if QUANT:
+        hg = tl.reshape(h, (BM * (BF // GROUP), GROUP))
+        q, ex, scale, bad = _fp8_groups(hg, floor, max_inv)
+        hg = tl.where(bad[:, None], float("nan"), q.to(tl.float32) * scale[:, None])
+        h = tl.reshape(hg, (BM, BF))
+    tl.store(h_ptr + s[:, None] * F + f[None, :], h.to(h_ptr.dtype.element_ty), mask=sm[:, None] & fm[None, :])
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, counts_ptr, offs_ptr, h_ptr, part_ptr,
+                   e0, D, F, KP, P, kb_per_split, limit, floor, max_inv, CLAMP: tl.constexpr, QUANT: tl.constexpr,
+                   BM: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GROUP: tl.constexpr, DOT_BF16: tl.constexpr,
                    LIBDEVICE: tl.constexpr, PACKED: tl.constexpr, FP4: tl.constexpr, U: tl.constexpr,
-                   ASM: tl.constexpr, ALIGNED: tl.constexpr):
+                   ASM: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr):
+    """Program (expert j, F tile, split part): gate and up of the expert's slots over the part's 32-wide blocks
+    of D (packed weights; dense: all of D, SPLIT 1). SPLIT 1: the epilogue (`_up_finish`) -> h; else the fp32
+    partials at part_ptr[0 or 1, part, slot, f] (`_moe_up_finish_kernel` adds them in part order)."""
     j = tl.program_id(0)
     e = e0 + j
     f = tl.program_id(1) * BF + tl.arange(0, BF)
     fm = f < F
+    part = tl.program_id(2)
     n_e = tl.load(counts_ptr + e)
     start = tl.load(offs_ptr + e)
     m = tl.arange(0, BM)
@@ -111,8 +140,12 @@ def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, cou
         if PACKED:
             xrow = x_ptr + tok[:, None] * D
             xm = sm[:, None]
-            acc_g = _packed_rows_dot(acc_g, xrow, xm, w1_tab, s1_tab, j, f, fm, D, BF, U, FP4, DOT_BF16, ASM, ALIGNED)
-            acc_u = _packed_rows_dot(acc_u, xrow, xm, w3_tab, s3_tab, j, f, fm, D, BF, U, FP4, DOT_BF16, ASM, ALIGNED)
+            lo = part * kb_per_split
+            hi = tl.minimum(lo + kb_per_split, D >> 5)
+            acc_g = _packed_rows_dot(acc_g, xrow, xm, w1_tab, s1_tab, j, f, fm, D, lo, hi, BF, U, FP4, DOT_BF16, ASM,
+                                     ALIGNED)
+            acc_u = _packed_rows_dot(acc_u, xrow, xm, w3_tab, s3_tab, j, f, fm, D, lo, hi, BF, U, FP4, DOT_BF16, ASM,
+                                     ALIGNED)
         else:
             for d0 in range(0, D, BD):
                 dm = d0 + d < D
@@ -123,30 +156,55 @@ def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, cou
                 dt = x_ptr.dtype.element_ty
                 acc_g = _dot(xt, _dense_tile(w1_tab, j, fr, dc, wmask, D, dt), acc_g, DOT_BF16)
                 acc_u = _dot(xt, _dense_tile(w3_tab, j, fr, dc, wmask, D, dt), acc_u, DOT_BF16)
-        a = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)                    # the Linears' outputs
-        b = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
-        if CLAMP:
-            b = tl.where(b < -limit, -limit, tl.where(b > limit, limit, b))
-            a = tl.where(a > limit, limit, a)
-        h = _silu(a, LIBDEVICE) * b
-        h = tl.load(pw_ptr + pair, mask=sm, other=0.0)[:, None] * h
-        h = h.to(h_ptr.dtype.element_ty).to(tl.float32)
-        if QUANT:
-            hg = tl.reshape(h, (BM * (BF // GROUP), GROUP))
-            q, ex, scale, bad = _fp8_groups(hg, floor, max_inv)
-            hg = tl.where(bad[:, None], float("nan"), q.to(tl.float32) * scale[:, None])
-            h = tl.reshape(hg, (BM, BF))
-        tl.store(h_ptr + s[:, None] * F + f[None, :], h.to(h_ptr.dtype.element_ty), mask=sm[:, None] & fm[None, :])
+        if SPLIT == 1:
+            _up_finish(acc_g, acc_u, s, sm, f, fm, order_ptr, pw_ptr, h_ptr, F, limit, floor, max_inv, CLAMP, QUANT,
+                       BM, BF, GROUP, LIBDEVICE)
+        else:
+            off = (part * P + s)[:, None] * F + f[None, :]
+            mask = sm[:, None] & fm[None, :]
+            tl.store(part_ptr + off, acc_g, mask=mask)
+            tl.store(part_ptr + SPLIT * P * F + off, acc_u, mask=mask)
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w2_tab, s2_tab, counts_ptr, offs_ptr, out_ptr, e0, D, F, BM: tl.constexpr,
-                     BD: tl.constexpr, BF: tl.constexpr, DOT_BF16: tl.constexpr, PACKED: tl.constexpr,
-                     FP4: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr, ALIGNED: tl.constexpr):
+def _moe_up_finish_kernel(part_ptr, order_ptr, pw_ptr, counts_ptr, offs_ptr, h_ptr, e0, F, P, limit, floor,
+                          max_inv, CLAMP: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr,
+                          GROUP: tl.constexpr, LIBDEVICE: tl.constexpr, SPLIT: tl.constexpr):
+    """Program (expert j, F tile): the up kernel's split partials added in part order (0 + p_0 + p_1 + ...), then
+    its epilogue."""
+    j = tl.program_id(0)
+    f = tl.program_id(1) * BF + tl.arange(0, BF)
+    fm = f < F
+    n_e = tl.load(counts_ptr + e0 + j)
+    start = tl.load(offs_ptr + e0 + j)
+    m = tl.arange(0, BM)
+    for m0 in range(0, n_e, BM):
+        sm = m0 + m < n_e
+        s = (start + m0 + m).to(tl.int64)
+        mask = sm[:, None] & fm[None, :]
+        acc_g = tl.zeros([BM, BF], tl.float32)
+        acc_u = tl.zeros([BM, BF], tl.float32)
+        for p in tl.static_range(SPLIT):
+            off = (p * P + s)[:, None] * F + f[None, :]
+            acc_g += tl.load(part_ptr + off, mask=mask, other=0.0)
+            acc_u += tl.load(part_ptr + SPLIT * P * F + off, mask=mask, other=0.0)
+        _up_finish(acc_g, acc_u, s, sm, f, fm, order_ptr, pw_ptr, h_ptr, F, limit, floor, max_inv, CLAMP, QUANT,
+                   BM, BF, GROUP, LIBDEVICE)
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, w2_tab, s2_tab, counts_ptr, offs_ptr, out_ptr, part_ptr, e0, D, F, P, kb_per_split,
+                     BM: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, DOT_BF16: tl.constexpr,
+                     PACKED: tl.constexpr, FP4: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr,
+                     ALIGNED: tl.constexpr, SPLIT: tl.constexpr):
+    """Program (expert j, D tile, split part): h W2^T of the expert's slots over the part's 32-wide blocks of F
+    (packed; dense: all of F, SPLIT 1). SPLIT 1: rounded to the weights' dtype -> out; else the fp32 partial at
+    part_ptr[part, slot, d] (`_moe_down_finish_kernel`)."""
     j = tl.program_id(0)
     e = e0 + j
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     dmask = dd < D
+    part = tl.program_id(2)
     n_e = tl.load(counts_ptr + e)
     start = tl.load(offs_ptr + e)
     m = tl.arange(0, BM)
@@ -156,8 +214,10 @@ def _moe_down_kernel(h_ptr, w2_tab, s2_tab, counts_ptr, offs_ptr, out_ptr, e0, D
         s = (start + m0 + m).to(tl.int64)
         acc = tl.zeros([BM, BD], tl.float32)
         if PACKED:
-            acc = _packed_rows_dot(acc, h_ptr + s[:, None] * F, sm[:, None], w2_tab, s2_tab, j, dd, dmask, F, BD, U,
-                                   FP4, DOT_BF16, ASM, ALIGNED)
+            lo = part * kb_per_split
+            hi = tl.minimum(lo + kb_per_split, F >> 5)
+            acc = _packed_rows_dot(acc, h_ptr + s[:, None] * F, sm[:, None], w2_tab, s2_tab, j, dd, dmask, F, lo, hi,
+                                   BD, U, FP4, DOT_BF16, ASM, ALIGNED)
         else:
             for f0 in range(0, F, BF):
                 fm = f0 + fr < F
@@ -165,8 +225,31 @@ def _moe_down_kernel(h_ptr, w2_tab, s2_tab, counts_ptr, offs_ptr, out_ptr, e0, D
                 wt = _dense_tile(w2_tab, j, dd[None, :], (f0 + fr)[:, None], dmask[None, :] & fm[:, None], F,
                                  h_ptr.dtype.element_ty)
                 acc = _dot(ht, wt, acc, DOT_BF16)
-        tl.store(out_ptr + s[:, None] * D + dd[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=sm[:, None] & dmask[None, :])
+        mask = sm[:, None] & dmask[None, :]
+        if SPLIT == 1:
+            tl.store(out_ptr + s[:, None] * D + dd[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(part_ptr + (part * P + s)[:, None] * D + dd[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _moe_down_finish_kernel(part_ptr, counts_ptr, offs_ptr, out_ptr, e0, D, P, BM: tl.constexpr, BD: tl.constexpr,
+                            SPLIT: tl.constexpr):
+    """Program (expert j, D tile): the down kernel's split partials added in part order, rounded -> out."""
+    j = tl.program_id(0)
+    dd = tl.program_id(1) * BD + tl.arange(0, BD)
+    dmask = dd < D
+    n_e = tl.load(counts_ptr + e0 + j)
+    start = tl.load(offs_ptr + e0 + j)
+    m = tl.arange(0, BM)
+    for m0 in range(0, n_e, BM):
+        sm = m0 + m < n_e
+        s = (start + m0 + m).to(tl.int64)
+        mask = sm[:, None] & dmask[None, :]
+        acc = tl.zeros([BM, BD], tl.float32)
+        for p in tl.static_range(SPLIT):
+            acc += tl.load(part_ptr + (p * P + s)[:, None] * D + dd[None, :], mask=mask, other=0.0)
+        tl.store(out_ptr + s[:, None] * D + dd[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -236,6 +319,19 @@ def _check(w1, w3, w2, F: int, D: int, dt: torch.dtype) -> None:
                                  f"or packed), got {w.dtype} {list(w.shape)}")
 
 
+def _split(cfg: dict, packed: bool, tiles: int, C: int, U: int, device: torch.device) -> tuple[int, int]:
+    """(parts, 32-wide blocks per part) of the reduced width C of a packed expert GEMM: split until about
+    `packed_programs_per_sm` programs per SM for `tiles` busy (expert, output tile) programs, each part at least 2
+    steps of U blocks, at most `packed_split` parts; dense weights and decode-free calls: no split."""
+    kb = C // 32
+    if not packed or cfg["packed_split"] <= 1:
+        return 1, kb
+    want = triton.cdiv(cfg["packed_programs_per_sm"] * sm_count(device), max(1, tiles))
+    parts = max(1, min(want, cfg["packed_split"], kb // (2 * U)))
+    per = triton.cdiv(triton.cdiv(kb, parts), U) * U
+    return triton.cdiv(kb, per), per
+
+
 def _tiles(cfg: dict, packed: bool) -> tuple[int, int, int]:
     """(up kernel's F tile, down kernel's D tile, warps) over packed or dense expert weights."""
     if packed:
@@ -277,19 +373,34 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     h = torch.empty(N * KP, F, dtype=dt, device=dev)
     out = torch.empty(N * KP, D, dtype=dt, device=dev)
     BM = cfg["block_m"]
+    P = N * KP
     for e0, n in groups:
         t1, s1, packed, fp4, al1 = _tables(w1[e0:e0 + n], dev)
         t3, s3, _, _, al3 = _tables(w3[e0:e0 + n], dev)
         BF, BD2, nw = _tiles(cfg, packed)
-        LAST['moe_up'] = _moe_up_kernel[(n, triton.cdiv(F, BF))](
-            xq, t1, t3, s1, s3, order, pw, counts, offs, h, e0, D, F, KP, float(limit), FP8_AMAX_FLOOR, FP8_MAX_INV,
-            CLAMP=limit > 0, QUANT=bool(quant_mid), BM=BM, BF=BF, BD=cfg["up_block_d"], GROUP=FP8_GROUP,
-            DOT_BF16=DOT_BF16, LIBDEVICE=not INTERPRET, PACKED=packed, FP4=fp4, U=cfg["packed_unroll"], ASM=ASM,
-            ALIGNED=al1 and al3, num_warps=nw, enable_fp_fusion=False)
+        U = cfg["packed_unroll"]
+        active = min(n, N * (KP - 1)) if e0 < E else 1          # experts of the group with slots (at most)
+        sp1, kb1 = _split(cfg, packed, active * triton.cdiv(F, BF), D, U, dev)
+        parts = torch.empty(2 * sp1 * P * F if sp1 > 1 else 1, dtype=torch.float32, device=dev)
+        quant = dict(CLAMP=limit > 0, QUANT=bool(quant_mid), BM=BM, BF=BF, GROUP=FP8_GROUP, LIBDEVICE=not INTERPRET,
+                     SPLIT=sp1)
+        LAST['moe_up'] = _moe_up_kernel[(n, triton.cdiv(F, BF), sp1)](
+            xq, t1, t3, s1, s3, order, pw, counts, offs, h, parts, e0, D, F, KP, P, kb1, float(limit),
+            FP8_AMAX_FLOOR, FP8_MAX_INV, BD=cfg["up_block_d"], DOT_BF16=DOT_BF16, PACKED=packed, FP4=fp4, U=U,
+            ASM=ASM, ALIGNED=al1 and al3, num_warps=nw, enable_fp_fusion=False, **quant)
+        if sp1 > 1:
+            _moe_up_finish_kernel[(n, triton.cdiv(F, BF))](
+                parts, order, pw, counts, offs, h, e0, F, P, float(limit), FP8_AMAX_FLOOR, FP8_MAX_INV, num_warps=4,
+                enable_fp_fusion=False, **quant)
         t2, s2, packed, fp4, al2 = _tables(w2[e0:e0 + n], dev)
-        LAST['moe_down'] = _moe_down_kernel[(n, triton.cdiv(D, BD2))](
-            h, t2, s2, counts, offs, out, e0, D, F, BM=BM, BD=BD2, BF=cfg["down_block_f"], DOT_BF16=DOT_BF16,
-            PACKED=packed, FP4=fp4, U=cfg["packed_unroll"], ASM=ASM, ALIGNED=al2, num_warps=nw)
+        sp2, kb2 = _split(cfg, packed, active * triton.cdiv(D, BD2), F, U, dev)
+        parts = torch.empty(sp2 * P * D if sp2 > 1 else 1, dtype=torch.float32, device=dev)
+        LAST['moe_down'] = _moe_down_kernel[(n, triton.cdiv(D, BD2), sp2)](
+            h, t2, s2, counts, offs, out, parts, e0, D, F, P, kb2, BM=BM, BD=BD2, BF=cfg["down_block_f"],
+            DOT_BF16=DOT_BF16, PACKED=packed, FP4=fp4, U=U, ASM=ASM, ALIGNED=al2, SPLIT=sp2, num_warps=nw)
+        if sp2 > 1:
+            _moe_down_finish_kernel[(n, triton.cdiv(D, BD2))](parts, counts, offs, out, e0, D, P, BM=BM, BD=BD2,
+                                                              SPLIT=sp2, num_warps=4)
     BC = cfg["combine_block_d"]
     _moe_combine_kernel[(N, triton.cdiv(D, BC))](out, inv, y, D, KP, BD=BC, num_warps=4)
     return y
