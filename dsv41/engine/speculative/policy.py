@@ -74,5 +74,5 @@ def resolve_speculation(model, checkpoint, flag: str = "auto", profile_path=None
         return spec, StepProfile.load(path)
     log("speculative dspark: no step profile found (run `dsv41 profile-step --checkpoint ...` to store one); "
         "measuring a quick one now")
-    return spec, profile_step(model, batches=sorted({1, max(1, max_batch)}), context=256, repeats=1, device=device,
+    return spec, profile_step(model, batches=sorted({1, max(1, max_batch)}), context=256, repeats=3, device=device,
                               log=lambda *a: None)
