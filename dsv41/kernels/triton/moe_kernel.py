@@ -44,10 +44,12 @@ __all__ = ["moe_experts_triton", "CONFIG"]
 # kernels' output tiles, packed_unroll 32-wide blocks per loop step, packed_num_warps (H100: 1,763 us for the op
 # at 1 + 32 tokens against 2,226 with the dense tiles, results/packed_gemm_h100-2026-12-05b.log); packed_split: at
 # most that many parts of the reduced width (split-K: fp32 partials added in part order by a finish kernel) so that
-# a decode step's few busy experts fill about packed_programs_per_sm programs per SM.
+# a decode step's few busy experts fill about packed_programs_per_sm programs per SM (H200 sweep at 1 + 32 tokens:
+# split 16 / 8 programs per SM 819 us against 1,840 without the split; tiles F 128 / D 128 971 us against 1,208
+# at F 64; results/packed_gemm_h200-2026-12-05.log).
 CONFIG = {"block_m": 16, "up_block_f": 32, "up_block_d": 256, "down_block_d": 32, "down_block_f": 256,
-          "combine_block_d": 512, "num_warps": 4, "packed_unroll": 2, "packed_block_f": 64,
-          "packed_down_block_d": 128, "packed_num_warps": 4, "packed_split": 8, "packed_programs_per_sm": 4}
+          "combine_block_d": 512, "num_warps": 4, "packed_unroll": 2, "packed_block_f": 128,
+          "packed_down_block_d": 128, "packed_num_warps": 4, "packed_split": 16, "packed_programs_per_sm": 8}
 
 
 @triton.jit
