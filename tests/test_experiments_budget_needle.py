@@ -260,3 +260,16 @@ def test_cli_budget(tmp_path):
     assert (out / "budget" / "six-m4" / "model" / "tokenizer.json").is_file()
     assert (out / "budget" / "plot.png").is_file() and "--splits 'six m=4'" in rep["command"]
     assert main(["experiments", "run", "budget", "--splits", "nine m=5", "--out", str(out)]) == 2
+    # a second run with the same settings evaluates the trained model again without training it (splits trained
+    # by separate processes, then one report); other settings train again
+    weights = out / "budget" / "six-m4" / "model" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert main(["experiments", "run", "budget", "--scale", "0.002", "--splits", "six m=4", "--sizes", "4",
+                 "--docs", "2", "--out", str(out)]) == 0
+    again = json.loads((out / "budget" / "report.json").read_text())["rows"][0]
+    assert weights.stat().st_mtime_ns == stamp
+    assert again["val_loss"] == row["val_loss"] and again["train_s"] == row["train_s"]
+    assert again["accuracy"] == row["accuracy"]
+    assert main(["experiments", "run", "budget", "--scale", "0.002", "--lr", "1e-3", "--splits", "six m=4",
+                 "--sizes", "4", "--docs", "2", "--out", str(out)]) == 0
+    assert weights.stat().st_mtime_ns != stamp

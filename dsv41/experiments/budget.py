@@ -49,17 +49,30 @@ def split_config(base: ModelConfig, name: str) -> ModelConfig:
 def budget_study(out: str | Path, scale: float = 1.0, names=tuple(SPLITS), sizes=(8, 16, 32), docs: int = 16,
                  seed: int = 1, **train_kw) -> dict:
     """Train one task model per split under `out`/NAME (the curriculum's steps x `scale`; `train_kw` to
-    `train_task_model`: threads, device, ...) and evaluate it."""
+    `train_task_model`: threads, device, ...) and evaluate it. A split whose model was already trained there with
+    the same settings (its `trained.json`, written after training) is evaluated without training again, so splits
+    can be trained by separate processes (`--splits`) and one run of all of them then writes the whole report."""
     base = ModelConfig.from_json(TASK_PRESET)
+    curriculum = scaled(CURRICULUM, scale)
     rows = []
     for name in names:
         cfg = split_config(base, name)
         d = Path(out) / name.replace(" ", "-").replace("=", "")
         d.mkdir(parents=True, exist_ok=True)
         (d / "preset.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        t = time.time()
-        summary = train_task_model(d / "model", preset=str(d / "preset.json"), curriculum=scaled(CURRICULUM, scale),
-                                   quiet=True, **train_kw)
+        settings = {"preset": cfg.to_dict(), "curriculum": [vars(st) for st in curriculum],
+                    "train": {k: v for k, v in sorted(train_kw.items()) if k not in ("threads", "device")}}
+        done = d / "trained.json"
+        previous = json.loads(done.read_text()) if done.is_file() else None
+        if previous is not None and previous["settings"] == json.loads(json.dumps(settings)):
+            summary, train_s = previous["summary"], previous["train_s"]
+        else:
+            t = time.time()
+            summary = train_task_model(d / "model", preset=str(d / "preset.json"), curriculum=curriculum,
+                                       quiet=True, **train_kw)
+            train_s = time.time() - t
+            done.write_text(json.dumps({"settings": settings, "summary": summary, "train_s": train_s}, indent=1,
+                                       default=float) + "\n")
         model, _ = load_model(d / "model")
         acc = accuracy_by_length(model.eval(), Tokenizer.from_file(str(d / "model" / "tokenizer.json")), sizes,
                                  docs, seed)
@@ -67,9 +80,9 @@ def budget_study(out: str | Path, scale: float = 1.0, names=tuple(SPLITS), sizes
         rows.append({"split": name, "ratios": list(SPLITS[name][0]), "kv_sources": list(SPLITS[name][1]),
                      "ced_split": ced_split(cfg), "bytes_per_token": float(global_kv_bytes_per_token(cfg)),
                      "val_loss": summary.get("val_loss"), "accuracy": [r["accuracy"] for r in acc["sizes"]],
-                     "accuracy_beyond_window": far, "train_s": time.time() - t})
+                     "accuracy_beyond_window": far, "train_s": train_s})
     return {"rows": rows, "sizes": list(sizes), "scale": scale, "chance": 0.01,
-            "curriculum": [vars(st) for st in scaled(CURRICULUM, scale)]}
+            "curriculum": [vars(st) for st in curriculum]}
 
 
 def table(result: dict) -> str:
