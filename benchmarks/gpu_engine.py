@@ -150,14 +150,15 @@ def _graph_row(model, cfg, dev: str, holding: str, bw: float, context: int, batc
         for _ in range(steps):
             for k, fn in paths.items():
                 times[k].append(timed(fn, dev))
-        busy = {k: gpu_busy(fn) for k, fn in paths.items()}
+        profiled = {k: gpu_busy(fn) for k, fn in paths.items()}           # (seconds, top kernels)
+        busy = {k: v[0] for k, v in profiled.items()}
         event = {k: statistics.median(_event_s(fn) for _ in range(3)) for k, fn in paths.items()}
     limit = decode_read_bytes(cfg, batch, holding)["bytes"] / bw
     row = {"holding": holding, "batch": batch, "context": context, "limit_s": limit, "capture_s": capture_s,
            "captures": graphs.captures, "capture_failure": graphs.failure}
     for k in paths:
         step = statistics.median(times[k])
-        row.update({f"{k}_step_s": step, f"{k}_steps_s": times[k], f"{k}_gpu_busy_s": busy[k],
+        row.update({f"{k}_step_s": step, f"{k}_steps_s": times[k], f"{k}_gpu_busy_s": busy[k], f"{k}_top_kernels": profiled[k][1],
                     f"{k}_event_s": event[k], f"{k}_step_over_limit": step / limit})
     row["graph_speedup"] = row["eager_step_s"] / row["graph_step_s"]
     print(f"{holding:9s} batch {batch:3d}: eager {row['eager_step_s'] * 1e3:7.1f} ms (busy "
