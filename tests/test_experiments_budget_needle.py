@@ -112,6 +112,20 @@ def test_curriculum_documents_and_scale():
         scaled(CURRICULUM, 0)
 
 
+def test_task_documents_do_not_depend_on_the_hash_seed():
+    """The documents of a seed are the same in every process: the keys were once drawn into a set and shuffled in
+    its iteration order, which PYTHONHASHSEED changes, so two processes evaluated a model on different documents."""
+    import os
+    import subprocess
+    import sys
+    code = ("import hashlib, json; from dsv41.train.tasks_longctx import task_documents, TASKS; "
+            "print(hashlib.sha256(json.dumps([[d.text, d.answers] for t in TASKS "
+            "for d in task_documents(t, 4, 3, 8)]).encode()).hexdigest())")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(h)}).stdout for h in (1, 2, 3)}
+    assert len(runs) == 1, runs
+
+
 # ------------------------------------------------------------------------------------------ fixed KV budget
 def _stored_bytes_per_token(cfg: ModelConfig, T: int = 32) -> Fraction:
     """Global-KV bytes per token of what a prefill of T tokens stores, counted in the cache: every KV source's
