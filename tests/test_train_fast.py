@@ -2,13 +2,17 @@
 reference forward (`Transformer.forward` through `TrainCache`): loss and every gradient, fp32, on the debug and
 tiny presets, with and without the bounded-replay floors.
 
-Conditioning. The Engram gate's signed square root (sigmoid(sign(d) sqrt(|d|)), `dsv41.model.engram`) has a
-derivative 1/(2 sqrt|d|) that amplifies float noise when the dot d comes out small by cancellation: on the tiny
-preset the reference's gradients move by up to ~2e-3 (relative, per tensor; ~2e-4 over all parameters) under a
-mere change of summation order, e.g. `hc_post` computed with a matmul. Scalars summed over every token (the mHC
-`hc_*_scale`) can cancel too (~1e-4 on the debug preset). So: the loss within 1e-4 relative; with Engram removed
-the gradient over all parameters within 1e-4; and every gradient tensor within max(1e-4, 10 x the reference's own
-summation-order sensitivity, measured here by running the reference with that one sum reordered)."""
+Conditioning. The Engram gate's signed square root (sigmoid(sign(d) sqrt(max(|d|, clamp))), `dsv41.model.engram`)
+has a derivative 1/(2 sqrt|d|) that amplifies float noise when the dot d comes out small by cancellation: with the
+model's clamp (1e-6) the gradients below an Engram layer move by up to ~4e-4 (relative, per tensor) between the two
+paths on an Intel Xeon under ATEN_CPU_CAPABILITY=default, ~12x what any single reordering of the reference moves
+them, so no tolerance derived from one reordering held on every CPU (CI stop 36's dispatch run). The Engram tests
+therefore raise the clamp to 1e-2 in both paths (the same function on both sides; amplification at most 5x): there
+the whole gradient agrees to ~1e-6 on every dispatch tried, and they are held to the strict checks of the
+Engram-free ones. Scalars summed over every token (the mHC `hc_*_scale`) can cancel too (~1e-4 on the debug
+preset). So: the loss within 1e-4 relative; the gradient over all parameters within 1e-4; and every gradient tensor
+within max(1e-4, 10 x the reference's own summation-order sensitivity, measured here by running the reference with
+`hc_post` summed otherwise)."""
 
 from __future__ import annotations
 
@@ -101,9 +105,15 @@ def test_fast_forward_equals_reference(preset, replay, monkeypatch):
 
 
 @pytest.mark.parametrize("preset", ["debug", "tiny"])
-def test_fast_forward_with_engram_within_reference_noise(preset, monkeypatch):
+def test_fast_forward_with_engram_equals_reference(preset, monkeypatch):
+    from dsv41.model import engram as engram_mod
+    monkeypatch.setattr(engram_mod, "GATE_CLAMP", 1e-2)        # a well-conditioned gate (module docstring)
     m = _model(preset, engram=True)
-    _check(m, *_data(m, *SHAPES[preset]), "off", monkeypatch, strict_total=False)
+    x, y = _data(m, *SHAPES[preset])
+    _check(m, x, y, "off", monkeypatch, strict_total=True)
+    _, grads, _ = _loss_and_grads(m, x, y, True, "off")        # the gate still passes gradient to its q / k
+    gated = [n for n in grads if n.endswith(("engram.q_weight", "engram.k_weight"))]
+    assert gated and all(float(grads[n].abs().max()) > 0 for n in gated)
 
 
 def test_dense_sparse_attn_equals_reference_with_empty_rows_and_sinks():
