@@ -125,7 +125,8 @@ def test_team_task_with_the_exact_agent(tok):
     probs = [T.make_sums(rng, 6) for _ in range(10)]
     for p in probs:
         parts = chunks(p, 3)
-        assert "".join(q.content[4:] for q in parts) == p.content[4:]
+        assert sum((T.sums_digits(q) for q in parts), []) == T.sums_digits(p)
+        assert all(q.content.startswith("sum a") for q in parts)        # each part labelled from `a`
         assert sum(int(q.answer) for q in parts) % 10 == int(p.answer)
     agent = SolverAgent(tok, stride=1)
     solo, split = score_team(probs, agent, "solo", rates=R), score_team(probs, agent, "split", 3, rates=R)

@@ -16,7 +16,7 @@ from dsv41.posttrain.model import build_model
 from dsv41.posttrain.opd import (DenseTeacher, SolverTeacher, opd_loss, reverse_kl, reverse_kl_grad)
 from dsv41.posttrain.rl import LengthReward, RLConfig, group_advantages, policy_loss, train_step
 from dsv41.posttrain.rollout import affine_fit, make_engine, rollouts, sign_test
-from dsv41.posttrain.sft import IGNORE, TaskMix, sft_batch
+from dsv41.posttrain.sft import IGNORE, TaskMix, sft_batch, sft_loss
 from dsv41.posttrain.tokenizer import load_post_tokenizer
 from dsv41.train.logprobs import token_logprobs
 
@@ -45,6 +45,34 @@ def test_sft_batch_is_a_function_of_seed_and_step_and_masks_the_prompt(tok):
         think = (ids[i] == tok.think_start_id).nonzero()[0, 0]
         assert (tg[i, :think] == IGNORE).all() and tg[i, think] != IGNORE      # the first response token trains
         assert tok.think_end_id in tg[i].tolist() and tok.eos_id in tg[i].tolist()
+
+
+def test_sft_full_trace_share_and_the_indexer_objective(tok, model):
+    mix = TaskMix(lo=4, hi=6)
+
+    def strides(full):                      # reasoning tokens vs each problem's stride-1 length
+        ids, tg = sft_batch(0, 1, tok, mix, 64, full_trace=full)
+        out = []
+        for row in tg.tolist():
+            resp = [t for t in row if t != IGNORE]
+            out.append(resp.index(tok.think_end_id))
+        return out
+    full_lengths = set(strides(1.0))
+    assert 0 not in full_lengths and min(full_lengths) >= 7            # every example the longest trace
+    assert 0 in strides(0.0)                                           # stride n (empty) drawn too
+    ids, tg = sft_batch(0, 2, tok, TaskMix(lo=2, hi=4), 2, 0.5)
+    model.zero_grad(set_to_none=True)
+    ce, total = sft_loss(model, ids, tg, 0.0)
+    assert torch.equal(ce, total)
+    ce.backward()
+    idx = [p for n, p in model.named_parameters() if ".indexer." in n]
+    assert idx and all(p.grad is None or not p.grad.any() for p in idx)   # the cross-entropy leaves them
+    model.zero_grad(set_to_none=True)
+    ce2, total = sft_loss(model, ids, tg, 1.0)
+    assert torch.equal(ce2, ce) and total > ce                         # same forward, plus the objective
+    total.backward()
+    assert any(p.grad is not None and p.grad.any() for p in idx)       # the objective trains them
+    model.zero_grad(set_to_none=True)
 
 
 def test_length_reward_and_subgroup_advantages():
@@ -130,12 +158,12 @@ def test_solver_teacher_distribution(tok):
     lp = teacher.logprobs(p, good)
     assert torch.allclose(lp.exp().sum(-1), torch.ones(len(good)), atol=1e-5)
     assert all(lp[t, good[t]] >= math.log(0.99 / 4) for t in range(len(good)))    # a valid path keeps its mass
-    assert all(lp[t].argmax() == good[t] for t in range(2, len(good)))        # after `d=`, the stride is known
+    assert all(lp[t].argmax() == good[t] for t in range(3, len(good)))        # after `a3=`, the stride is known
     first = {T.response_ids(tok, p, s)[0] for s in range(1, 5)}
     assert set(lp[0].exp().topk(len(first)).indices.tolist()) == first        # every stride may start
     wrong = list(good)
-    wrong[2] = tok.encode("9")[0] if good[2] != tok.encode("9")[0] else tok.encode("8")[0]
-    assert teacher.logprobs(p, wrong)[3].argmax() == good[3]                  # off the path: it steers back
+    wrong[3] = tok.encode("9")[0] if good[3] != tok.encode("9")[0] else tok.encode("8")[0]   # a wrong partial
+    assert teacher.logprobs(p, wrong)[4].argmax() == good[4]                  # off the path: it steers back
 
 
 def test_opd_loss_trains_the_student_and_dense_teacher_shapes(tok, model):

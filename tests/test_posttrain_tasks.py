@@ -23,9 +23,13 @@ def test_tokenizer_shape_and_roundtrip(tok):
     cfg = load_config(PRESET)
     assert tok.vocab_size == cfg.vocab_size
     assert isinstance(pick_template(tok), OfficialTemplate)           # knows the chat special tokens
-    text = "sum 0123456789 chase a>b from a 3"
+    text = "sum a0 b1 c2 chase ab ba from a 3"
     assert tok.decode(tok.encode(text)) == text
     assert all(len(tok.tok.id_to_token(i)) == 1 for i in tok.encode("sum 3729"))   # one id per digit
+    # the think tags are single ids that a decode keeps (the server's reasoning parser looks for `</think>`)
+    assert tok.encode("<think>a3=3</think>3") == [tok.think_start_id] + tok.encode("a3=3") + [tok.think_end_id,
+                                                                                              tok.encode("3")[0]]
+    assert tok.decode([tok.bos_id] + tok.encode("a3=3</think>3") + [tok.eos_id]) == "a3=3</think>3"
     p = T.make_sums(random.Random(0), 4)
     rendered = T.render_prompt(p, 75)
     assert rendered.startswith("<｜System｜>Reasoning Effort: 75 (range 1-100")
@@ -37,15 +41,21 @@ def test_tokenizer_shape_and_roundtrip(tok):
 
 def test_sums_and_chase_states():
     p = T.make_sums(random.Random(3), 6)
-    digits = [int(c) for c in p.content.split()[1]]
+    labelled = p.content.split()[1:]
+    assert [x[0] for x in labelled] == list("abcdef")                  # a label letter before each digit
+    digits = [int(x[1:]) for x in labelled]
     assert p.answer == str(sum(digits) % 10) and len(p.states) == 6
+    assert T.trace(p, 1).split() == [f"{x}={s}" for x, s in zip(labelled, p.states)]
+    assert T.trace(p, 4) == f"{''.join(labelled[:4])}={p.states[3]} {''.join(labelled[4:])}={p.states[5]}"
     q = T.make_chase(random.Random(4), 5)
-    spec = dict(kv.split(">") for kv in q.content.split()[1:-3])
+    spec = dict(tuple(kv) for kv in q.content.split()[1:-3])
     at = q.content.split()[-2]
     for s in q.states:
         at = spec[at]
         assert s == at
     assert sorted(spec.values()) == sorted(spec)                     # a permutation: every hop is defined
+    assert T.trace(q, 1).split() == list(q.states)                   # the last state written is the answer
+    assert T.trace(q, 2).split() == [q.states[1], q.states[3], q.states[4]]
 
 
 @pytest.mark.parametrize("family", T.FAMILIES)

@@ -40,17 +40,34 @@ def test_build_engine_cache_flags(tmp_path, capsys):
 
 def test_demo_end_to_end_random_tiny(tmp_path, capsys):
     ckpt = tmp_path / "demo-tiny"
-    a = _parser().parse_args(["demo", "--checkpoint", str(ckpt), "--no-train", "--max-tokens", "2"])
+    a = _parser().parse_args(["demo", "--checkpoint", str(ckpt), "--no-train", "--max-tokens", "2",
+                              "--posttrained", str(tmp_path / "no-post")])
     assert a.func(a) == 0
     out = capsys.readouterr().out
     assert has_model(ckpt) and (ckpt / RANDOM_MARKER).exists()
     assert "RANDOMLY INITIALISED" in out
     for line in ("prompt starts: 'Reasoning Effort: 50'", "prompt starts: 'Reasoning Effort: 75'",
                  "prompt starts: 'Reasoning Effort: 100'", "cached 0", "KV report",
-                 "global bytes == the analytic count for every request", "dsv41_kv_bytes_peak", "demo done"):
+                 "global bytes == the analytic count for every request", "dsv41_kv_bytes_peak", "demo done",
+                 f"no post-trained checkpoint in {tmp_path / 'no-post'}: `dsv41 posttrain all` makes one"):
         assert line in out, line
     # a second run reuses the random checkpoint instead of writing a new one
     assert ensure_checkpoint(ckpt, 0.1, allow_train=False) == (ckpt, "random")
+
+
+def test_demo_serves_a_posttrained_checkpoint(tmp_path, capsys):
+    """Step 5 on a post-training checkpoint (an untrained one: the answers are noise, the serving path is real)."""
+    from dsv41.posttrain.model import build_model, save
+    from dsv41.posttrain.tokenizer import load_post_tokenizer
+    tok = load_post_tokenizer(tmp_path / "tok")
+    post = save(build_model(tok, seed=1).eval(), tok, tmp_path / "post-rl", {"stage": "rl"})
+    a = _parser().parse_args(["demo", "--posttrained", str(post), "--max-tokens", "4"])
+    demo._posttrained(a, problems=1)
+    out = capsys.readouterr().out
+    assert f"serving {post}" in out and "user: sum a" in out
+    lines = [x for x in out.splitlines() if x.strip().startswith("effort")]
+    assert [x.split(":")[0].split()[-1] for x in lines] == ["1", "100"]
+    assert all("reasoning" in x and ("right" in x or "wrong" in x) for x in lines)
 
 
 def test_ensure_checkpoint_paths(tmp_path, monkeypatch):

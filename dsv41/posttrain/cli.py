@@ -49,6 +49,7 @@ def register(subparsers) -> None:
     p.add_argument("--drafter-lr", type=float, default=0.0,
                    help="rl: also train the drafter on every update's rollouts at this learning rate (default 0: "
                    "off); dspark: its learning rate (default 3e-3)")
+    p.add_argument("--lr", type=float, help="the stage's learning rate (default: its own)")
     p.add_argument("--out", help="the stage's output directory (default runs/post-<stage>)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--seed", type=int, default=0)
@@ -60,6 +61,8 @@ def _budget(cfg, args):
         cfg.minutes = args.minutes
     if args.steps is not None:
         cfg.steps = args.steps
+    if getattr(args, "lr", None) is not None and hasattr(cfg, "lr"):
+        cfg.lr = args.lr
     return cfg
 
 
@@ -130,6 +133,7 @@ def _evaluate_cached(checkpoint: str, problems, mix: TaskMix) -> dict:
     """evaluate() of the checkpoint, reusing <checkpoint>/eval_raw.json when it holds the same problems and levels
     and the checkpoint's weights are not newer (a checkpoint is then evaluated once, whatever it is paired with)."""
     from dsv41.posttrain.model import load
+    from dsv41.posttrain import tasks as T
     from dsv41.posttrain.rollout import evaluate
     raw = Path(checkpoint) / "eval_raw.json"
     key = {"problems": [p.content for p in problems], "levels": list(mix.levels)}
@@ -140,7 +144,7 @@ def _evaluate_cached(checkpoint: str, problems, mix: TaskMix) -> dict:
         if got.get("key") == key:
             return {int(b): v for b, v in got["res"].items()}
     model, tok, _ = load(checkpoint)
-    res = evaluate(model, tok, problems, mix.levels, max_tokens=32)
+    res = evaluate(model, tok, problems, mix.levels, max_tokens=T.MAX_TOKENS)
     raw.write_text(json.dumps({"key": key, "res": res}) + "\n")
     return res
 
@@ -148,8 +152,7 @@ def _evaluate_cached(checkpoint: str, problems, mix: TaskMix) -> dict:
 def run_eval(checkpoint: str, baseline: str | None, n: int, mix: TaskMix) -> dict:
     """Greedy accuracy and reasoning length per level on n held-out problems, the affine fit per difficulty,
     and, against the baseline, the paired sign test of accuracy (written to <checkpoint>/eval.json)."""
-    from dsv41.posttrain.model import load
-    from dsv41.posttrain.rollout import evaluate, held_out_problems, sign_test, summarize
+    from dsv41.posttrain.rollout import held_out_problems, sign_test, summarize
     problems = held_out_problems(mix, n)
     res = _evaluate_cached(checkpoint, problems, mix)
     report = {"checkpoint": checkpoint, **summarize(res)}

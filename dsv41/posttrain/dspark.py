@@ -161,7 +161,7 @@ class DSparkConfig:
     pool: int = 96                   # the policy's sampled responses to training problems (temperature 1)
     batch: int = 16                  # responses per drafter step, drawn from the pool
     held_out: int = 60               # held-out problems, one greedy response each, levels in turn
-    max_tokens: int = 32
+    max_tokens: int = T.MAX_TOKENS
     lr: float = 3e-3
     seed: int = 0
     quiet: bool = False

@@ -36,10 +36,10 @@ from dsv41.train.logprobs import token_logprobs
 
 @dataclass
 class LengthReward:
-    k0: float = 0.5
-    c_max: float = 0.5
+    k0: float = 1.0               # at b_min a full trace of 20 tokens costs a whole correct answer
+    c_max: float = 1.0
     l_norm: float = 20.0
-    lam: float = 1.0
+    lam: float = 2.0              # tau = 2 delta_b: k(b_max) = k0 e^-2
     levels: tuple[int, ...] = (1, 25, 50, 75, 100)
 
     @property
@@ -63,7 +63,7 @@ class RLConfig:
     minutes: float = 8.0
     prompts: int = 4                  # prompts per step
     samples: int = 4                  # M_b: samples per (x, b)
-    max_tokens: int = 32
+    max_tokens: int = T.MAX_TOKENS
     lr: float = 1e-3
     clip: float = 0.2
     tis_cap: float = 2.0

@@ -1,9 +1,14 @@
 """SFT: supervised fine-tuning on rendered task samples, the first post-training stage (docs/system.md §7).
 
 Each example is a problem of a family drawn uniformly, an effort level b drawn uniformly from the levels and,
-independently of b, a trace stride drawn uniformly from 1..n: the reasoning length does not depend on b before
-RL (the effort line is in the prompt, but nothing in the data ties it to the length; RL's length term does that).
-The loss is the mean cross-entropy over the response tokens (trace, `</think>`, answer, EOS), the prompt masked.
+independently of b, a trace stride: 1 (the full trace) with probability `full_trace`, else uniform in 1..n. The
+reasoning length does not depend on b before RL (the effort line is in the prompt, but nothing in the data ties it
+to the length; RL's length term does that). Half the examples at stride 1 is what lets the `post` preset learn the
+stepwise computation within the budget (every example then teaches every step); the rest cover every length RL
+can choose from. The loss is the mean cross-entropy over the response tokens (trace, `</think>`, answer, EOS), the
+prompt masked, plus `indexer_loss` x the indexer objective (`dsv41.train.indexer_loss`, as pretraining has it):
+the top-k selection gives the indexers no gradient from the cross-entropy, and a model trained from scratch with
+frozen random indexers picks random compressed entries in every sparse layer.
 The forward is the pretraining one (`dsv41.train.fast.fast_forward`, FP8 / FP4 QDQ off); the schedule is the
 pretraining recipe's (`dsv41.train.schedule.lr_factor`). A batch is a pure function of (seed, step), so a
 resumed run draws what the uninterrupted run drew; the checkpoint holds the weights, the optimizer and the step.
@@ -11,6 +16,7 @@ resumed run draws what the uninterrupted run drew; the checkpoint holds the weig
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,6 +32,7 @@ from dsv41.posttrain.model import build_model, load, save
 from dsv41.posttrain.report import Progress
 from dsv41.posttrain.tokenizer import PostTokenizer, load_post_tokenizer
 from dsv41.train.fast import fast_forward
+from dsv41.train.indexer_loss import IndexerTap, indexer_kl
 from dsv41.train.qat import TrainCache
 from dsv41.train.schedule import default_warmup, lr_factor
 
@@ -53,20 +60,23 @@ class TaskMix:
 @dataclass
 class SFTConfig:
     out: str = "runs/post-sft"
-    steps: int = 300
-    minutes: float = 4.0
-    batch: int = 32
+    steps: int = 1500
+    minutes: float = 6.0
+    batch: int = 16
     lr: float = 3e-3
+    full_trace: float = 0.5           # probability of stride 1; else uniform in 1..n
+    indexer_loss: float = 1.0         # weight of the indexer objective (0: the indexers stay as initialised)
     seed: int = 0
     quiet: bool = False
     mix: TaskMix = field(default_factory=TaskMix)
 
 
-def sft_example(rng: random.Random, tok: PostTokenizer, mix: TaskMix) -> tuple[list[int], list[int]]:
+def sft_example(rng: random.Random, tok: PostTokenizer, mix: TaskMix,
+                full_trace: float = 0.0) -> tuple[list[int], list[int]]:
     """(ids, targets): one rendered example, the prompt's targets masked."""
     p = T.sample_problem(rng, rng.choice(mix.families), mix.lo, mix.hi)
     b = rng.choice(mix.levels)
-    stride = rng.randint(1, p.difficulty)
+    stride = 1 if rng.random() < full_trace else rng.randint(1, p.difficulty)
     prompt, resp = T.prompt_ids(tok, p, b), T.response_ids(tok, p, stride)
     ids = prompt + resp
     return ids[:-1], [IGNORE] * (len(prompt) - 1) + resp
@@ -77,15 +87,19 @@ def pad_batch(rows: list[list[int]], fill: int) -> torch.Tensor:
     return torch.tensor([r + [fill] * (T_ - len(r)) for r in rows])
 
 
-def sft_batch(seed: int, step: int, tok: PostTokenizer, mix: TaskMix, batch: int):
+def sft_batch(seed: int, step: int, tok: PostTokenizer, mix: TaskMix, batch: int, full_trace: float = 0.0):
     rng = random.Random(f"sft:{seed}:{step}")
-    ex = [sft_example(rng, tok, mix) for _ in range(batch)]
+    ex = [sft_example(rng, tok, mix, full_trace) for _ in range(batch)]
     return pad_batch([e[0] for e in ex], tok.pad_id), pad_batch([e[1] for e in ex], IGNORE)
 
 
-def sft_loss(model, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = fast_forward(model, ids, TrainCache(model.cfg, ids.size(0), model.dtype, ids.device), ForwardOptions())
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+def sft_loss(model, ids: torch.Tensor, targets: torch.Tensor, indexer_loss: float = 0.0):
+    """(the cross-entropy over the unmasked targets, the loss to minimise: plus the weighted indexer objective)."""
+    with IndexerTap(model) if indexer_loss else contextlib.nullcontext() as tap:
+        logits = fast_forward(model, ids, TrainCache(model.cfg, ids.size(0), model.dtype, ids.device),
+                              ForwardOptions())
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    return ce, (ce + indexer_loss * indexer_kl(model, tap) if indexer_loss else ce)
 
 
 def run_sft(cfg: SFTConfig, say=print) -> Path:
@@ -109,10 +123,10 @@ def run_sft(cfg: SFTConfig, say=print) -> Path:
     while step < cfg.steps and time.time() - t0 < cfg.minutes * 60:
         for g in opt.param_groups:
             g["lr"] = cfg.lr * lr_factor(step, cfg.steps, warm)
-        ids, tg = sft_batch(cfg.seed, step, tok, cfg.mix, cfg.batch)
-        loss = sft_loss(model, ids, tg)
+        ids, tg = sft_batch(cfg.seed, step, tok, cfg.mix, cfg.batch, cfg.full_trace)
+        loss, total = sft_loss(model, ids, tg, cfg.indexer_loss)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1

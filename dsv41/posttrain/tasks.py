@@ -2,15 +2,23 @@
 in the official chat format (docs/system.md §7).
 
 Every family has a chain of intermediate states (running sums, pointer positions) and a final state, the answer.
-A response is `{trace}</think>{answer}<eos>` after the prompt's `<｜Assistant｜><think>`: the trace writes the state
-after every `stride`-th step of the chain (not after the last chunk: that is the answer), so stride 1 is the
-longest, most explicit reasoning and stride = n (the chain length) an empty one, where the model must do the whole
-chain in one token. More steps = harder; a longer trace = more accurate for the same model. The reasoning tokens
+A response is `{trace}</think>{answer}<eos>` after the prompt's `<｜Assistant｜><think>`: the trace writes, for
+every chunk of `stride` steps of the chain (the last chunk may be shorter), what the chunk consumes and the state
+after it, so stride 1 is the longest, most explicit reasoning, and the answer is the trace's last state; stride = n
+(the chain length) is the empty one, where the model must do the whole chain in one token. More steps = harder; a longer trace = more accurate for the same model. The reasoning tokens
 are the trace's tokens (between the think tags).
 
-* `sums`: running sums mod 10 of n digits: `sum 37291` -> trace `37=0 29=1` (stride 2) -> answer `2`.
-* `chase`: pointer chasing on a map of letters: `chase a>c b>a c>d d>b from a 3` -> trace `c d` (stride 1) ->
-  answer `b` (the letter after 3 hops).
+* `sums`: running sums mod 10 of n labelled digits: `sum a3 b7 c2 d9 e1` -> trace `a3b7=0 c2d9=1 e1=2` (stride 2)
+  -> answer `2`. Each step copies the next label's digit and adds it to the last partial sum: the labels make the
+  copy a lookup by content (find `c` in the prompt, read its digit), as a pointer hop is, instead of a count of
+  positions, which a model with rotary positions on a few dimensions learns far more slowly (the 2026-12-05
+  unlabelled format, `sum 37291` -> `3=3 7=0 2=2 9=1`, where the last digit was read from the prompt in the
+  answer token, was not learned by the `post` preset within 1,500 SFT steps; benchmarks/results/
+  posttrain-cpu-2026-12-05c/diag).
+* `chase`: pointer chasing on a map of letters, each pair written as two adjacent letters (`ac`: a maps to c):
+  `chase ac ba cd db from a 3` -> trace `c d b` (stride 1) -> answer `b` (the letter after 3 hops). Adjacent
+  pairs make a hop the same lookup as a sums copy (the token whose predecessor is the current letter); with `a>c`
+  the `post` preset did not learn the hop within 1,500 SFT steps (diag, as above).
 
 Held-out problems are those whose content hashes into bucket 0 of 10 (`held_out`); training never draws them.
 """
@@ -26,6 +34,7 @@ from dsv41.server.chat import OfficialTemplate, THINK_END, encode_prompt
 FAMILIES = ("sums", "chase")
 LETTERS = "abcdefghij"
 HELD_OUT_BUCKETS = 10
+MAX_TOKENS = 40          # the response limit of every stage: the longest response at n = 6 (sums, stride 1) is 32
 
 
 @dataclass(frozen=True)
@@ -45,13 +54,25 @@ def held_out(content: str) -> bool:
     return int(hashlib.sha256(content.encode()).hexdigest(), 16) % HELD_OUT_BUCKETS == 0
 
 
-def make_sums(rng: random.Random, n: int) -> Problem:
-    digits = [rng.randrange(10) for _ in range(n)]
+def sums_problem(digits: list[int]) -> Problem:
+    """The `sums` problem of these digits, labelled a, b, c, ..."""
+    n = len(digits)
+    if not 1 <= n <= len(LETTERS):
+        raise ValueError(f"sums: {n} digits outside [1, {len(LETTERS)}] (one label letter each)")
     states, s = [], 0
     for d in digits:
         s = (s + d) % 10
         states.append(str(s))
-    return Problem("sums", "sum " + "".join(map(str, digits)), tuple(states), tuple(map(str, digits)), n)
+    pieces = tuple(f"{LETTERS[i]}{d}" for i, d in enumerate(digits))
+    return Problem("sums", "sum " + " ".join(pieces), tuple(states), pieces, n)
+
+
+def sums_digits(p: Problem) -> list[int]:
+    return [int(x[1:]) for x in p.pieces]
+
+
+def make_sums(rng: random.Random, n: int) -> Problem:
+    return sums_problem([rng.randrange(10) for _ in range(n)])
 
 
 def make_chase(rng: random.Random, n: int, letters: int = 6) -> Problem:
@@ -64,7 +85,7 @@ def make_chase(rng: random.Random, n: int, letters: int = 6) -> Problem:
     for _ in range(n):
         at = mapping[at]
         states.append(at)
-    spec = " ".join(f"{k}>{mapping[k]}" for k in keys)
+    spec = " ".join(f"{k}{mapping[k]}" for k in keys)
     return Problem("chase", f"chase {spec} from {start} {n}", tuple(states), ("",) * n, n)
 
 
@@ -88,12 +109,17 @@ def sample_problem(rng: random.Random, family: str, lo: int, hi: int, split: str
 
 
 def trace(p: Problem, stride: int) -> str:
-    """The reasoning for `stride`: each chunk of `stride` steps but the last, then its state (`37=0`, `c`)."""
-    if not 1 <= stride <= p.difficulty:
-        raise ValueError(f"stride {stride} outside [1, {p.difficulty}]")
+    """The reasoning for `stride`: each chunk of `stride` steps (the last one may be shorter), then its state
+    (`a3b7=0`, `c`); empty at stride n."""
+    n = p.difficulty
+    if not 1 <= stride <= n:
+        raise ValueError(f"stride {stride} outside [1, {n}]")
+    if stride == n:
+        return ""
     items = []
-    for end in range(stride, p.difficulty, stride):
-        chunk = "".join(p.pieces[end - stride:end])
+    for start in range(0, n, stride):
+        end = min(start + stride, n)
+        chunk = "".join(p.pieces[start:end])
         items.append(f"{chunk}={p.states[end - 1]}" if chunk else p.states[end - 1])
     return " ".join(items)
 

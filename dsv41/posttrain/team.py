@@ -28,22 +28,15 @@ PLANS = ("solo", "split")
 
 
 def chunks(p: T.Problem, k: int) -> list[T.Problem]:
-    """The `sums` problem's digits cut into k contiguous sub-problems (as equal as possible)."""
+    """The `sums` problem's digits cut into k contiguous sub-problems (as equal as possible, each labelled from
+    `a`)."""
     if p.family != "sums":
         raise ValueError(f"the team task splits sums problems, got {p.family!r}")
     if not 1 <= k <= p.difficulty:
         raise ValueError(f"cannot split {p.difficulty} digits among {k} workers")
-    digits = [int(x) for x in p.pieces]
+    digits = T.sums_digits(p)
     cut = [round(i * len(digits) / k) for i in range(k + 1)]
-    out = []
-    for a, b in zip(cut, cut[1:]):
-        s, states = 0, []
-        for d in digits[a:b]:
-            s = (s + d) % 10
-            states.append(str(s))
-        out.append(T.Problem("sums", "sum " + "".join(map(str, digits[a:b])), tuple(states),
-                             tuple(map(str, digits[a:b])), b - a))
-    return out
+    return [T.sums_problem(digits[a:b]) for a, b in zip(cut, cut[1:])]
 
 
 class SolverAgent:
@@ -60,7 +53,7 @@ class SolverAgent:
 class ModelAgent:
     """A post-training checkpoint answering greedily on the deterministic engine (a batch of calls at once)."""
 
-    def __init__(self, model, tok, max_tokens: int = 32, max_batch: int = 16):
+    def __init__(self, model, tok, max_tokens: int = T.MAX_TOKENS, max_batch: int = 16):
         from dsv41.posttrain.rollout import make_engine
         self.tok, self.max_tokens = tok, max_tokens
         self.engine = make_engine(model, tok, max_batch=max_batch)

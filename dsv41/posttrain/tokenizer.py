@@ -32,7 +32,7 @@ TAIL = [IMAGE, DRAFT]
 
 def build_tokenizer():
     """The `tokenizers.Tokenizer` of the module docstring."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     head = SPECIALS + PHRASES + CHARS
     reserved = [f"<|reserved_{k}|>" for k in range(VOCAB_SIZE - len(head) - len(TAIL))]
@@ -41,7 +41,11 @@ def build_tokenizer():
     pattern = "|".join(re.escape(p) for p in PHRASES) + r"|.|\n"
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS + reserved + TAIL)
+    # the think tags are added tokens but not special ones (as in the official tokenizer): a decode that skips
+    # special tokens keeps them, so the server's reasoning parser finds `</think>`
+    think = (THINK_START, THINK_END)
+    tok.add_special_tokens([t for t in SPECIALS if t not in think] + reserved + TAIL)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in think])
     return tok
 
 

@@ -35,6 +35,9 @@ def register(sub) -> None:
     d.add_argument("--train-minutes", type=float, default=5.0)
     d.add_argument("--max-tokens", type=int, default=40)
     d.add_argument("--no-train", action="store_true", help="never train: use a random tiny model if none exists")
+    d.add_argument("--posttrained", default=demo.POSTTRAINED,
+                   help="a post-trained checkpoint to serve and ask task problems at effort 1 and 100 (default "
+                   f"{demo.POSTTRAINED}; when missing, the demo prints the command that makes one)")
     add_engine_args(d, checkpoint_required=False)
     add_server_args(d)
     d.set_defaults(func=demo.run_demo)

@@ -10,6 +10,10 @@
 4. Print the answers, usage and cached-token figures, the KV report (global KV bytes per token measured from the
    packed store vs the analytic figure of `dsv41.analysis.kv_bytes`; SWA bytes per sequence), a few /metrics lines,
    then stop the server.
+5. The post-trained model: when `--posttrained` (default runs/post-rl, what `dsv41 posttrain all` writes) holds a
+   checkpoint, serve it the same way and ask it held-out task problems at the lowest and the highest reasoning
+   effort (`reasoning_effort` 1 and 100), printing its reasoning, its answer, whether the answer is right and the
+   reasoning tokens; otherwise print the command that makes one. It never waits for input.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from pathlib import Path
 
 DEMO_CHECKPOINT = "runs/demo-tiny"
+POSTTRAINED = "runs/post-rl"
 RANDOM_MARKER = "DEMO_RANDOM_INIT"
 # Long enough (well over the tiny model's n_win = 64 tokens) that the repeated request is worth a prefix-cache hit:
 # hits no longer than n_win are not adopted (docs/system.md §4).
@@ -217,6 +222,48 @@ def _metrics_excerpt(url: str) -> None:
             _p("  " + line)
 
 
+def _posttrained(args: argparse.Namespace, problems: int = 3) -> None:
+    """Step 5 of the module docstring."""
+    import copy
+
+    from openai import OpenAI
+
+    from dsv41.engine.cli import engine_from_args
+    from dsv41.posttrain import tasks as T
+    from dsv41.posttrain.rollout import held_out_problems
+    from dsv41.posttrain.sft import TaskMix
+    from dsv41.server.app import create_app, serve_in_thread
+    from dsv41.server.state import ServerSettings
+
+    _rule("post-trained model (dsv41 posttrain: SFT -> RL with controllable effort)")
+    ckpt = Path(args.posttrained)
+    if not (has_model(ckpt) and (ckpt / "posttrain.json").is_file()):
+        _p(f"no post-trained checkpoint in {ckpt}: `dsv41 posttrain all` makes one (runs/post-sft, post-rl, post-opd;"
+           " about 25 minutes on 2 cores), then run `dsv41 demo` again")
+        return
+    pargs = copy.copy(args)
+    pargs.checkpoint, pargs.cache_dir, pargs.swa_pool = str(ckpt), "none", "none"
+    engine = engine_from_args(pargs)
+    tok = engine.tokenizer
+    app = create_app(engine, ServerSettings.from_args(pargs))
+    with serve_in_thread(app, "127.0.0.1", 0) as handle:
+        client = OpenAI(base_url=handle.url + "/v1", api_key="dsv41-demo", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        _p(f"serving {ckpt} as {model} on {handle.url}; held-out problems (never trained on), greedy")
+        for p in held_out_problems(TaskMix(lo=4, hi=6), problems, seed=7):
+            _p(f"\nuser: {p.content}   (answer {p.answer})")
+            for b in (1, 100):
+                r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p.content}],
+                                                   max_tokens=T.MAX_TOKENS, temperature=0,
+                                                   extra_body={"reasoning_effort": b})
+                m = r.choices[0].message
+                think = (m.model_extra or {}).get("reasoning_content") or ""
+                ans = (m.content or "").strip()
+                n = len(tok.encode(think)) if think else 0
+                _p(f"  effort {b:>3}: reasoning {n:>2} tokens {think!r:<36} answer {ans!r} "
+                   f"{'right' if ans == p.answer else 'wrong'}")
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
@@ -258,5 +305,6 @@ def run_demo(args: argparse.Namespace) -> int:
         print_kv_report(cfg, stats_list)
         _metrics_excerpt(handle.url)
         _p("\nstopping the server")
+    _posttrained(args)
     _p(f"demo done in {time.monotonic() - t0:.1f}s (checkpoint: {origin})")
     return 0
