@@ -64,7 +64,7 @@ class RLConfig:
     prompts: int = 4                  # prompts per step
     samples: int = 4                  # M_b: samples per (x, b)
     max_tokens: int = T.MAX_TOKENS
-    lr: float = 1e-3
+    lr: float = 2e-4                  # 1e-3 and 5e-4 lost held-out accuracy to SFT; 2e-4 gained (diag)
     clip: float = 0.2
     tis_cap: float = 2.0
     seed: int = 0

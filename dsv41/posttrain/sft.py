@@ -60,21 +60,24 @@ class TaskMix:
 @dataclass
 class SFTConfig:
     out: str = "runs/post-sft"
-    steps: int = 1500
-    minutes: float = 6.0
+    steps: int = 2500
+    minutes: float = 16.0
     batch: int = 16
     lr: float = 3e-3
     full_trace: float = 0.5           # probability of stride 1; else uniform in 1..n
     indexer_loss: float = 1.0         # weight of the indexer objective (0: the indexers stay as initialised)
+    family_weights: tuple[float, ...] | None = None    # one per mix family (None: uniform)
     seed: int = 0
     quiet: bool = False
     mix: TaskMix = field(default_factory=TaskMix)
 
 
-def sft_example(rng: random.Random, tok: PostTokenizer, mix: TaskMix,
-                full_trace: float = 0.0) -> tuple[list[int], list[int]]:
-    """(ids, targets): one rendered example, the prompt's targets masked."""
-    p = T.sample_problem(rng, rng.choice(mix.families), mix.lo, mix.hi)
+def sft_example(rng: random.Random, tok: PostTokenizer, mix: TaskMix, full_trace: float = 0.0,
+                weights: tuple[float, ...] | None = None) -> tuple[list[int], list[int]]:
+    """(ids, targets): one rendered example, the prompt's targets masked; the family drawn with `weights` (one
+    per mix family; None: uniform)."""
+    fam = rng.choices(mix.families, weights)[0] if weights else rng.choice(mix.families)
+    p = T.sample_problem(rng, fam, mix.lo, mix.hi)
     b = rng.choice(mix.levels)
     stride = 1 if rng.random() < full_trace else rng.randint(1, p.difficulty)
     prompt, resp = T.prompt_ids(tok, p, b), T.response_ids(tok, p, stride)
@@ -87,9 +90,10 @@ def pad_batch(rows: list[list[int]], fill: int) -> torch.Tensor:
     return torch.tensor([r + [fill] * (T_ - len(r)) for r in rows])
 
 
-def sft_batch(seed: int, step: int, tok: PostTokenizer, mix: TaskMix, batch: int, full_trace: float = 0.0):
+def sft_batch(seed: int, step: int, tok: PostTokenizer, mix: TaskMix, batch: int, full_trace: float = 0.0,
+              weights: tuple[float, ...] | None = None):
     rng = random.Random(f"sft:{seed}:{step}")
-    ex = [sft_example(rng, tok, mix, full_trace) for _ in range(batch)]
+    ex = [sft_example(rng, tok, mix, full_trace, weights) for _ in range(batch)]
     return pad_batch([e[0] for e in ex], tok.pad_id), pad_batch([e[1] for e in ex], IGNORE)
 
 
@@ -123,7 +127,7 @@ def run_sft(cfg: SFTConfig, say=print) -> Path:
     while step < cfg.steps and time.time() - t0 < cfg.minutes * 60:
         for g in opt.param_groups:
             g["lr"] = cfg.lr * lr_factor(step, cfg.steps, warm)
-        ids, tg = sft_batch(cfg.seed, step, tok, cfg.mix, cfg.batch, cfg.full_trace)
+        ids, tg = sft_batch(cfg.seed, step, tok, cfg.mix, cfg.batch, cfg.full_trace, cfg.family_weights)
         loss, total = sft_loss(model, ids, tg, cfg.indexer_loss)
         opt.zero_grad(set_to_none=True)
         total.backward()
