@@ -60,6 +60,8 @@ def test_sft_full_trace_share_and_the_indexer_objective(tok, model):
     full_lengths = set(strides(1.0))
     assert 0 not in full_lengths and min(full_lengths) >= 7            # every example the longest trace
     assert 0 in strides(0.0)                                           # stride n (empty) drawn too
+    only_sums = sft_batch(0, 1, tok, mix, 32, 0.5, weights=(1.0, 0.0))[0]
+    assert all(" ".join(tok.decode(r.tolist()).split("sum ")[1:]) for r in only_sums)   # every row a sums prompt
     ids, tg = sft_batch(0, 2, tok, TaskMix(lo=2, hi=4), 2, 0.5)
     model.zero_grad(set_to_none=True)
     ce, total = sft_loss(model, ids, tg, 0.0)

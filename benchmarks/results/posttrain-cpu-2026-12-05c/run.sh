@@ -7,7 +7,11 @@ cd "$(dirname "$0")/../../.." && . .venv/bin/activate
 R=${R:-runs/pt}; L=$R/logs; mkdir -p $L; : > $L/times.txt
 t() { local n=$1; shift; local s=$(date +%s); "$@" > $L/$n.log 2>&1; echo "$n rc=$? $(( $(date +%s) - s ))s" >> $L/times.txt; }
 start=$(date +%s)
-t sft    python -m dsv41 posttrain sft    --runs $R --quiet
+if [ -n "${SFT_FROM:-}" ]; then   # an SFT checkpoint trained at the same defaults (see COMMANDS.md)
+  mkdir -p $R/post-sft && cp $SFT_FROM/* $R/post-sft/ && rm -f $R/post-sft/eval*; echo "sft copied from $SFT_FROM" >> $L/times.txt
+else
+  t sft  python -m dsv41 posttrain sft    --runs $R --quiet
+fi
 t rl     python -m dsv41 posttrain rl     --runs $R --quiet
 t opd    python -m dsv41 posttrain opd    --runs $R
 t dspark python -m dsv41 posttrain dspark --runs $R --quiet
