@@ -1,12 +1,12 @@
 """`dsv41 posttrain`: the post-training stages on the `post` preset (docs/system.md §7).
 
 Examples
-    dsv41 posttrain sft --minutes 4                     # -> runs/post-sft
+    dsv41 posttrain sft                                 # -> runs/post-sft (2,500 steps, ~15 minutes)
     dsv41 posttrain rl --minutes 8                      # runs/post-sft -> runs/post-rl
     dsv41 posttrain opd --minutes 4                     # runs/post-rl -> runs/post-opd
     dsv41 posttrain dspark --minutes 2                  # runs/post-opd -> runs/post-dspark (drafter only)
     dsv41 posttrain eval --checkpoint runs/post-rl --baseline runs/post-sft --problems 500
-    dsv41 posttrain all                                 # sft, rl, opd, dspark, eval in a row, ~22 minutes on 2 cores
+    dsv41 posttrain all                                 # sft, rl, opd, dspark, eval in a row, ~35 minutes on 2 cores
     dsv41 posttrain rl --drafter-lr 3e-3                # RL that also trains the drafter on every update's rollouts
     dsv41 posttrain rl --dispatch batch --out runs/post-rl-batch   # another dispatch granularity, to compare
     dsv41 posttrain team --checkpoint runs/post-rl      # the multi-agent task: solo vs split, derived latency

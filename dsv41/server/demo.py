@@ -239,7 +239,7 @@ def _posttrained(args: argparse.Namespace, problems: int = 3) -> None:
     ckpt = Path(args.posttrained)
     if not (has_model(ckpt) and (ckpt / "posttrain.json").is_file()):
         _p(f"no post-trained checkpoint in {ckpt}: `dsv41 posttrain all` makes one (runs/post-sft, post-rl, post-opd;"
-           " about 25 minutes on 2 cores), then run `dsv41 demo` again")
+           " about 35 minutes on 2 cores), then run `dsv41 demo` again")
         return
     pargs = copy.copy(args)
     pargs.checkpoint, pargs.cache_dir, pargs.swa_pool = str(ckpt), "none", "none"
