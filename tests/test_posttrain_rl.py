@@ -163,6 +163,10 @@ def test_solver_teacher_distribution(tok):
     assert all(lp[t].argmax() == good[t] for t in range(3, len(good)))        # after `a3=`, the stride is known
     first = {T.response_ids(tok, p, s)[0] for s in range(1, 5)}
     assert set(lp[0].exp().topk(len(first)).indices.tolist()) == first        # every stride may start
+    end = tok.think_end_id                                                    # stride 4 = n: the empty trace
+    assert lp[0, end].exp() == pytest.approx(0.99 * 0.2 / 4 + 0.01 / tok.vocab_size, rel=1e-5)   # the SFT prior
+    even = SolverTeacher(tok, eps=0.01, full_trace=0.0).logprobs(p, good)
+    assert even[0, end].exp() == pytest.approx(0.99 / 4 + 0.01 / tok.vocab_size, rel=1e-5)
     wrong = list(good)
     wrong[3] = tok.encode("9")[0] if good[3] != tok.encode("9")[0] else tok.encode("8")[0]   # a wrong partial
     assert teacher.logprobs(p, wrong)[4].argmax() == good[4]                  # off the path: it steers back

@@ -50,31 +50,36 @@ def reverse_kl_grad(student_logits: torch.Tensor, teacher_lp: torch.Tensor) -> t
 
 
 class SolverTeacher:
-    def __init__(self, tok, eps: float = 0.02):
-        self.tok, self.eps = tok, eps
+    """The exact solver as a distribution (module docstring). Valid responses are weighted by a prior over the
+    trace stride: stride 1 gets `full_trace` of the mass plus its share of the rest, the rest is spread evenly
+    over 1..n (the SFT draw); with full_trace 0 every stride weighs the same."""
+
+    def __init__(self, tok, eps: float = 0.02, full_trace: float = 0.8):
+        self.tok, self.eps, self.full_trace = tok, eps, full_trace
+
+    def prior(self, n: int) -> list[float]:
+        return [(self.full_trace if s == 1 else 0.0) + (1 - self.full_trace) / n for s in range(1, n + 1)]
 
     def logprobs(self, p: T.Problem, output: list[int]) -> torch.Tensor:
         """log pi_t of each position of `output` given the prefix before it: [len(output), V]."""
         V = self.tok.vocab_size
         valid = [T.response_ids(self.tok, p, s) for s in range(1, p.difficulty + 1)]
+        prior = self.prior(p.difficulty)
         out = torch.full((len(output), V), self.eps / V, dtype=torch.float64)
         for t in range(len(output)):
             prefix = output[:t]
-            match = [r for r in valid if len(r) > t and r[:t] == prefix]
+            match = [i for i, r in enumerate(valid) if len(r) > t and r[:t] == prefix]
             if not match:
-                cand = [r for r in valid if len(r) > t]
-                if not cand:
-                    cand = valid
-                    t_ = [len(r) - 1 for r in cand]
-                else:
-                    t_ = [t] * len(cand)
-                score = [sum(a == b for a, b in zip(r, prefix)) for r in cand]
-                best = max(score)
-                nxt = [r[k] for r, k, s in zip(cand, t_, score) if s == best]
+                cand = [i for i, r in enumerate(valid) if len(r) > t] or list(range(len(valid)))
+                pos = {i: t if len(valid[i]) > t else len(valid[i]) - 1 for i in cand}
+                score = {i: sum(a == b for a, b in zip(valid[i], prefix)) for i in cand}
+                best = max(score.values())
+                nxt = [(valid[i][pos[i]], prior[i]) for i in cand if score[i] == best]
             else:
-                nxt = [r[t] for r in match]
-            for v in nxt:
-                out[t, v] += (1 - self.eps) / len(nxt)
+                nxt = [(valid[i][t], prior[i]) for i in match]
+            total = sum(w for _, w in nxt)
+            for v, w in nxt:
+                out[t, v] += (1 - self.eps) * w / total
         return out.log().float()
 
 
@@ -151,7 +156,7 @@ class OPDConfig:
     minutes: float = 4.0
     prompts: int = 16
     max_tokens: int = T.MAX_TOKENS
-    lr: float = 1e-3
+    lr: float = 5e-4
     teacher_steps: int = 1500        # the dense teacher learns the sums step near 1,250 steps (~90 s on one core)
     eval_problems: int = 100          # held-out problems (all levels) for the student-vs-teacher accuracy; 0: off
     seed: int = 0
