@@ -31,7 +31,7 @@ from torch import nn
 from dsv41.posttrain import tasks as T
 from dsv41.posttrain.model import load, save
 from dsv41.posttrain.rollout import Rollout, make_engine, rollouts
-from dsv41.posttrain.sft import IGNORE, TaskMix, pad_batch, sft_example
+from dsv41.posttrain.sft import FULL_TRACE, IGNORE, TaskMix, pad_batch, sft_example
 from dsv41.train.qat import sequence_forward
 
 
@@ -54,7 +54,7 @@ class SolverTeacher:
     trace stride: stride 1 gets `full_trace` of the mass plus its share of the rest, the rest is spread evenly
     over 1..n (the SFT draw); with full_trace 0 every stride weighs the same."""
 
-    def __init__(self, tok, eps: float = 0.02, full_trace: float = 0.8):
+    def __init__(self, tok, eps: float = 0.02, full_trace: float = FULL_TRACE):
         self.tok, self.eps, self.full_trace = tok, eps, full_trace
 
     def prior(self, n: int) -> list[float]:
@@ -109,7 +109,7 @@ class DenseTeacher(nn.Module):
 def train_dense_teacher(tok, family: str, mix: TaskMix, steps: int, seed: int = 0, say=print,
                         full_trace: float = 0.5) -> DenseTeacher:
     """SFT of a DenseTeacher on one family's examples (every stride, every level; stride 1 with probability
-    `full_trace`, as the student's SFT draws them)."""
+    `full_trace`, the rest uniform)."""
     torch.manual_seed(seed)
     model = DenseTeacher(tok.vocab_size)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)

@@ -6,8 +6,8 @@ reasoning length does not depend on b before RL (the effort line is in the promp
 to the length; RL's length term does that). Most examples at stride 1 (every example then teaches every step) and
 sums drawn 7 times in 10 are what let the `post` preset learn both families within the budget (the diag of
 benchmarks/results/posttrain-cpu-2026-12-05c: with families drawn evenly the mod-10 step was often not learned in
-2,500 steps); the other strides cover the lengths RL can choose from. The loss is the mean cross-entropy over the response tokens (trace, `</think>`, answer, EOS), the
-prompt masked, plus `indexer_loss` x the indexer objective (`dsv41.train.indexer_loss`, as pretraining has it):
+2,500 steps); the other strides cover the lengths RL can choose from. The loss is the mean cross-entropy over the
+response tokens (trace, `</think>`, answer, EOS), the prompt masked, plus `indexer_loss` x the indexer objective (`dsv41.train.indexer_loss`, as pretraining has it):
 the top-k selection gives the indexers no gradient from the cross-entropy, and a model trained from scratch with
 frozen random indexers picks random compressed entries in every sparse layer.
 The forward is the pretraining one (`dsv41.train.fast.fast_forward`, FP8 / FP4 QDQ off); the schedule is the
@@ -38,6 +38,7 @@ from dsv41.train.qat import TrainCache
 from dsv41.train.schedule import default_warmup, lr_factor
 
 IGNORE = -100
+FULL_TRACE = 0.8                  # SFT's share of stride-1 examples (the OPD solver's prior too)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class SFTConfig:
     minutes: float = 16.0
     batch: int = 16
     lr: float = 3e-3
-    full_trace: float = 0.8           # probability of stride 1; else uniform in 1..n
+    full_trace: float = FULL_TRACE    # probability of stride 1; else uniform in 1..n
     indexer_loss: float = 1.0         # weight of the indexer objective (0: the indexers stay as initialised)
     # how often each family is drawn (a family not named: 1); sums' mod-10 step needs the larger share
     family_weights: dict = field(default_factory=lambda: {"sums": 0.7, "chase": 0.3})
