@@ -6,7 +6,8 @@ prefill as one batch), then ONE batched decode step for every running sequence (
 prompts' last tokens joining), samples, applies stop conditions, and returns what each request produced.
 Sequences join and leave between steps; when the pages run out the youngest is preempted and recomputed later.
 With speculative decoding (`speculative="fixed:N"` or `"dspark"`, `dsv41.engine.speculative`) that step is one
-draft-verify step instead: each row may emit several tokens, with exactly the target's distribution.
+draft-verify step instead: each row may emit several tokens, with exactly the target's distribution (each row verifying its own number of
+drafts in one ragged forward).
 Bad requests are rejected at `add_request` with a ValueError and never reach the batch.
 """
 
@@ -407,35 +408,43 @@ class Engine:
         caps = [max(0, min(drafts, s.params.max_tokens - len(s.output_ids) - 1)) for s in live]
         cost, plain = spec_cost(self.step_cost, B), plain_cost(self.step_cost, B)
         G = self.cfg.dspark_block_size
-        if max(choose_verify_lengths(torch.ones(B, G), cost, caps, ragged=False, plain=plain)) == 0:
+        if max(choose_verify_lengths(torch.ones(B, G), cost, caps, ragged=True, plain=plain)) == 0:
             return False                                   # no acceptance could make a verify pay here
         sc = self.spec_counts
         if sc["reached"][0] < MIN_EVIDENCE:
             return True
         rates = [a / r if r else 0.0 for a, r in zip(sc["accepted"], sc["reached"])]
         S = torch.tensor(rates).cumprod(0).expand(B, -1)
-        if choose_verify_lengths(S, cost, caps, ragged=False, plain=plain)[0] > 0:
+        if max(choose_verify_lengths(S, cost, caps, ragged=True, plain=plain)) > 0:
             self._skipped = 0
             return True
         self._skipped += 1
         return self._skipped % PROBE_EVERY == 0
 
     def _verify(self, view, live: list[Sequence], outs: list[StepOutput], drafts: int) -> int:
-        """One draft-verify step for every row of `view` (`dsv41.engine.speculative`); -> tokens the forward ran."""
+        """One draft-verify step for every row of `view` (`dsv41.engine.speculative`): each row r verifies its own
+        v_r drafts (fixed: N, or fewer where the request's remaining tokens allow fewer; dspark: the confidence
+        scheduler's per-row lengths) in ONE ragged forward over the rows' 1 + v_r tokens, no row padded to the
+        longest (`ForwardOptions.lengths`); -> tokens the forward ran."""
         pos = view.pos.clone()
         prop = self.drafter.propose(view, live, pos)
-        caps = [max(0, s.params.max_tokens - len(s.output_ids) - 1) for s in live]   # drafts that could be emitted
+        G = prop.tokens.size(1)
+        # drafts that could be emitted: the step's budget, the proposal, the request's remaining tokens
+        caps = [max(0, min(drafts, G, s.params.max_tokens - len(s.output_ids) - 1)) for s in live]
         S = prop.survival(self.calibration)
         if self.speculation.mode == "fixed":
-            V = min(self.speculation.n, prop.tokens.size(1), max(caps), drafts)
+            vs = [min(self.speculation.n, c) for c in caps]
         else:
-            V = min(drafts, choose_verify_lengths(S, spec_cost(self.step_cost, len(live)), caps, ragged=False)[0])
-        ids = torch.cat([torch.tensor([[s.pending] for s in live]), prop.tokens[:, :V]], dim=1).to(self.device)
+            vs = choose_verify_lengths(S, spec_cost(self.step_cost, len(live)), caps, ragged=True)
+        V = max(vs)
+        lengths = torch.tensor([1 + v for v in vs])
+        ids = torch.cat([torch.tensor([[s.pending] for s in live]), prop.tokens[:, :V]], dim=1)
+        ids = ids.masked_fill(torch.arange(1 + V).view(1, -1) >= lengths.view(-1, 1), 0).to(self.device)
         journal = VerifyJournal(self.model, view, pos, 1 + V)
-        out = self.model(ids, view, opts=ForwardOptions(journal=journal.model_journal))
+        out = self.model(ids, view, opts=ForwardOptions(journal=journal.model_journal, lengths=lengths))
         keep, sc = [], self.spec_counts
         for b, s in enumerate(live):
-            v = min(V, caps[b])
+            v = vs[b]
             q = None if prop.q[b] is None else prop.q[b][:v]
             n, nxt = accept_drafts(out.logits[b, :v + 1], prop.tokens[b, :v].tolist(), q, s.params, s.gen)
             toks = prop.tokens[b, :n].tolist() + [nxt]
@@ -458,7 +467,7 @@ class Engine:
         journal.rollback(self.model, view, ids, keep_t)
         if out.main_hidden is not None:
             self.drafter.seed(view, out.main_hidden, pos, keep_t)
-        return len(live) * (1 + V)
+        return int(lengths.sum())
 
     def _emit(self, seq: Sequence, new_ids: list[int], logits: torch.Tensor) -> StepOutput:
         """Account the tokens of this step in order, applying stop conditions (tokens after a stop are dropped),

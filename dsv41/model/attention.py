@@ -330,14 +330,35 @@ class Attention(QuantSite):
     def forward(self, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         if packed_decode.applies(self, ctx):
             return packed_decode.attention_decode_packed(self, u, ctx)
+        if ctx.ragged is not None:
+            return self.forward_ragged(u, ctx)
         B, T = u.shape[:2]
         freqs = h2d(self.rope.freqs(ctx.positions), u.device)                        # [B,T,R/2]
         qr, q = self.queries(u, freqs)
         kv = self.window_kv(u, freqs)
+        o = self.attend(u, qr, q, kv, freqs, ctx)
+        return self.output(o, freqs)
+
+    def forward_ragged(self, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """A ragged call (`dsv41.model.step.Ragged`): u [1,N,D], the real tokens packed. The projections (queries,
+        window KV, the output) run on those N tokens; what reads or writes each row's store (the ring, the
+        compressor, the indexer, sparse attention) on the [B,T] layout with zeros in the padding."""
+        rag = ctx.ragged
+        pos = ctx.memoized("ragged-positions", lambda: rag.pack(ctx.positions))          # [1,N]
+        freqs = h2d(self.rope.freqs(pos), u.device)
+        qr, q = self.queries(u, freqs)
+        kv = self.window_kv(u, freqs)
+        u_b, qr_b, q_b, kv_b, freqs_b = (rag.unpack(t) for t in (u, qr, q, kv, freqs))
+        o = self.attend(u_b, qr_b, q_b, kv_b, freqs_b, ctx)
+        return self.output(rag.pack(o), freqs)
+
+    def attend(self, u, qr, q, kv, freqs, ctx: StepContext) -> torch.Tensor:
+        """The step's window KV kv [B,T,C] written to the ring, the global KV produced, the top-k selected and the
+        sparse attention of the queries q [B,T,H,C] over the window and the selected entries -> [B,T,H,C]."""
+        T = u.size(1)
         prefill = ctx.all_prefill
         win_kv = kv if prefill else torch.cat([ctx.cache.window_ring(self.layer).to(kv.dtype), kv], dim=1)
         idx = h2d(window_indices(ctx.start, T, self.window, prefill, ctx.opts.floor_for(self.layer)), u.device).int()
         ctx.cache.write_window(self.layer, ctx.start, kv)
         kv_all, idx = self.with_compressed(u, qr, freqs, win_kv, idx, ctx)
-        o = sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)
-        return self.output(o, freqs)
+        return sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)

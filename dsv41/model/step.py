@@ -28,7 +28,7 @@ class ForwardOptions:
     In a prefill at position 0 only the queries at or after the floor lose keys (training's replay simulation,
     `dsv41.train.qat`); otherwise every query of the call does. `produce_kv=False` re-runs tokens whose global
     KV is already stored; `journal` (a dict) receives what a speculative verify needs to roll back rejected
-    tokens."""
+    tokens. `lengths` makes the call ragged (`Ragged`): verify steps of per-row lengths."""
 
     token_types: torch.Tensor | None = None    # [B,T] >= 0 on image-span tokens (VL routing bias, Engram mask)
     images: list | None = None                 # the prompt's image records (first chunk only)
@@ -40,11 +40,43 @@ class ForwardOptions:
     journal: dict | None = None                # speculative verify: compressors record their per-token sequence
     routes: dict | None = None                 # {layer: expert ids [B,T,K]}: MoE layers route by these (RL replay)
     route_log: dict | None = None              # when a dict: MoE layers keep their expert ids [B,T,K] here
+    lengths: torch.Tensor | None = None        # [B] in 1..T: row b runs its first lengths_b tokens (`Ragged`)
 
     def floor_for(self, layer: int) -> torch.Tensor | None:
         """The window floor that applies to `layer` (None: its window is not truncated)."""
         applies = self.window_floor_layers is None or layer in self.window_floor_layers
         return self.window_floor if applies else None
+
+
+class Ragged:
+    """The layout of a ragged call (`ForwardOptions.lengths`): row b runs its first lengths_b of the T columns of
+    input_ids; the rest of the row is padding. The stack between attentions (embedding, Engram, mHC, MoE, the
+    head) runs on the N = sum_b lengths_b real tokens packed into one row [1,N,...], row after row (cu_seqlens
+    order, as varlen attention kernels take them); each attention layer runs its projections on the packed tokens
+    too and lays out only what it reads against each row's own store (queries, window KV, the compressor's and
+    indexer's inputs) as [B,T,...] (`Attention.forward`). Those padding columns are zeros behind each row's real
+    tokens: causally after them, so no real token reads them; what they write into the store (ring rows,
+    compressor state, global entries, Engram history) is what a verify journal rolls back anyway
+    (`dsv41.engine.speculative.rollback`, keep_b <= lengths_b)."""
+
+    def __init__(self, lengths: torch.Tensor, T: int, device):
+        lengths = torch.as_tensor(lengths, dtype=torch.long).cpu()
+        if lengths.dim() != 1 or int(lengths.min()) < 1 or int(lengths.max()) > T:
+            raise ValueError(f"ragged lengths must be [B] in 1..{T}, got {lengths.tolist()}")
+        self.lengths, self.T = lengths, T
+        self.mask = (torch.arange(T).view(1, -1) < lengths.view(-1, 1)).to(device)        # [B,T]
+        self.cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])   # [B+1]
+        self.n = int(self.cu_seqlens[-1])
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B,T,...] -> the real tokens [1,N,...], row after row."""
+        return x[self.mask.to(x.device)].unsqueeze(0)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[1,N,...] -> [B,T,...], zeros in the padding."""
+        out = x.new_zeros(self.mask.shape + x.shape[2:])
+        out[self.mask.to(x.device)] = x[0]
+        return out
 
 
 @dataclass
@@ -60,7 +92,7 @@ class Publications:
 @dataclass
 class StepContext:
     """Per-forward state handed down the stack. Rows may sit at different positions (continuous batching); all
-    rows process `seqlen` tokens. `memo` holds what every layer of the step shares and computes once (the
+    rows process `seqlen` tokens (a ragged call: up to `seqlen`, `ragged`). `memo` holds what every layer of the step shares and computes once (the
     visible-entry counts, RoPE tables, window rows of a decode step), keyed by what it depends on."""
 
     start: torch.Tensor                 # [B] long: position of each row's first token in this call
@@ -70,6 +102,7 @@ class StepContext:
     published: Publications = field(default_factory=Publications)
     image_mask: torch.Tensor | None = None     # [B,T] bool: image-span tokens (from opts.token_types)
     memo: dict = field(default_factory=dict)
+    ragged: Ragged | None = None               # a ragged call: the stack's tensors are packed [1,N,...]
 
     @property
     def static(self) -> bool:

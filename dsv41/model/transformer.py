@@ -24,7 +24,7 @@ from dsv41.model.cache import KVStore
 from dsv41.model.common import RMSNorm, warm_up_transcendentals
 from dsv41.model.dspark import DSparkBlock, forward_spec
 from dsv41.model.engram import NgramHasher, identity_token_map, prefetch_host_rows
-from dsv41.model.step import ForwardOptions, StepContext
+from dsv41.model.step import ForwardOptions, Ragged, StepContext
 
 
 @dataclass
@@ -144,7 +144,9 @@ class Transformer(nn.Module):
 
         Prefill (P = 0, any T), decode (T = 1) and chunked prefill (any P, T) share this one path; rows may
         sit at different positions (continuous batching). `opts` (`ForwardOptions`): images, parity recording,
-        replay (window floors, no KV production) and speculative verification (the journal)."""
+        replay (window floors, no KV production) and speculative verification (the journal; per-row lengths: a
+        ragged call, `dsv41.model.step.Ragged`, whose logits and taps are [B,T,...] with zeros past each row's
+        length)."""
         opts = opts or ForwardOptions()
         B, T = input_ids.shape
         start = cache.pos.clone()
@@ -156,8 +158,11 @@ class Transformer(nn.Module):
         if opts.images is not None and int(start.max()) != 0:
             raise ValueError("image spans must be prefilled in the first chunk (start_pos 0)")
         image_mask = None if opts.token_types is None else opts.token_types >= 0
-        ctx = StepContext(start, T, cache, opts, image_mask=image_mask)
+        ragged = self._ragged(opts, B, T, input_ids.device, last_only)
+        ctx = StepContext(start, T, cache, opts, image_mask=image_mask, ragged=ragged)
         hashes = self.engram_hashes(input_ids, cache, ctx.token_mask)
+        if ragged is not None:                   # the stack runs on the real tokens only, packed [1,N]
+            input_ids, hashes = ragged.pack(input_ids), None if hashes is None else ragged.pack(hashes)
         h = self.embed_tokens(input_ids, opts.images)
         if opts.record is not None:
             opts.record["embed_out"] = h
@@ -166,8 +171,29 @@ class Transformer(nn.Module):
         if last_only:
             h, pre_mix = h[:, -1:], pre_mix[:, -1:]
         logits, hidden = self.logits_from(h, pre_mix)
+        main_hidden = torch.cat(list(taps.values()), dim=-1) if taps else None
+        if ragged is not None:                   # back to [B,T,...], zeros in the padding
+            logits, hidden = ragged.unpack(logits), ragged.unpack(hidden)
+            main_hidden = None if main_hidden is None else ragged.unpack(main_hidden)
         cache.pos = start + T
-        return ForwardOut(logits, hidden, torch.cat(list(taps.values()), dim=-1) if taps else None)
+        return ForwardOut(logits, hidden, main_hidden)
+
+    @staticmethod
+    def _ragged(opts: ForwardOptions, B: int, T: int, device, last_only: bool) -> Ragged | None:
+        """The layout of a call with per-row lengths (`ForwardOptions.lengths`); None when every row runs all T
+        tokens (no padding: the ordinary call)."""
+        if opts.lengths is None:
+            return None
+        lengths = torch.as_tensor(opts.lengths, dtype=torch.long).cpu()
+        if lengths.shape != (B,):
+            raise ValueError(f"lengths must be [B={B}], got {tuple(lengths.shape)}")
+        if bool((lengths == T).all()):
+            return None
+        if last_only or opts.images is not None or opts.token_types is not None or opts.record is not None \
+                or opts.routes is not None or opts.window_floor is not None:
+            raise ValueError("a ragged call (lengths) is a verify step: no last_only, images, token types, "
+                             "recording, replayed routes or window floors")
+        return Ragged(lengths, T, device)
 
     # ---------------------------------------------------------------- DSpark
     def draft(self, token: torch.Tensor | None, main_hidden: torch.Tensor, cache, start, temperature: float = 0.0,
