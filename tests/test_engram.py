@@ -209,6 +209,19 @@ def test_negative_control_pad():
     assert errs["decode.1"] <= TOL                # decode positions >= 201 never look back past the start
 
 
+def test_ids_past_a_small_tokenizer_hash_as_pad():
+    """A model whose vocabulary exceeds its tokenizer's (a small trained tokenizer) can still emit the ids past
+    it (an untrained model's argmax): they hash as the pad token, the tokenizer's ids as before."""
+    tmap, size = case_map()
+    small = tmap[:200]
+    h = NgramHasher(case_cfg(), (small, size))
+    assert h.token_map.numel() == case_cfg().vocab_size
+    assert torch.equal(h.compress(torch.arange(200).view(1, -1)), small.view(1, -1))
+    assert bool((h.compress(torch.tensor([[200, case_cfg().vocab_size - 1]])) == h.pad_id).all())
+    with pytest.raises(IndexError):
+        h.compress(torch.tensor([[case_cfg().vocab_size]]))
+
+
 # ------------------------------------------------------------------------------------------------ hashing dataflow
 
 @lru_cache(maxsize=1)

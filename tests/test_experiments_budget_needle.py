@@ -287,3 +287,42 @@ def test_cli_budget(tmp_path):
     assert main(["experiments", "run", "budget", "--scale", "0.002", "--lr", "1e-3", "--splits", "six m=4",
                  "--sizes", "4", "--docs", "2", "--out", str(out)]) == 0
     assert weights.stat().st_mtime_ns != stamp
+
+
+def test_cli_budget_train_seed_trains_its_own_model(tmp_path):
+    """--train-seed S trains into NAME-seedS with that seed (another model than seed 0's), the rerun command keeps
+    it, and --device names a device or fails clearly."""
+    from dsv41.cli import main
+    out = tmp_path / "exp"
+    args = ["experiments", "run", "budget", "--scale", "0.002", "--splits", "m=4 4 1", "--sizes", "4", "--docs", "1",
+            "--out", str(out)]
+    assert main(args) == 0 and main(args + ["--train-seed", "3"]) == 0
+    rep = json.loads((out / "budget" / "report.json").read_text())
+    assert rep["train_seed"] == 3 and "--train-seed 3" in rep["command"] and rep["device"] == "cpu"
+    a, b = (out / "budget" / d / "model" / "model.safetensors" for d in ("m4-4-1", "m4-4-1-seed3"))
+    assert a.is_file() and b.is_file() and a.read_bytes() != b.read_bytes()
+    assert main(args + ["--device", "cuda:99"]) == 2
+
+
+def test_stage_batch_and_the_long_curriculum(tmp_path):
+    """A stage's own batch size sets its loader's rows (the long curriculum's long stages use fewer sequences a
+    step); the long curriculum starts as the CPU one and reaches 6K-token windows."""
+    from dsv41.experiments.taskmodel import CURRICULA, Stage, train_task_model
+    long = CURRICULA["long"]
+    assert long[:len(CURRICULA["cpu"])] == CURRICULA["cpu"] and long[-1].seq_len == 6144 and long[-1].batch == 2
+    seen = []
+    from dsv41.train import data as D
+    real = D.PackedLoader
+
+    class Spy(real):
+        def __init__(self, tokens, seq_len, batch, *a, **k):
+            seen.append((seq_len, batch))
+            super().__init__(tokens, seq_len, batch, *a, **k)
+
+    D.PackedLoader = Spy
+    try:
+        train_task_model(tmp_path / "m", curriculum=(Stage(1, 4, 64, 1), Stage(2, 6, 96, 1, 3)), batch_size=4,
+                         quiet=True)
+    finally:
+        D.PackedLoader = real
+    assert seen[-2:] == [(64, 4), (96, 3)]

@@ -11,6 +11,11 @@ window, top-k and everything else unchanged), all at 1.5 entries per token:
   swapped           encoder at m = 1, decoder at m = 2 (the same layers)
   three m=2         KV sources 2, 4, 6 at m = 2 (each followed by a Reuse layer)
   six m=4           every compressed layer its own KV source at m = 4
+  m=1 4 4           KV source 2 at m = 1, 4 and 6 at m = 4 (each followed by a Reuse layer; encoder 2-5,
+                    decoder 6-7)
+  m=4 4 1           encoder: KV sources 2 and 3 at m = 4; decoder: KV source 4 at m = 1 with the preset's Reuse 5,
+                    Reindex 6 and Reuse 7
+The CED split is `dsv41.config.ced_split`: the decoder starts at the last KV source.
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ from dsv41.analysis.kv_bytes import global_kv_bytes_per_token
 from dsv41.config import ModelConfig, ced_split
 from dsv41.experiments.report import markdown_table
 from dsv41.model.loading import load_model
-from dsv41.experiments.taskmodel import CURRICULUM, TASK_PRESET, accuracy_by_length, scaled, train_task_model
+from dsv41.experiments.taskmodel import (CURRICULA, TASK_PRESET, accuracy_by_length, scaled, study_device,
+                                         train_task_model)
 
 SPLITS = {   # name: (compress ratios of the 8 layers, KV sources, index sources, candidate source)
     "preset": ((0, 0, 2, 2, 1, 1, 1, 1), (2, 4), (2, 4, 6), 4),
     "swapped": ((0, 0, 1, 1, 2, 2, 2, 2), (2, 4), (2, 4, 6), 4),
     "three m=2": ((0, 0, 2, 2, 2, 2, 2, 2), (2, 4, 6), (2, 4, 6), -1),
     "six m=4": ((0, 0, 4, 4, 4, 4, 4, 4), (2, 3, 4, 5, 6, 7), (2, 3, 4, 5, 6, 7), -1),
+    "m=1 4 4": ((0, 0, 1, 1, 4, 4, 4, 4), (2, 4, 6), (2, 4, 6), -1),
+    "m=4 4 1": ((0, 0, 4, 4, 1, 1, 1, 1), (2, 3, 4), (2, 3, 4, 6), 4),
 }
 
 
@@ -47,33 +55,36 @@ def split_config(base: ModelConfig, name: str) -> ModelConfig:
 
 
 def budget_study(out: str | Path, scale: float = 1.0, names=tuple(SPLITS), sizes=(8, 16, 32), docs: int = 16,
-                 seed: int = 1, **train_kw) -> dict:
+                 seed: int = 1, curriculum: str = "cpu", train_seed: int = 0, **train_kw) -> dict:
     """Train one task model per split under `out`/NAME (the curriculum's steps x `scale`; `train_kw` to
-    `train_task_model`: threads, device, ...) and evaluate it. A split whose model was already trained there with
-    the same settings (its `trained.json`, written after training) is evaluated without training again, so splits
+    `train_task_model`: threads, device, ...; `curriculum` a name of `taskmodel.CURRICULA`, `train_seed` the
+    training seed; a seed other than 0 trains into NAME-seedS) and evaluate it on `docs` documents of each size
+    drawn with `seed`. A split whose model was already trained there with the same settings (its `trained.json`, written after training) is evaluated without training again, so splits
     can be trained by separate processes (`--splits`) and one run of all of them then writes the whole report."""
     base = ModelConfig.from_json(TASK_PRESET)
-    curriculum = scaled(CURRICULUM, scale)
+    stages = scaled(CURRICULA[curriculum], scale)
+    device = study_device(train_kw.get("device", "auto"))
     rows = []
     for name in names:
         cfg = split_config(base, name)
-        d = Path(out) / name.replace(" ", "-").replace("=", "")
+        d = Path(out) / (name.replace(" ", "-").replace("=", "") + (f"-seed{train_seed}" if train_seed else ""))
         d.mkdir(parents=True, exist_ok=True)
         (d / "preset.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        settings = {"preset": cfg.to_dict(), "curriculum": [vars(st) for st in curriculum],
-                    "train": {k: v for k, v in sorted(train_kw.items()) if k not in ("threads", "device")}}
+        kw = train_kw | ({"seed": train_seed} if train_seed else {})
+        settings = {"preset": cfg.to_dict(), "curriculum": [vars(st) for st in stages],
+                    "train": {k: v for k, v in sorted(kw.items()) if k not in ("threads", "device")}}
         done = d / "trained.json"
         previous = json.loads(done.read_text()) if done.is_file() else None
         if previous is not None and previous["settings"] == json.loads(json.dumps(settings)):
             summary, train_s = previous["summary"], previous["train_s"]
         else:
             t = time.time()
-            summary = train_task_model(d / "model", preset=str(d / "preset.json"), curriculum=curriculum,
-                                       quiet=True, **train_kw)
+            summary = train_task_model(d / "model", preset=str(d / "preset.json"), curriculum=stages, quiet=True,
+                                       **kw)
             train_s = time.time() - t
             done.write_text(json.dumps({"settings": settings, "summary": summary, "train_s": train_s}, indent=1,
                                        default=float) + "\n")
-        model, _ = load_model(d / "model")
+        model, _ = load_model(d / "model", device=device)
         acc = accuracy_by_length(model.eval(), Tokenizer.from_file(str(d / "model" / "tokenizer.json")), sizes,
                                  docs, seed)
         far = [r["accuracy_beyond_window"] for r in acc["sizes"]]
@@ -81,8 +92,8 @@ def budget_study(out: str | Path, scale: float = 1.0, names=tuple(SPLITS), sizes
                      "ced_split": ced_split(cfg), "bytes_per_token": float(global_kv_bytes_per_token(cfg)),
                      "val_loss": summary.get("val_loss"), "accuracy": [r["accuracy"] for r in acc["sizes"]],
                      "accuracy_beyond_window": far, "train_s": train_s})
-    return {"rows": rows, "sizes": list(sizes), "scale": scale, "chance": 0.01,
-            "curriculum": [vars(st) for st in curriculum]}
+    return {"rows": rows, "sizes": list(sizes), "scale": scale, "chance": 0.01, "train_seed": train_seed,
+            "curriculum": [vars(st) for st in stages], "device": str(device)}
 
 
 def table(result: dict) -> str:

@@ -36,8 +36,10 @@ def register(subparsers) -> None:
     run.add_argument("--out", default="runs/experiments")
     run.add_argument("--scale", type=float, default=1.0, help="budget: the curriculum's steps x SCALE per model")
     run.add_argument("--splits", default=None, help="budget: the KV splits to train, comma-separated (default all: "
-                     "preset, swapped, three m=2, six m=4)")
-    run.add_argument("--device", default="auto", help="budget: where its task models train")
+                     "preset, swapped, three m=2, six m=4, m=1 4 4, m=4 4 1)")
+    run.add_argument("--curriculum", choices=("cpu", "long"), default="cpu", help="budget: the task models' "
+                     "curriculum (long: on to 6K-token documents, the GPU sweep)")
+    run.add_argument("--train-seed", type=int, default=0, help="budget: the task models' training seed")
     run.add_argument("--lr", type=float, default=None, help="budget: its task models' peak learning rate "
                      "(default train-task's)")
     run.add_argument("--sizes", default=None, help="needle / budget: document sizes (pairs per document), "
@@ -57,6 +59,8 @@ def register(subparsers) -> None:
     tt.add_argument("--out", default="runs/experiments/task-kv-compact")
     tt.add_argument("--scale", type=float, default=1.0, help="the curriculum's steps x SCALE")
     tt.add_argument("--lr", type=float, default=3e-2)
+    tt.add_argument("--curriculum", choices=("cpu", "long"), default="cpu",
+                    help="cpu: documents of up to 24 pairs (192 tokens); long: on to 768 pairs (6K tokens, a GPU)")
     tt.add_argument("--seed", type=int, default=0)
     tt.add_argument("--threads", type=int, default=1)
     tt.add_argument("--device", default="auto")
@@ -69,6 +73,7 @@ def register(subparsers) -> None:
     acc.add_argument("--docs", type=int, default=16)
     acc.add_argument("--seed", type=int, default=1)
     acc.add_argument("--threads", type=int, default=1)
+    acc.add_argument("--device", default="auto", help="auto (cuda when there is one), cpu, cuda, cuda:N")
     acc.set_defaults(func=_accuracy, task="kv-compact", size=0)
 
 
@@ -79,11 +84,14 @@ def _model_args(p) -> None:
     p.add_argument("--docs", type=int, default=16, help="evaluation documents")
     p.add_argument("--seed", type=int, default=1, help="evaluation seed (training data used 0)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="auto", help="where the model runs (budget: where its task models train "
+                   "and are evaluated): auto (cuda when there is one), cpu, cuda, cuda:N")
 
 
 def _load(args):
     from tokenizers import Tokenizer
 
+    from dsv41.experiments.taskmodel import study_device
     from dsv41.model.loading import load_model
     from dsv41.train.tasks_longctx import task_documents
 
@@ -93,7 +101,7 @@ def _load(args):
     tok_path = Path(args.checkpoint) / "tokenizer.json"
     if not tok_path.is_file():
         raise ValueError(f"--checkpoint {args.checkpoint}: no tokenizer.json (a `dsv41 train` directory?)")
-    model, _ = load_model(args.checkpoint)
+    model, _ = load_model(args.checkpoint, device=study_device(args.device))
     return model.eval(), Tokenizer.from_file(str(tok_path)), task_documents(args.task, args.docs, args.seed,
                                                                             args.size)
 
@@ -104,6 +112,8 @@ def _command(args, name: str) -> str:
     if name == "budget":
         splits = f" --splits '{args.splits}'" if args.splits else ""
         splits += f" --lr {args.lr:g}" if args.lr is not None else ""
+        splits += f" --curriculum {args.curriculum}" if args.curriculum != "cpu" else ""
+        splits += f" --train-seed {args.train_seed}" if args.train_seed else ""
         return (f"dsv41 experiments run budget --scale {args.scale:g}{splits}{sizes} --docs {args.docs} "
                 f"--seed {args.seed} --threads {args.threads}")
     return (f"dsv41 experiments run {name} --checkpoint {args.checkpoint} --task {args.task} --size {args.size}"
@@ -111,9 +121,9 @@ def _command(args, name: str) -> str:
 
 
 def _train_task(args) -> int:
-    from dsv41.experiments.taskmodel import CURRICULUM, scaled, train_task_model
+    from dsv41.experiments.taskmodel import CURRICULA, scaled, train_task_model
 
-    train_task_model(args.out, curriculum=scaled(CURRICULUM, args.scale), lr=args.lr, seed=args.seed,
+    train_task_model(args.out, curriculum=scaled(CURRICULA[args.curriculum], args.scale), lr=args.lr, seed=args.seed,
                      threads=args.threads, device=args.device)
     args.checkpoint, args.seed = args.out, 1                  # evaluation seed (training documents used --seed)
     return _accuracy(args)
@@ -123,11 +133,11 @@ def _accuracy(args) -> int:
     from tokenizers import Tokenizer
 
     from dsv41.experiments.report import write_report
-    from dsv41.experiments.taskmodel import accuracy_by_length, accuracy_tables
+    from dsv41.experiments.taskmodel import accuracy_by_length, accuracy_tables, study_device
     from dsv41.model.loading import load_model
 
     torch.set_num_threads(args.threads)
-    model, _ = load_model(args.checkpoint)
+    model, _ = load_model(args.checkpoint, device=study_device(args.device))
     tok = Tokenizer.from_file(str(Path(args.checkpoint) / "tokenizer.json"))
     t = time.time()
     result = accuracy_by_length(model.eval(), tok, tuple(int(s) for s in args.sizes.split(",")), args.docs, args.seed)
@@ -178,7 +188,8 @@ def _study(name, args, model, tok, docs):
             if n not in budget.SPLITS:
                 raise ValueError(f"--splits: unknown split {n!r}; choose from {', '.join(budget.SPLITS)}")
         return budget, budget.budget_study(Path(args.out) / "budget", args.scale, names, **sizes, docs=args.docs,
-                                           seed=args.seed, threads=args.threads, device=args.device,
+                                           seed=args.seed, curriculum=args.curriculum, threads=args.threads,
+                                           device=args.device, train_seed=args.train_seed,
                                            **({"lr": args.lr} if args.lr is not None else {}))
     if name == "needle":
         if args.task != "kv-compact":

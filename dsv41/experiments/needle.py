@@ -61,16 +61,17 @@ def pool_records(model, tokenizer, docs) -> tuple[list[dict], dict]:
     """Per answer of `docs` (exact forward): right, depth, distance, in_pool, in_topk; and the pool's recall of
     the Reindex layers' attention top-k over all rows that see more than K entries."""
     src, users = _pool_layers(model)
+    device = next(model.parameters()).device
     recs, hits, total = [], 0, 0
     for doc in docs:
         enc = encode_tasks(tokenizer, [doc])
-        ids = enc.ids
+        ids = enc.ids.to(device)
         record: dict = {}
         with IndexerTap(model) as tap:
-            out = model(ids, TrainCache(model.cfg, 1, model.dtype), 0, ForwardOptions(record=record))
-        pool = record[("cand", src)][0]                                             # [T,N]
+            out = model(ids, TrainCache(model.cfg, 1, model.dtype, device), 0, ForwardOptions(record=record))
+        pool = record[("cand", src)][0].cpu()                                       # [T,N]
         m = model.layers[src].attn.role.ratio
-        topk = {L: index_mask(record[("topk", L)], pool.size(-1))[0] for L in users}
+        topk = {L: index_mask(record[("topk", L)], pool.size(-1))[0].cpu() for L in users}
         right = answer_correct(out.logits, ids, enc.answers)[0]
         pair_chars = doc.text.index("\n?") + 1                                     # the pair lines
         for a, ok in enumerate(right):
@@ -105,7 +106,7 @@ def variant_accuracy(model, tokenizer, docs) -> dict[str, list[list[bool]]]:
         enc = encode_tasks(tokenizer, [doc])
         answers = enc.answers[0]
         P, end = min(a[0] for a in answers), max(a[-1] for a in answers) + 1
-        ids = enc.ids[:, :end]
+        ids = enc.ids[:, :end].to(next(model.parameters()).device)
         for name, _, v in variants():
             logits = run_variant(model, ids, P, v)
             out.setdefault(name, []).append(answer_correct(logits, ids, enc.answers, offset=P - 1)[0])

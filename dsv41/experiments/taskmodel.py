@@ -40,10 +40,25 @@ class Stage:
     hi: int
     seq_len: int        # training window (tokens); a kv-compact pair and its query take 8 tokens
     steps: int
+    batch: int = 0      # sequences a step; 0: the run's batch size
 
 
 # about 0.3 / 0.5 / 0.8 s a step on one core of this (shared) machine
 CURRICULUM = (Stage(1, 4, 64, 1500), Stage(2, 12, 128, 700), Stage(4, 24, 192, 400))
+# the GPU sweep (docs/system.md §9): the same start, then documents of up to 768 pairs (6K tokens) in windows of
+# up to 6K tokens, fewer sequences a step at the long stages (the same order of tokens a step)
+LONG_CURRICULUM = CURRICULUM + (Stage(16, 64, 512, 400, 8), Stage(64, 256, 2048, 300, 4),
+                                Stage(256, 768, 6144, 200, 2))
+CURRICULA = {"cpu": CURRICULUM, "long": LONG_CURRICULUM}
+
+
+def study_device(name: str) -> torch.device:
+    """The device `--device` names; auto = the first GPU when there is one, else the CPU."""
+    from dsv41.server.device import resolve_device
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_device(name)
 
 
 def scaled(curriculum, scale: float) -> tuple[Stage, ...]:
@@ -73,7 +88,7 @@ def _write(docs: list[TaskDoc], path: Path, tag: str) -> Path:
 
 def stage_tokens(stage: Stage, batch_size: int) -> int:
     """Tokens the stage trains on (documents are drawn to cover them about twice)."""
-    return stage.steps * batch_size * stage.seq_len
+    return stage.steps * (stage.batch or batch_size) * stage.seq_len
 
 
 def train_task_model(out: str | Path, preset: str = TASK_PRESET, curriculum=CURRICULUM, batch_size: int = 16,
@@ -98,9 +113,11 @@ def train_task_model(out: str | Path, preset: str = TASK_PRESET, curriculum=CURR
     for i, st in enumerate(curriculum):
         corpus = D.load_corpus(str(files[i]), cfg.val_fraction, D.min_val_chars(st.seq_len))
         tokens = D.encode_documents(trainer.tokenizer, corpus.train)
-        trainer.loader = D.PackedLoader(tokens, st.seq_len, batch_size, seed)
-        trainer.tokens_per_step = batch_size * st.seq_len * cfg.grad_accum
-        trainer.say(f"curriculum stage {i}: {st.lo}-{st.hi} pairs, seq_len {st.seq_len}, steps {done}-{done + st.steps}")
+        batch = st.batch or batch_size
+        trainer.loader = D.PackedLoader(tokens, st.seq_len, batch, seed)
+        trainer.tokens_per_step = batch * st.seq_len * cfg.grad_accum
+        trainer.say(f"curriculum stage {i}: {st.lo}-{st.hi} pairs, seq_len {st.seq_len}, batch {batch}, steps "
+                    f"{done}-{done + st.steps}")
         done += st.steps
         trainer.run(stop_at=done)
     summary = trainer.finish()

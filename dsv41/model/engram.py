@@ -184,6 +184,8 @@ class NgramHasher(nn.Module):
         check_engram_tables(cfg, primes)
         N = self.max_ngram = cfg.engram_max_ngram_size
         self.pad_id = int(tmap[cfg.engram_pad_id])
+        if tmap.numel() < cfg.vocab_size:       # ids past a small tokenizer's vocabulary (an untrained model can
+            tmap = torch.cat([tmap, tmap.new_full((cfg.vocab_size - tmap.numel(),), self.pad_id)])   # emit them)
         E, H = len(cfg.engram_layer_ids), cfg.engram_n_heads
         mult = [hash_multipliers(cfg, L) for L in cfg.engram_layer_ids]
         buffers = {"token_map": tmap,

@@ -152,7 +152,7 @@ def answer_correct(logits: torch.Tensor, ids: torch.Tensor, answers: list[list[l
                    offset: int = 0) -> list[list[bool]]:
     """Per document and answer, whether the argmax predicts every value token. logits [B,T',V] hold the
     predictions for positions offset+1 .. offset+T' (the logits at position p predict token p+1)."""
-    pred = logits.argmax(dim=-1)
+    pred, ids = logits.argmax(dim=-1).cpu(), ids.cpu()          # one copy, not one sync per token
     out = []
     for b, doc in enumerate(answers):
         out.append([all(0 <= p - 1 - offset < pred.size(1) and int(pred[b, p - 1 - offset]) == int(ids[b, p])
