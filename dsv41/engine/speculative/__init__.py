@@ -9,9 +9,10 @@ P_r tokens; the drafter's rings hold the target's taps of positions < P_r):
                transform (temperature, top-k, top-p; `target_probs`) of the drafter's logits, the argmax for
                greedy requests. Its confidence head gives a_r,k = sigmoid(confidence), the predicted acceptance
                of draft k given drafts < k accepted.
-  2. schedule  the number V of drafts to verify: fixed (`fixed:N`) or the confidence scheduler (`dspark`).
-  3. verify    ONE target forward over [t_r, d_r,1..V] per row (T = 1 + V, a chunk at P_r) gives the target's
-               logits at positions P_r..P_r+V, i.e. its distributions p_r,0..V for the tokens after each.
+  2. schedule  the number v_r of drafts each row verifies: fixed (`fixed:N`) or the confidence scheduler (`dspark`).
+  3. verify    ONE ragged target forward over [t_r, d_r,1..v_r] per row (a chunk of 1 + v_r tokens at P_r) gives
+               the target's logits at positions P_r..P_r+v_r, i.e. its distributions p_r,0..v_r for the tokens
+               after each.
   4. accept    speculative rejection sampling per row (`accept_drafts`): draft k is accepted with probability
                min(1, p_k(d) / q_k(d)); at the first rejection the token is drawn from norm(max(0, p_k - q_k));
                when all V are accepted a bonus token is drawn from p_V. Greedy: accept iff d equals argmax p_k,
@@ -24,16 +25,18 @@ P_r tokens; the drafter's rings hold the target's taps of positions < P_r):
                the Engram n-gram history and the position are set to the accepted prefix.
   6. seed      the drafter's rings get the target's taps of the kept positions only.
 
-Rows verify the same V (the forward runs [B, 1+V]); a row whose remaining `max_tokens` allows fewer drafts
-still runs V (padding whose tokens cannot be emitted).
+Rows verify their own lengths in one forward (`ForwardOptions.lengths`, `dsv41.model.step.Ragged`): the stack
+runs on the n = sum_r (1 + v_r) real tokens packed row after row; only what reads or writes a row's store is laid
+out [B, 1 + max v_r], its padding causally after the row's tokens and rolled back by the journal. A row whose
+remaining `max_tokens` allows fewer drafts verifies fewer.
 
 Confidence scheduler (docs/system.md §5). Prefix survival S_r,k = prod_{i<=k} a_r,i; verifying v_r drafts yields
 1 + sum_{k<=v_r} S_r,k tokens in expectation; choose {v_r} maximising sum_r (1 + sum_{k<=v_r} S_r,k) / T(n) with T
 the measured step latency at n tokens in the batch (`StepProfile`, written by `dsv41 profile-step`).
 `choose_verify_lengths(..., ragged=True)` is that objective with n = sum_r (1 + v_r): for a fixed budget the
 optimum takes drafts in decreasing S order across rows (S is non-increasing in k, so each row takes a prefix),
-then the budget with the best ratio wins. The engine's forward is padded (every row runs 1 + V tokens), so it
-uses `ragged=False`: the same objective with n = B (1 + V), whose optimum gives every row the same V.
+then the budget with the best ratio wins; the engine's ragged forward runs exactly those n tokens.
+`ragged=False` is the same objective for a padded forward (n = B (1 + V), every row the same V).
 
 V = 0 is not a verify of 0 drafts but a plain decode step (no proposal): `choose_verify_lengths(..., plain=T_plain)`
 compares every verify length with B / T_plain(B), and before drafting the engine asks whether any length could win
