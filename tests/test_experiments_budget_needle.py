@@ -69,6 +69,27 @@ def test_kv_compact_documents():
         kv_compact_document(random.Random(0), COMPACT_KEYS + 1, 1)
 
 
+def test_kv_compact_filler_stretches_the_haystack():
+    """Filler lines of words after each pair lengthen a document past 64 pairs' 512 tokens; the answers still
+    point at their values and their pair lines; filler is a kv-compact option only."""
+    plain = task_documents("kv-compact", 3, 5, 10, 4)
+    docs = task_documents("kv-compact", 3, 5, 10, 4, filler=3)
+    for d, p in zip(docs, plain):
+        lines = d.text.splitlines()
+        assert len(lines) == 10 * 4 + 4 and len(d.text) > 3 * len(p.text)
+        for i in range(10):
+            assert lines[4 * i].startswith(": ") and all(not ln.startswith((":", "?")) and len(ln.split()) == 4
+                                                         for ln in lines[4 * i + 1:4 * i + 4])
+        for (lo, hi), src in zip(d.answers, d.sources):
+            key, value = d.text[src:d.text.index("\n", src)].split()[1:]
+            assert d.text[lo:hi] == value and d.text[lo - 5:lo] == f"? {key} "
+    assert task_documents("kv-compact", 3, 5, 10, 4, filler=3)[1].text == docs[1].text
+    with pytest.raises(ValueError, match="kv-compact option"):
+        task_documents("kv-retrieval", 1, 0, 4, filler=1)
+    with pytest.raises(ValueError, match=">= 0"):
+        kv_compact_document(random.Random(0), 4, 4, -1)
+
+
 def test_kv_compact_tokens_and_checker(tok):
     """Each key and value is one token, the same in the pair line and the query; the checker accepts exactly the
     predictions of the true next tokens."""
@@ -306,10 +327,10 @@ def test_cli_budget_train_seed_trains_its_own_model(tmp_path):
 
 def test_stage_batch_and_the_long_curriculum(tmp_path):
     """A stage's own batch size sets its loader's rows (the long curriculum's long stages use fewer sequences a
-    step); the long curriculum starts as the CPU one and reaches 6K-token windows."""
+    step); the long curriculum starts as the CPU one and reaches 4K-token windows."""
     from dsv41.experiments.taskmodel import CURRICULA, Stage, train_task_model
     long = CURRICULA["long"]
-    assert long[:len(CURRICULA["cpu"])] == CURRICULA["cpu"] and long[-1].seq_len == 6144 and long[-1].batch == 2
+    assert long[:len(CURRICULA["cpu"])] == CURRICULA["cpu"] and long[-1].seq_len == 4096 and long[-1].batch == 1
     seen = []
     from dsv41.train import data as D
     real = D.PackedLoader

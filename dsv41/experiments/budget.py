@@ -55,7 +55,7 @@ def split_config(base: ModelConfig, name: str) -> ModelConfig:
 
 
 def budget_study(out: str | Path, scale: float = 1.0, names=tuple(SPLITS), sizes=(8, 16, 32), docs: int = 16,
-                 seed: int = 1, curriculum: str = "cpu", train_seed: int = 0, **train_kw) -> dict:
+                 seed: int = 1, curriculum: str = "cpu", train_seed: int = 0, fillers=(0,), **train_kw) -> dict:
     """Train one task model per split under `out`/NAME (the curriculum's steps x `scale`; `train_kw` to
     `train_task_model`: threads, device, ...; `curriculum` a name of `taskmodel.CURRICULA`, `train_seed` the
     training seed; a seed other than 0 trains into NAME-seedS) and evaluate it on `docs` documents of each size
@@ -86,18 +86,20 @@ def budget_study(out: str | Path, scale: float = 1.0, names=tuple(SPLITS), sizes
                                        default=float) + "\n")
         model, _ = load_model(d / "model", device=device)
         acc = accuracy_by_length(model.eval(), Tokenizer.from_file(str(d / "model" / "tokenizer.json")), sizes,
-                                 docs, seed)
+                                 docs, seed, fillers)
         far = [r["accuracy_beyond_window"] for r in acc["sizes"]]
         rows.append({"split": name, "ratios": list(SPLITS[name][0]), "kv_sources": list(SPLITS[name][1]),
                      "ced_split": ced_split(cfg), "bytes_per_token": float(global_kv_bytes_per_token(cfg)),
                      "val_loss": summary.get("val_loss"), "accuracy": [r["accuracy"] for r in acc["sizes"]],
-                     "accuracy_beyond_window": far, "train_s": train_s})
-    return {"rows": rows, "sizes": list(sizes), "scale": scale, "chance": 0.01, "train_seed": train_seed,
+                     "accuracy_beyond_window": far, "tokens": [r["tokens"] for r in acc["sizes"]],
+                     "train_s": train_s})
+    return {"rows": rows, "sizes": list(sizes), "fillers": list(fillers), "scale": scale, "chance": 0.01, "train_seed": train_seed,
             "curriculum": [vars(st) for st in stages], "device": str(device)}
 
 
 def table(result: dict) -> str:
-    heads = [f"acc. {s} pairs (beyond window)" for s in result["sizes"]]
+    heads = [f"acc. {s} pairs{f' + {f} filler' if f else ''} (beyond window)"
+             for f in result.get("fillers", [0]) for s in result["sizes"]]
     return markdown_table(["split", "ratios (layers 0-7)", "KV sources", "global KV B/token", "val loss"] + heads
                           + ["train s"],
                           [[r["split"], " ".join(map(str, r["ratios"])), " ".join(map(str, r["kv_sources"])),
@@ -109,10 +111,11 @@ def table(result: dict) -> str:
 def plot(result: dict):
     def draw(ax):
         for r in result["rows"]:
-            ax.plot(result["sizes"], [a or 0.0 for a in r["accuracy_beyond_window"]], marker="o",
+            pts = sorted(zip(r.get("tokens", result["sizes"]), [a or 0.0 for a in r["accuracy_beyond_window"]]))
+            ax.plot([t for t, _ in pts], [a for _, a in pts], marker="o",
                     label=f"{r['split']} ({r['bytes_per_token']:.0f} B/token, val {r['val_loss']:.3f})")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("pairs in the document")
+        ax.set_xlabel("tokens in the document (longest)")
         ax.set_ylabel("retrieval accuracy (pair beyond the window)")
         ax.legend(fontsize=7)
     return draw

@@ -38,7 +38,7 @@ def register(subparsers) -> None:
     run.add_argument("--splits", default=None, help="budget: the KV splits to train, comma-separated (default all: "
                      "preset, swapped, three m=2, six m=4, m=1 4 4, m=4 4 1)")
     run.add_argument("--curriculum", choices=("cpu", "long"), default="cpu", help="budget: the task models' "
-                     "curriculum (long: on to 6K-token documents, the GPU sweep)")
+                     "curriculum (long: on to 4K-token windows, the GPU sweep)")
     run.add_argument("--train-seed", type=int, default=0, help="budget: the task models' training seed")
     run.add_argument("--lr", type=float, default=None, help="budget: its task models' peak learning rate "
                      "(default train-task's)")
@@ -60,12 +60,14 @@ def register(subparsers) -> None:
     tt.add_argument("--scale", type=float, default=1.0, help="the curriculum's steps x SCALE")
     tt.add_argument("--lr", type=float, default=3e-2)
     tt.add_argument("--curriculum", choices=("cpu", "long"), default="cpu",
-                    help="cpu: documents of up to 24 pairs (192 tokens); long: on to 768 pairs (6K tokens, a GPU)")
+                    help="cpu: documents of up to 24 pairs (192 tokens); long: on to 64 pairs with filler (4K-token windows, "
+                         "a GPU)")
     tt.add_argument("--seed", type=int, default=0)
     tt.add_argument("--threads", type=int, default=1)
     tt.add_argument("--device", default="auto")
     tt.add_argument("--sizes", default="4,8,16,32,64", help="the accuracy afterwards: pairs per document")
     tt.add_argument("--docs", type=int, default=16, help="the accuracy afterwards: documents a size")
+    tt.add_argument("--filler", default="0", help="the accuracy afterwards: filler lines a pair, comma-separated")
     tt.set_defaults(func=_train_task)
     acc = sub.add_parser("accuracy", help="a kv-compact model's retrieval accuracy against context and distance")
     acc.add_argument("--checkpoint", required=True)
@@ -73,6 +75,7 @@ def register(subparsers) -> None:
     acc.add_argument("--docs", type=int, default=16)
     acc.add_argument("--seed", type=int, default=1)
     acc.add_argument("--threads", type=int, default=1)
+    acc.add_argument("--filler", default="0", help="filler lines after each pair, comma-separated (each evaluated)")
     acc.add_argument("--device", default="auto", help="auto (cuda when there is one), cpu, cuda, cuda:N")
     acc.set_defaults(func=_accuracy, task="kv-compact", size=0)
 
@@ -84,6 +87,8 @@ def _model_args(p) -> None:
     p.add_argument("--docs", type=int, default=16, help="evaluation documents")
     p.add_argument("--seed", type=int, default=1, help="evaluation seed (training data used 0)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--filler", default="0", help="kv-compact: filler lines after each pair, comma-separated "
+                   "(needle / budget / accuracy: each; approximations: the last), for documents past 512 tokens")
     p.add_argument("--device", default="auto", help="where the model runs (budget: where its task models train "
                    "and are evaluated): auto (cuda when there is one), cpu, cuda, cuda:N")
 
@@ -103,12 +108,24 @@ def _load(args):
         raise ValueError(f"--checkpoint {args.checkpoint}: no tokenizer.json (a `dsv41 train` directory?)")
     model, _ = load_model(args.checkpoint, device=study_device(args.device))
     return model.eval(), Tokenizer.from_file(str(tok_path)), task_documents(args.task, args.docs, args.seed,
-                                                                            args.size)
+                                                                            args.size, filler=fillers(args)[-1])
+
+
+def fillers(args) -> tuple[int, ...]:
+    """--filler as numbers."""
+    try:
+        out = tuple(int(f) for f in args.filler.split(","))
+    except ValueError:
+        raise ValueError(f"--filler: comma-separated numbers of lines, got {args.filler!r}") from None
+    if any(f < 0 for f in out):
+        raise ValueError(f"--filler: lines must be >= 0, got {args.filler!r}")
+    return out
 
 
 def _command(args, name: str) -> str:
     """The command that reruns study `name` alone."""
     sizes = f" --sizes {args.sizes}" if args.sizes and name in ("needle", "budget") else ""
+    sizes += f" --filler {args.filler}" if args.filler != "0" and name != "replay" else ""
     if name == "budget":
         splits = f" --splits '{args.splits}'" if args.splits else ""
         splits += f" --lr {args.lr:g}" if args.lr is not None else ""
@@ -140,12 +157,13 @@ def _accuracy(args) -> int:
     model, _ = load_model(args.checkpoint, device=study_device(args.device))
     tok = Tokenizer.from_file(str(Path(args.checkpoint) / "tokenizer.json"))
     t = time.time()
-    result = accuracy_by_length(model.eval(), tok, tuple(int(s) for s in args.sizes.split(",")), args.docs, args.seed)
+    result = accuracy_by_length(model.eval(), tok, tuple(int(s) for s in args.sizes.split(",")), args.docs, args.seed,
+                                fillers(args))
     result["seconds"] = time.time() - t
     title = (f"retrieval accuracy of {args.checkpoint} on kv-compact (teacher-forced exact match, {args.docs} "
              f"documents a size, each pair queried once; seed {args.seed})")
     command = (f"dsv41 experiments accuracy --checkpoint {args.checkpoint} --sizes {args.sizes} --docs {args.docs} "
-               f"--seed {args.seed}")
+               f"--seed {args.seed}" + (f" --filler {args.filler}" if args.filler != "0" else ""))
     out = write_report(Path(args.checkpoint) / "accuracy", title, command, accuracy_by_length.__doc__,
                        accuracy_tables(result), result)
     print(f"{title}:\n")
@@ -189,13 +207,14 @@ def _study(name, args, model, tok, docs):
                 raise ValueError(f"--splits: unknown split {n!r}; choose from {', '.join(budget.SPLITS)}")
         return budget, budget.budget_study(Path(args.out) / "budget", args.scale, names, **sizes, docs=args.docs,
                                            seed=args.seed, curriculum=args.curriculum, threads=args.threads,
-                                           device=args.device, train_seed=args.train_seed,
+                                           device=args.device, train_seed=args.train_seed, fillers=fillers(args),
                                            **({"lr": args.lr} if args.lr is not None else {}))
     if name == "needle":
         if args.task != "kv-compact":
             raise ValueError(f"the needle study runs on kv-compact documents (a train-task model), got --task "
                              f"{args.task}")
-        return needle, needle.needle_study(model, tok, **sizes, docs=min(args.docs, 8), seed=args.seed)
+        return needle, needle.needle_study(model, tok, **sizes, docs=min(args.docs, 8), seed=args.seed,
+                                           fillers=fillers(args))
     if name == "approximations":
         return approximations, approximations.approximation_study(model, tok, docs)
     L, W = model.cfg.n_layers, model.cfg.window_size

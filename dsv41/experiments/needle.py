@@ -3,7 +3,8 @@ depth in the document and by whether its entries fell into the hierarchical inde
 pool's recall of the needle and of the attention's own top-k; then the retrieval accuracy per depth with each
 approximation alone and all stacked (`counterparts.py`), docs/system.md §9 study 3.
 
-Documents: `size` pairs, then `queries` of them asked in random order, so every answer lies at the end and its pair
+Documents: `size` pairs (each followed by `filler` lines of words, for contexts past 512 tokens), then `queries`
+of them asked in random order, so every answer lies at the end and its pair
 at depth (pair index / pairs) in [0, 1). The needle's entries are those holding the pair's key and value tokens
 (`needle_tokens`; entry n of a ratio-m layer covers tokens [n m, (n+1) m)); the row that predicts the value is the
 query key's.
@@ -114,12 +115,13 @@ def variant_accuracy(model, tokenizer, docs) -> dict[str, list[list[bool]]]:
 
 
 def needle_study(model, tokenizer, sizes=(16, 32, 64), docs: int = 8, queries: int = 8, seed: int = 1,
-                 with_variants: bool = True) -> dict:
-    """The module docstring's tables over `docs` documents of each size (pairs); with_variants False skips the
-    accuracy per approximation (the decode-step part, most of the study's time)."""
+                 with_variants: bool = True, fillers=(0,)) -> dict:
+    """The module docstring's tables over `docs` documents of each size (pairs) and number of filler lines a pair;
+    with_variants False skips the accuracy per approximation (the decode-step part, most of the study's time)."""
     rows, var_rows = [], []
-    for size in sizes:
-        ds = task_documents(TASK, docs, seed, size, queries)
+    for size, filler in [(s, f) for f in fillers for s in sizes]:
+        ds = task_documents(TASK, docs, seed, size, queries, filler)
+        tokens = sum(len(tokenizer.encode(d.text).ids) for d in ds) / len(ds)
         recs, pool = pool_records(model, tokenizer, ds)
         W = model.cfg.window_size
         far = [r for r in recs if r["distance"] > W]
@@ -127,7 +129,8 @@ def needle_study(model, tokenizer, sizes=(16, 32, 64), docs: int = 8, queries: i
             part = [r for r in far if _depth_bucket(r["depth"]) == b]
             inp = [r for r in part if r["in_pool"]]
             out = [r for r in part if not r["in_pool"]]
-            rows.append({"pairs": size, "depth": f"{b / DEPTHS:.2f}-{(b + 1) / DEPTHS:.2f}", "answers": len(part),
+            rows.append({"pairs": size, "filler": filler, "tokens": tokens,
+                         "depth": f"{b / DEPTHS:.2f}-{(b + 1) / DEPTHS:.2f}", "answers": len(part),
                          "accuracy": _accuracy(part), "in_pool": len(inp) / len(part) if part else None,
                          "accuracy_in_pool": _accuracy(inp), "accuracy_out_of_pool": _accuracy(out)})
         flags = variant_accuracy(model, tokenizer, ds) if with_variants else {}
@@ -135,7 +138,8 @@ def needle_study(model, tokenizer, sizes=(16, 32, 64), docs: int = 8, queries: i
         for name, per_doc in flags.items():
             flat = [f for d in per_doc for f in d]
             by = [[f for f, k in zip(flat, depth) if k == b] for b in range(DEPTHS)]
-            var_rows.append({"pairs": size, "variant": name, "accuracy": sum(flat) / len(flat),
+            var_rows.append({"pairs": size, "filler": filler, "tokens": tokens, "variant": name,
+                             "accuracy": sum(flat) / len(flat),
                              "by_depth": [sum(x) / len(x) if x else None for x in by]})
         rows[-DEPTHS]["pool_recall_of_attention_topk"] = pool["pool_recall_of_attention_topk"]
         rows[-DEPTHS]["needle_pool_recall"] = sum(r["in_pool"] for r in far) / len(far) if far else None
@@ -149,18 +153,18 @@ def _cell(v):
 
 
 def table(result: dict) -> str:
-    a = markdown_table(["pairs", "needle depth", "answers (beyond window)", "accuracy", "needle in pool",
-                        "accuracy in pool", "accuracy out of pool"],
-                       [[r["pairs"], r["depth"], r["answers"], _cell(r["accuracy"]), _cell(r["in_pool"]),
+    a = markdown_table(["pairs", "filler", "tokens", "needle depth", "answers (beyond window)", "accuracy",
+                        "needle in pool", "accuracy in pool", "accuracy out of pool"],
+                       [[r["pairs"], r.get("filler", 0), round(r.get("tokens", 0)), r["depth"], r["answers"], _cell(r["accuracy"]), _cell(r["in_pool"]),
                          _cell(r["accuracy_in_pool"]), _cell(r["accuracy_out_of_pool"])] for r in result["rows"]])
-    recall = markdown_table(["pairs", "pool recall of the needle", "Reindex top-k recall of the needle",
+    recall = markdown_table(["pairs", "filler", "pool recall of the needle", "Reindex top-k recall of the needle",
                              "pool recall of the attention's top-k"],
-                            [[r["pairs"], _cell(r["needle_pool_recall"]), _cell(r["needle_topk_recall"]),
+                            [[r["pairs"], r.get("filler", 0), _cell(r["needle_pool_recall"]), _cell(r["needle_topk_recall"]),
                               r["pool_recall_of_attention_topk"]]
                              for r in result["rows"] if "needle_pool_recall" in r])
     heads = [f"depth {b / DEPTHS:.2f}-{(b + 1) / DEPTHS:.2f}" for b in range(DEPTHS)]
-    b = markdown_table(["pairs", "variant", "accuracy"] + heads,
-                       [[r["pairs"], r["variant"], r["accuracy"]] + [_cell(x) for x in r["by_depth"]]
+    b = markdown_table(["pairs", "filler", "variant", "accuracy"] + heads,
+                       [[r["pairs"], r.get("filler", 0), r["variant"], r["accuracy"]] + [_cell(x) for x in r["by_depth"]]
                         for r in result["variants"]])
     return f"{a}\n{recall}\nAccuracy with each approximation (all answers; chance {result['chance']}):\n\n{b}"
 
@@ -168,13 +172,12 @@ def table(result: dict) -> str:
 def plot(result: dict):
     def draw(ax):
         names = list(dict.fromkeys(r["variant"] for r in result["variants"]))
-        sizes = list(dict.fromkeys(r["pairs"] for r in result["variants"]))
         for name in names:
-            acc = [next(r["accuracy"] for r in result["variants"] if r["variant"] == name and r["pairs"] == s)
-                   for s in sizes]
-            ax.plot(sizes, acc, marker="o", label=name)
+            mine = sorted((r.get("tokens", r["pairs"] * 8), r["accuracy"]) for r in result["variants"]
+                          if r["variant"] == name)
+            ax.plot([t for t, _ in mine], [a for _, a in mine], marker="o", label=name)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("pairs in the document (4 tokens each)")
+        ax.set_xlabel("tokens in the document (mean)")
         ax.set_ylabel("retrieval accuracy")
         ax.legend(fontsize=7)
     return draw

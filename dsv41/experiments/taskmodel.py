@@ -41,14 +41,16 @@ class Stage:
     seq_len: int        # training window (tokens); a kv-compact pair and its query take 8 tokens
     steps: int
     batch: int = 0      # sequences a step; 0: the run's batch size
+    filler: int = 0     # filler lines after each pair (about 5 tokens each): documents past 64 pairs' 512 tokens
 
 
 # about 0.3 / 0.5 / 0.8 s a step on one core of this (shared) machine
 CURRICULUM = (Stage(1, 4, 64, 1500), Stage(2, 12, 128, 700), Stage(4, 24, 192, 400))
-# the GPU sweep (docs/system.md §9): the same start, then documents of up to 768 pairs (6K tokens) in windows of
-# up to 6K tokens, fewer sequences a step at the long stages (the same order of tokens a step)
-LONG_CURRICULUM = CURRICULUM + (Stage(16, 64, 512, 400, 8), Stage(64, 256, 2048, 300, 4),
-                                Stage(256, 768, 6144, 200, 2))
+# the GPU sweep (docs/system.md §9): the same start, then up to 64 pairs with filler lines between them, in
+# windows of up to 4K tokens (documents of about 0.8K / 1.9K / 3.3K tokens at 64 pairs), fewer sequences a step
+# (the training prefill's memory grows with batch x window^2: about 2.7 GB at 2 x 2K, 5 GB at 1 x 4K)
+LONG_CURRICULUM = CURRICULUM + (Stage(16, 64, 1024, 400, 8, 1), Stage(32, 64, 2048, 300, 2, 4),
+                                Stage(32, 64, 4096, 200, 1, 8))
 CURRICULA = {"cpu": CURRICULUM, "long": LONG_CURRICULUM}
 
 
@@ -70,11 +72,11 @@ def scaled(curriculum, scale: float) -> tuple[Stage, ...]:
 
 def stage_documents(stage: Stage, n: int, seed: int) -> list[TaskDoc]:
     """n kv-compact documents with pairs ~ U[lo, hi], each querying all its pairs."""
-    rng = random.Random(f"{TASK}-curriculum:{seed}:{stage.lo}-{stage.hi}")
+    rng = random.Random(f"{TASK}-curriculum:{seed}:{stage.lo}-{stage.hi}" + (f":{stage.filler}" if stage.filler else ""))
     out = []
     for _ in range(n):
         pairs = rng.randint(stage.lo, stage.hi)
-        out.append(kv_compact_document(rng, pairs, pairs))
+        out.append(kv_compact_document(rng, pairs, pairs, stage.filler))
     return out
 
 
@@ -102,12 +104,13 @@ def train_task_model(out: str | Path, preset: str = TASK_PRESET, curriculum=CURR
     out = Path(out)
     files = []
     for i, st in enumerate(curriculum):
-        mean_tokens = 4 * (st.lo + st.hi) + 2          # 8 tokens a pair (line + query), bos/eos
+        mean_tokens = (4 + 3 * st.filler) * (st.lo + st.hi) + 2   # 8 tokens a pair (line + query), ~6 a filler line
         n = max(200, 2 * stage_tokens(st, batch_size) // mean_tokens)
         files.append(_write(stage_documents(st, n, seed), out / "data" / f"stage{i}.jsonl", f"stage{i}"))
     total = sum(st.steps for st in curriculum)
+    # the config describes the last stage (its windows are the validation set and the first-batch probe's)
     cfg = TrainConfig(preset=preset, data=str(files[-1]), out=str(out), steps=total, seq_len=curriculum[-1].seq_len,
-                      batch_size=batch_size, lr=lr, weight_decay=weight_decay, seed=seed, threads=threads, quiet=quiet, **train_kw)
+                      batch_size=curriculum[-1].batch or batch_size, lr=lr, weight_decay=weight_decay, seed=seed, threads=threads, quiet=quiet, **train_kw)
     trainer = Trainer(cfg)
     done = 0
     for i, st in enumerate(curriculum):
@@ -144,15 +147,18 @@ def answer_records(model, tokenizer, docs: list[TaskDoc], batch: int = 4) -> lis
     return recs
 
 
-def accuracy_by_length(model, tokenizer, sizes=(4, 8, 16, 32, 64), docs: int = 16, seed: int = 1) -> dict:
-    """Retrieval accuracy per document size (pairs, each queried once) and per distance bucket, with the share of
-    answers whose pair lies beyond the sliding window and their accuracy; chance is 1/100 (two-digit values)."""
+def accuracy_by_length(model, tokenizer, sizes=(4, 8, 16, 32, 64), docs: int = 16, seed: int = 1,
+                       fillers=(0,)) -> dict:
+    """Retrieval accuracy per document size (pairs, each queried once; with each number of filler lines after a
+    pair) and per distance bucket, with the share of answers whose pair lies beyond the sliding window and their
+    accuracy; chance is 1/100 (two-digit values)."""
     W = model.cfg.window_size
     rows, every = [], []
-    for size in sizes:
-        recs = answer_records(model, tokenizer, task_documents(TASK, docs, seed, size, size))
+    for size, filler in [(s, f) for f in fillers for s in sizes]:
+        ds = task_documents(TASK, docs, seed, size, size, filler)
+        recs = answer_records(model, tokenizer, ds, batch=4 if filler == 0 else 1)     # long ones alone
         far = [r for r in recs if r["distance"] > W]
-        rows.append({"pairs": size, "tokens": max(r["length"] for r in recs), "answers": len(recs),
+        rows.append({"pairs": size, "filler": filler, "tokens": max(r["length"] for r in recs), "answers": len(recs),
                      "accuracy": sum(r["right"] for r in recs) / len(recs), "beyond_window": len(far),
                      "accuracy_beyond_window": sum(r["right"] for r in far) / len(far) if far else None})
         every += recs
@@ -169,8 +175,9 @@ def accuracy_by_length(model, tokenizer, sizes=(4, 8, 16, 32, 64), docs: int = 1
 
 
 def accuracy_tables(result: dict) -> str:
-    a = markdown_table(["pairs", "tokens", "answers", "accuracy", "answers beyond window", "accuracy beyond window"],
-                       [[r["pairs"], r["tokens"], r["answers"], r["accuracy"], r["beyond_window"],
+    a = markdown_table(["pairs", "filler lines a pair", "tokens", "answers", "accuracy", "answers beyond window",
+                        "accuracy beyond window"],
+                       [[r["pairs"], r.get("filler", 0), r["tokens"], r["answers"], r["accuracy"], r["beyond_window"],
                          "-" if r["accuracy_beyond_window"] is None else r["accuracy_beyond_window"]]
                         for r in result["sizes"]])
     b = markdown_table(["distance pair -> answer (tokens)", "answers", "accuracy"],

@@ -73,15 +73,19 @@ def compact_keys() -> list[str]:
     return _keys(random.Random("kv-compact:keys"), COMPACT_KEYS, 2)
 
 
-def kv_compact_document(rng: random.Random, pairs: int, queries: int) -> TaskDoc:
+def kv_compact_document(rng: random.Random, pairs: int, queries: int, filler: int = 0) -> TaskDoc:
+    """`pairs` lines ": key value", each followed by `filler` lines of random words (the haystack that stretches a
+    document past the 64 keys' 512 tokens), then `queries` lines "? key value" in random order."""
     if pairs > COMPACT_KEYS:
         raise ValueError(f"kv-compact holds at most {COMPACT_KEYS} pairs per document, got {pairs}")
+    if filler < 0:
+        raise ValueError(f"filler lines per pair must be >= 0, got {filler}")
     keys = rng.sample(compact_keys(), pairs)
     values = [f"{rng.randrange(100):02d}" for _ in keys]
     text, where = "", []
     for k, v in zip(keys, values):
         where.append(len(text))
-        text += f": {k} {v}\n"
+        text += f": {k} {v}\n" + "".join(" ".join(rng.choices(WORDS, k=4)) + "\n" for _ in range(filler))
     answers, sources = [], []
     for i in rng.sample(range(pairs), min(queries, pairs)):
         line = f"? {keys[i]} "
@@ -102,17 +106,20 @@ def needle_document(rng: random.Random, lines: int, words: int = 8) -> TaskDoc:
     return TaskDoc(text + line + value + "\n", [(len(text) + len(line), len(text) + len(line) + 3)], [source])
 
 
-def task_documents(task: str, n: int, seed: int, size: int, queries: int = 4) -> list[TaskDoc]:
-    """n documents of `task`; size: pairs (kv-retrieval, kv-compact) or filler lines (needle)."""
+def task_documents(task: str, n: int, seed: int, size: int, queries: int = 4, filler: int = 0) -> list[TaskDoc]:
+    """n documents of `task`; size: pairs (kv-retrieval, kv-compact) or filler lines (needle); filler: kv-compact's
+    filler lines after each pair."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     if size < 1 or n < 1:
         raise ValueError(f"task size and document count must be >= 1, got {size}, {n}")
-    rng = random.Random(f"{task}:{seed}")
+    if filler and task != "kv-compact":
+        raise ValueError(f"filler lines are a kv-compact option, got task {task!r}")
+    rng = random.Random(f"{task}:{seed}" + (f":filler{filler}" if filler else ""))
     if task == "kv-retrieval":
         return [kv_document(rng, size, queries) for _ in range(n)]
     if task == "kv-compact":
-        return [kv_compact_document(rng, size, queries) for _ in range(n)]
+        return [kv_compact_document(rng, size, queries, filler) for _ in range(n)]
     return [needle_document(rng, size) for _ in range(n)]
 
 
