@@ -327,10 +327,12 @@ def test_cli_budget_train_seed_trains_its_own_model(tmp_path):
 
 def test_stage_batch_and_the_long_curriculum(tmp_path):
     """A stage's own batch size sets its loader's rows (the long curriculum's long stages use fewer sequences a
-    step); the long curriculum starts as the CPU one and reaches 4K-token windows."""
+    step); the long curriculum starts with the CPU one's tokens (twice the batch, half the steps) and reaches 4K-token
+    windows."""
     from dsv41.experiments.taskmodel import CURRICULA, Stage, train_task_model
     long = CURRICULA["long"]
-    assert long[:len(CURRICULA["cpu"])] == CURRICULA["cpu"] and long[-1].seq_len == 4096 and long[-1].batch == 1
+    assert [(s.seq_len, s.steps * s.batch) for s in long[:3]] == [(s.seq_len, s.steps * 16) for s in CURRICULA["cpu"]]
+    assert long[-1].seq_len == 4096 and long[-1].batch == 2 and long[-1].filler > 0
     seen = []
     from dsv41.train import data as D
     real = D.PackedLoader

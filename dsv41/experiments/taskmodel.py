@@ -46,11 +46,12 @@ class Stage:
 
 # about 0.3 / 0.5 / 0.8 s a step on one core of this (shared) machine
 CURRICULUM = (Stage(1, 4, 64, 1500), Stage(2, 12, 128, 700), Stage(4, 24, 192, 400))
-# the GPU sweep (docs/system.md §9): the same start, then up to 64 pairs with filler lines between them, in
-# windows of up to 4K tokens (documents of about 0.8K / 1.9K / 3.3K tokens at 64 pairs), fewer sequences a step
-# (the training prefill's memory grows with batch x window^2: about 2.7 GB at 2 x 2K, 5 GB at 1 x 4K)
-LONG_CURRICULUM = CURRICULUM + (Stage(16, 64, 1024, 400, 8, 1), Stage(32, 64, 2048, 300, 2, 4),
-                                Stage(32, 64, 4096, 200, 1, 8))
+# the GPU sweep (docs/system.md §9), where a step of this small model costs about the same at any batch (launch
+# bound): the same stages at twice the batch and half the steps (the same tokens), then up to 64 pairs with filler
+# lines between them in windows of up to 4K tokens (documents of about 0.8K / 1.9K / 3.3K tokens at 64 pairs);
+# the training prefill's memory grows with batch x window^2 (one process: about 4 GB at 1 x 4K)
+LONG_CURRICULUM = tuple(Stage(s.lo, s.hi, s.seq_len, s.steps // 2, 32) for s in CURRICULUM) + (
+    Stage(16, 64, 1024, 300, 8, 1), Stage(32, 64, 2048, 200, 4, 4), Stage(32, 64, 4096, 150, 2, 8))
 CURRICULA = {"cpu": CURRICULUM, "long": LONG_CURRICULUM}
 
 
