@@ -115,7 +115,9 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=None, help="default: off, fixed:1, fixed:G/2, fixed:G, dspark")
     ap.add_argument("--agree", type=float, default=0.8, help="random-weight runs: the drafter's agreement")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--profile-repeats", type=int, default=3)
+    ap.add_argument("--profile-repeats", type=int, default=5,
+                    help="T(n) profile: timed repeats per shape, the median kept (on a machine shared with other "
+                         "work, a median of 3 was often a slowed sample and misled the scheduler)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every mode this many times, interleaved (off, A, B, ..., off, A, B, ...); each mode's "
                          "fastest round is reported (a machine shared with other work slows some rounds)")
