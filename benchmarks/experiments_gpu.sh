@@ -18,6 +18,9 @@ OUT=${EXP_OUT:-runs/experiments-gpu}
 SIZES=${SIZES:-16,64}                      # pairs per evaluation document (8 tokens a pair with its query)
 FILLER=${FILLER:-0,4,8,16,24}                # filler lines (about 6 tokens each) after each pair
 DOCS=${DOCS:-8}
+STUDY_FILLER=${STUDY_FILLER:-16}           # approximations (and replay's stream): 64 pairs + 16 lines: ~6K tokens
+NEEDLE_FILLER=${NEEDLE_FILLER:-0,8}        # the needle study (its decode steps per approximation take the time)
+NEEDLE_DOCS=${NEEDLE_DOCS:-2}
 TRAIN_SEED=${TRAIN_SEED:-0}
 DEVICE=${DEVICE:-cuda}
 IFS=, read -r -a SPLITS <<< "${BUDGET_SPLITS:-preset,swapped,three m=2,six m=4,m=1 4 4,m=4 4 1}"
@@ -36,8 +39,10 @@ done
     for study in approximations replay needle; do
         left=$((LIMIT - 20 - $(date +%s) + t0))
         [ "$left" -gt 10 ] || break
+        docs=4; filler=$STUDY_FILLER
+        [ "$study" = needle ] && docs=$NEEDLE_DOCS && filler=$NEEDLE_FILLER
         timeout "$left" $PY -m dsv41 experiments run "$study" --checkpoint "$OUT/task-kv-compact" --task kv-compact \
-            --size "${SIZES##*,}" --filler "${FILLER%,*}" --docs 4 --sizes "${SIZES##*,}" --device "$DEVICE" \
+            --size "${SIZES##*,}" --filler "$filler" --docs "$docs" --sizes "${SIZES##*,}" --device "$DEVICE" \
             --out "$OUT" > "$OUT/logs/$study.log" 2>&1
     done
 ) &

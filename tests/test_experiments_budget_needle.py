@@ -305,6 +305,8 @@ def test_cli_budget(tmp_path):
     assert weights.stat().st_mtime_ns == stamp
     assert again["val_loss"] == row["val_loss"] and again["train_s"] == row["train_s"]
     assert again["accuracy"] == row["accuracy"]
+    ev = json.loads((out / "budget" / "six-m4" / "evaluated.json").read_text())
+    assert ev["at"] == {"sizes": [4], "docs": 2, "seed": 1, "fillers": [0]} and ev["accuracy"]["sizes"][0]["pairs"] == 4
     assert main(["experiments", "run", "budget", "--scale", "0.002", "--lr", "1e-3", "--splits", "six m=4",
                  "--sizes", "4", "--docs", "2", "--out", str(out)]) == 0
     assert weights.stat().st_mtime_ns != stamp

@@ -59,8 +59,10 @@ def budget_study(out: str | Path, scale: float = 1.0, names=tuple(SPLITS), sizes
     """Train one task model per split under `out`/NAME (the curriculum's steps x `scale`; `train_kw` to
     `train_task_model`: threads, device, ...; `curriculum` a name of `taskmodel.CURRICULA`, `train_seed` the
     training seed; a seed other than 0 trains into NAME-seedS) and evaluate it on `docs` documents of each size
-    drawn with `seed`. A split whose model was already trained there with the same settings (its `trained.json`, written after training) is evaluated without training again, so splits
-    can be trained by separate processes (`--splits`) and one run of all of them then writes the whole report."""
+    drawn with `seed`. A split whose model was already trained there with the same settings (its `trained.json`,
+    written after training) is not trained again, nor evaluated again at the same evaluation settings (its
+    `evaluated.json`), so splits can be trained by separate processes (`--splits`) and one run of all of them then
+    writes the whole report."""
     base = ModelConfig.from_json(TASK_PRESET)
     stages = scaled(CURRICULA[curriculum], scale)
     device = study_device(train_kw.get("device", "auto"))
@@ -75,7 +77,8 @@ def budget_study(out: str | Path, scale: float = 1.0, names=tuple(SPLITS), sizes
                     "train": {k: v for k, v in sorted(kw.items()) if k not in ("threads", "device")}}
         done = d / "trained.json"
         previous = json.loads(done.read_text()) if done.is_file() else None
-        if previous is not None and previous["settings"] == json.loads(json.dumps(settings)):
+        trained = previous is not None and previous["settings"] == json.loads(json.dumps(settings))
+        if trained:
             summary, train_s = previous["summary"], previous["train_s"]
         else:
             t = time.time()
@@ -84,9 +87,16 @@ def budget_study(out: str | Path, scale: float = 1.0, names=tuple(SPLITS), sizes
             train_s = time.time() - t
             done.write_text(json.dumps({"settings": settings, "summary": summary, "train_s": train_s}, indent=1,
                                        default=float) + "\n")
-        model, _ = load_model(d / "model", device=device)
-        acc = accuracy_by_length(model.eval(), Tokenizer.from_file(str(d / "model" / "tokenizer.json")), sizes,
-                                 docs, seed, fillers)
+        evaluated = d / "evaluated.json"         # this model's accuracy at these evaluation settings, if measured
+        at = {"sizes": list(sizes), "docs": docs, "seed": seed, "fillers": list(fillers)}
+        before = json.loads(evaluated.read_text()) if trained and evaluated.is_file() else None
+        if before is not None and before["at"] == at:
+            acc = before["accuracy"]
+        else:
+            model, _ = load_model(d / "model", device=device)
+            acc = accuracy_by_length(model.eval(), Tokenizer.from_file(str(d / "model" / "tokenizer.json")), sizes,
+                                     docs, seed, fillers)
+            evaluated.write_text(json.dumps({"at": at, "accuracy": acc}, indent=1) + "\n")
         far = [r["accuracy_beyond_window"] for r in acc["sizes"]]
         rows.append({"split": name, "ratios": list(SPLITS[name][0]), "kv_sources": list(SPLITS[name][1]),
                      "ced_split": ced_split(cfg), "bytes_per_token": float(global_kv_bytes_per_token(cfg)),

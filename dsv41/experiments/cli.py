@@ -223,7 +223,8 @@ def _study(name, args, model, tok, docs):
     rows = min(2, stream.numel() // n)
     if rows == 0:
         raise ValueError(f"the {args.docs} documents hold {stream.numel()} tokens, the replay study needs {n}")
-    return replay, replay.replay_study(model, stream[:rows * n].view(rows, n))
+    device = next(model.parameters()).device
+    return replay, replay.replay_study(model, stream[:rows * n].view(rows, n).to(device))
 
 
 def _task(args) -> int:

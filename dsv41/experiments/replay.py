@@ -33,7 +33,7 @@ def replay_errors(model, ids: torch.Tensor, start: int, side: str) -> list[dict]
     B, T = ids.shape
     if not model.cfg.window_size <= start < T:
         raise ValueError(f"recovery point {start} must lie in [W={model.cfg.window_size}, {T - 1}]")
-    floor = torch.full((B,), start, dtype=torch.long)
+    floor = torch.full((B,), start, dtype=torch.long, device=ids.device)
     opts = ForwardOptions(window_floor=floor, window_floor_layers=replay_layers(model.cfg, side))
     exact = sequence_forward(model, ids).logits[:, start:].float()
     approx = sequence_forward(model, ids, opts).logits[:, start:].float()
