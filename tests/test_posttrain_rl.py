@@ -204,3 +204,14 @@ def test_eval_plot_from_a_report(tmp_path):
     assert rep["levels"][100]["mean_length"] > rep["levels"][1]["mean_length"]
     out = plot_eval(rep, tmp_path / "eval.png")
     assert out.stat().st_size > 1000
+
+
+def test_sampled_evaluation_is_reproducible_and_greedy_is_the_default(tok, model):
+    from dsv41.posttrain.rollout import evaluate
+    rng = random.Random(5)
+    probs = [T.sample_problem(rng, T.FAMILIES[i % 2], 2, 3) for i in range(3)]
+    g1, g2 = evaluate(model, tok, probs, (1, 100), 8), evaluate(model, tok, probs, (1, 100), 8, temperature=0.0)
+    assert g1 == g2                                                     # temperature 0 is the greedy default
+    s1, s2 = (evaluate(model, tok, probs, (1, 100), 8, temperature=1.0) for _ in range(2))
+    assert s1 == s2                                                     # one seed per (problem, level)
+    assert set(s1) == {1, 100} and all(len(s1[b]["length"]) == 3 for b in s1)

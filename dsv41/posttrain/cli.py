@@ -50,6 +50,13 @@ def register(subparsers) -> None:
                    help="rl: also train the drafter on every update's rollouts at this learning rate (default 0: "
                    "off); dspark: its learning rate (default 3e-3)")
     p.add_argument("--lr", type=float, help="the stage's learning rate (default: its own)")
+    p.add_argument("--k0", type=float, help="rl: the length term's k0 (default: LengthReward's)")
+    p.add_argument("--lam", type=float, help="rl: the length term's lambda, tau = lambda delta_b (default: its own)")
+    p.add_argument("--cmax", type=float, help="rl: the length term's cap C_max (default: its own)")
+    p.add_argument("--samples", type=int, help="rl: M_b, samples per (x, b) (default: RLConfig's)")
+    p.add_argument("--prompts", type=int, help="rl: prompts (groups) per update (default: RLConfig's)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="eval: 0 greedy (default); > 0 sampled at that temperature, one seed per (problem, level)")
     p.add_argument("--out", help="the stage's output directory (default runs/post-<stage>)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--seed", type=int, default=0)
@@ -82,8 +89,15 @@ def main(args) -> int:
             run_sft(_budget(SFTConfig(out=out, seed=args.seed, mix=mix, quiet=args.quiet), args))
         elif st == "rl":
             from dsv41.posttrain.rl import RLConfig, run_rl
-            run_rl(_budget(RLConfig(init=str(runs / "post-sft"), out=out, seed=args.seed, mix=mix,
-                                    dispatch=args.dispatch, quiet=args.quiet, drafter_lr=args.drafter_lr), args))
+            cfg = _budget(RLConfig(init=str(runs / "post-sft"), out=out, seed=args.seed, mix=mix,
+                                   dispatch=args.dispatch, quiet=args.quiet, drafter_lr=args.drafter_lr), args)
+            for name in ("samples", "prompts"):
+                if getattr(args, name) is not None:
+                    setattr(cfg, name, getattr(args, name))
+            for name, field in (("k0", "k0"), ("lam", "lam"), ("cmax", "c_max")):
+                if getattr(args, name) is not None:
+                    setattr(cfg.length, field, getattr(args, name))
+            run_rl(cfg)
         elif st == "opd":
             from dsv41.posttrain.opd import OPDConfig, run_opd
             run_opd(_budget(OPDConfig(init=str(runs / "post-rl"), out=out, seed=args.seed, mix=mix), args))
@@ -112,7 +126,7 @@ def main(args) -> int:
         else:
             eval_mix = TaskMix(mix.families, mix.lo, mix.hi, tuple(int(x) for x in args.eval_levels.split(",")))
             report = run_eval(args.checkpoint or str(runs / "post-rl"), args.baseline or str(runs / "post-sft"),
-                              args.problems, eval_mix.check())
+                              args.problems, eval_mix.check(), args.temperature)
             print(json.dumps(report, indent=2))
         print(f"posttrain {st}: {time.time() - t0:.0f}s wall")
     return 0
@@ -129,35 +143,36 @@ def run_team(checkpoint: str, n: int, workers: int = 2) -> dict:
     return {plan: score_team(problems, agent, plan, workers) for plan in ("solo", "split")}
 
 
-def _evaluate_cached(checkpoint: str, problems, mix: TaskMix) -> dict:
+def _evaluate_cached(checkpoint: str, problems, mix: TaskMix, temperature: float = 0.0) -> dict:
     """evaluate() of the checkpoint, reusing <checkpoint>/eval_raw.json when it holds the same problems and levels
     and the checkpoint's weights are not newer (a checkpoint is then evaluated once, whatever it is paired with)."""
     from dsv41.posttrain.model import load
     from dsv41.posttrain import tasks as T
     from dsv41.posttrain.rollout import evaluate
-    raw = Path(checkpoint) / "eval_raw.json"
-    key = {"problems": [p.content for p in problems], "levels": list(mix.levels)}
-    newest = max((f.stat().st_mtime for f in Path(checkpoint).iterdir() if f.name != "eval_raw.json"
+    raw = Path(checkpoint) / ("eval_raw.json" if temperature == 0 else f"eval_raw_t{temperature:g}.json")
+    key = {"problems": [p.content for p in problems], "levels": list(mix.levels), "temperature": temperature}
+    newest = max((f.stat().st_mtime for f in Path(checkpoint).iterdir() if not f.name.startswith("eval_raw")
                   and f.suffix in (".pt", ".safetensors", ".json") and not f.name.startswith("eval")), default=0.0)
     if raw.is_file() and raw.stat().st_mtime >= newest:
         got = json.loads(raw.read_text())
         if got.get("key") == key:
             return {int(b): v for b, v in got["res"].items()}
     model, tok, _ = load(checkpoint)
-    res = evaluate(model, tok, problems, mix.levels, max_tokens=T.MAX_TOKENS)
+    res = evaluate(model, tok, problems, mix.levels, max_tokens=T.MAX_TOKENS, temperature=temperature)
     raw.write_text(json.dumps({"key": key, "res": res}) + "\n")
     return res
 
 
-def run_eval(checkpoint: str, baseline: str | None, n: int, mix: TaskMix) -> dict:
-    """Greedy accuracy and reasoning length per level on n held-out problems, the affine fit per difficulty,
-    and, against the baseline, the paired sign test of accuracy (written to <checkpoint>/eval.json)."""
+def run_eval(checkpoint: str, baseline: str | None, n: int, mix: TaskMix, temperature: float = 0.0) -> dict:
+    """Greedy (or, temperature > 0, sampled) accuracy and reasoning length per level on n held-out problems, the
+    affine fit per difficulty, and, against the baseline, the paired sign test of accuracy (written to
+    <checkpoint>/eval.json; a sampled evaluation to eval_t<T>.json)."""
     from dsv41.posttrain.rollout import held_out_problems, sign_test, summarize
     problems = held_out_problems(mix, n)
-    res = _evaluate_cached(checkpoint, problems, mix)
-    report = {"checkpoint": checkpoint, **summarize(res)}
+    res = _evaluate_cached(checkpoint, problems, mix, temperature)
+    report = {"checkpoint": checkpoint, "temperature": temperature, **summarize(res)}
     if baseline and Path(baseline).is_dir():
-        bres = _evaluate_cached(baseline, problems, mix)
+        bres = _evaluate_cached(baseline, problems, mix, temperature)
         flat = lambda r: [c for b in mix.levels for c in r[b]["correct"]]   # noqa: E731
         report["baseline"] = {"checkpoint": baseline, **summarize(bres)}
         report["paired"] = sign_test(flat(bres), flat(res))
@@ -166,7 +181,8 @@ def run_eval(checkpoint: str, baseline: str | None, n: int, mix: TaskMix) -> dic
         per = lambda r: [sum(r[b]["correct"][i] for b in mix.levels) for i in range(len(problems))]   # noqa: E731
         report["paired_by_problem"] = sign_test(per(bres), per(res))
         report["paired_by_level"] = {b: sign_test(bres[b]["correct"], res[b]["correct"]) for b in mix.levels}
-    (Path(checkpoint) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    name = "eval" if temperature == 0 else f"eval_t{temperature:g}"
+    (Path(checkpoint) / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     from dsv41.posttrain.report import plot_eval
-    plot_eval(report, Path(checkpoint) / "eval.png")
+    plot_eval(report, Path(checkpoint) / f"{name}.png")
     return report

@@ -101,12 +101,15 @@ def held_out_problems(mix, n: int, seed: int = 1) -> list[T.Problem]:
 
 
 @torch.no_grad()
-def evaluate(model, tok, problems: list[T.Problem], levels, max_tokens: int) -> dict:
-    """Greedy responses to every problem at every level: {b: {"correct": [0/1...], "length": [...]}}."""
+def evaluate(model, tok, problems: list[T.Problem], levels, max_tokens: int, temperature: float = 0.0) -> dict:
+    """Responses to every problem at every level: {b: {"correct": [0/1...], "length": [...]}}; greedy at
+    temperature 0, else sampled from the full softmax at that temperature with a seed per (problem, level), so a
+    sampled evaluation is reproducible (greedy hides a change of the policy that has not moved its mode)."""
     eng = make_engine(model, tok)
     res = {}
     for b in levels:
-        rs = rollouts(eng, tok, [(p, b, None) for p in problems], max_tokens, temperature=0.0)
+        seeds = [None if temperature == 0 else 7919 * i + b for i in range(len(problems))]
+        rs = rollouts(eng, tok, [(p, b, s) for p, s in zip(problems, seeds)], max_tokens, temperature=temperature)
         res[b] = {"correct": [int(r.verdict.correct) for r in rs], "length": [r.verdict.reasoning_tokens for r in rs],
                   "difficulty": [p.difficulty for p in problems], "family": [p.family for p in problems]}
     return res
