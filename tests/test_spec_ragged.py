@@ -14,7 +14,7 @@ from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.speculative.drafter import Proposal
 from dsv41.engine.speculative.rollback import VerifyJournal
 from dsv41.engine.store import make_pool
-from dsv41.model.attention import set_tie_break, use_deterministic
+from dsv41.model.attention import use_deterministic
 from dsv41.model.init import random_model
 from dsv41.model.step import ForwardOptions, Ragged
 from tests.conftest import continuous_model

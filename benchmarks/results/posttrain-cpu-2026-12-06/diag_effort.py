@@ -16,14 +16,13 @@ import argparse
 import json
 import random
 import statistics as st
-import sys
 import time
 
 import torch
 
 from dsv41.posttrain import tasks as T
 from dsv41.posttrain.model import load
-from dsv41.posttrain.rl import LengthReward, RLConfig, group_advantages, policy_loss, rewards_of, batch_tensors
+from dsv41.posttrain.rl import LengthReward, group_advantages, policy_loss, batch_tensors
 from dsv41.posttrain.rollout import make_engine, rollouts
 from dsv41.posttrain.sft import TaskMix
 from dsv41.train.logprobs import token_logprobs
