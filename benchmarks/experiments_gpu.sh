@@ -9,7 +9,8 @@
 # Usage (repo root, a CUDA machine):
 #   SCALE=1 LIMIT=560 bash benchmarks/experiments_gpu.sh            # -> runs/experiments-gpu/
 # SCALE multiplies every curriculum stage's steps (TASK_SCALE those of the studies' task model: on one H100 with
-# seven processes SCALE 0.3 takes about 410 s a model, which leaves train-task's studies no time; 0.2 fits them), LIMIT (s) bounds the whole run (training processes still
+# seven processes SCALE 0.3 took about 410 s a model and left train-task's studies no time; a smaller TASK_SCALE
+# leaves them some, not yet measured), LIMIT (s) bounds the whole run (training processes still
 # running 70 s before it are stopped, their splits left out of the report), TRAIN_SEED the budget models' seed,
 # BUDGET_SPLITS the splits (comma-separated). About 5 GB of memory a process at the longest stage.
 set -u
