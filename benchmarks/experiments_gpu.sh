@@ -12,7 +12,7 @@
 # seven processes SCALE 0.3 took about 410 s a model and left train-task's studies no time; a smaller TASK_SCALE
 # leaves them some, not yet measured), LIMIT (s) bounds the whole run (training processes still
 # running 70 s before it are stopped, their splits left out of the report), TRAIN_SEED the budget models' seed,
-# BUDGET_SPLITS the splits (comma-separated). About 5 GB of memory a process at the longest stage.
+# BUDGET_SPLITS the splits (comma-separated). Seven processes held 65 GB of the H100's memory at the longest stage.
 set -u
 SCALE=${SCALE:-1}
 TASK_SCALE=${TASK_SCALE:-$SCALE}           # train-task's: its accuracy and three studies follow it in the same time
