@@ -6,8 +6,8 @@ prefill as one batch), then ONE batched decode step for every running sequence (
 prompts' last tokens joining), samples, applies stop conditions, and returns what each request produced.
 Sequences join and leave between steps; when the pages run out the youngest is preempted and recomputed later.
 With speculative decoding (`speculative="fixed:N"` or `"dspark"`, `dsv41.engine.speculative`) that step is one
-draft-verify step instead: each row may emit several tokens, with exactly the target's distribution (each row verifying its own number of
-drafts in one ragged forward).
+draft-verify step instead: each row may emit several tokens, with exactly the target's distribution (each row
+verifying its own number of drafts in one ragged forward).
 Bad requests are rejected at `add_request` with a ValueError and never reach the batch.
 """
 

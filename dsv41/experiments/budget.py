@@ -103,8 +103,8 @@ def budget_study(out: str | Path, scale: float = 1.0, names=tuple(SPLITS), sizes
                      "val_loss": summary.get("val_loss"), "accuracy": [r["accuracy"] for r in acc["sizes"]],
                      "accuracy_beyond_window": far, "tokens": [r["tokens"] for r in acc["sizes"]],
                      "train_s": train_s})
-    return {"rows": rows, "sizes": list(sizes), "fillers": list(fillers), "scale": scale, "chance": 0.01, "train_seed": train_seed,
-            "curriculum": [vars(st) for st in stages], "device": str(device)}
+    return {"rows": rows, "sizes": list(sizes), "fillers": list(fillers), "scale": scale, "chance": 0.01,
+            "train_seed": train_seed, "curriculum": [vars(st) for st in stages], "device": str(device)}
 
 
 def table(result: dict) -> str:

@@ -60,8 +60,8 @@ def register(subparsers) -> None:
     tt.add_argument("--scale", type=float, default=1.0, help="the curriculum's steps x SCALE")
     tt.add_argument("--lr", type=float, default=3e-2)
     tt.add_argument("--curriculum", choices=("cpu", "long"), default="cpu",
-                    help="cpu: documents of up to 24 pairs (192 tokens); long: on to 64 pairs with filler (4K-token windows, "
-                         "a GPU)")
+                    help="cpu: documents of up to 24 pairs (192 tokens); long: on to 64 pairs with filler "
+                         "(4K-token windows, a GPU)")
     tt.add_argument("--seed", type=int, default=0)
     tt.add_argument("--threads", type=int, default=1)
     tt.add_argument("--device", default="auto")

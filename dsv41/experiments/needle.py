@@ -155,16 +155,18 @@ def _cell(v):
 def table(result: dict) -> str:
     a = markdown_table(["pairs", "filler", "tokens", "needle depth", "answers (beyond window)", "accuracy",
                         "needle in pool", "accuracy in pool", "accuracy out of pool"],
-                       [[r["pairs"], r.get("filler", 0), round(r.get("tokens", 0)), r["depth"], r["answers"], _cell(r["accuracy"]), _cell(r["in_pool"]),
-                         _cell(r["accuracy_in_pool"]), _cell(r["accuracy_out_of_pool"])] for r in result["rows"]])
+                       [[r["pairs"], r.get("filler", 0), round(r.get("tokens", 0)), r["depth"], r["answers"],
+                         _cell(r["accuracy"]), _cell(r["in_pool"]), _cell(r["accuracy_in_pool"]),
+                         _cell(r["accuracy_out_of_pool"])] for r in result["rows"]])
     recall = markdown_table(["pairs", "filler", "pool recall of the needle", "Reindex top-k recall of the needle",
                              "pool recall of the attention's top-k"],
-                            [[r["pairs"], r.get("filler", 0), _cell(r["needle_pool_recall"]), _cell(r["needle_topk_recall"]),
-                              r["pool_recall_of_attention_topk"]]
+                            [[r["pairs"], r.get("filler", 0), _cell(r["needle_pool_recall"]),
+                              _cell(r["needle_topk_recall"]), r["pool_recall_of_attention_topk"]]
                              for r in result["rows"] if "needle_pool_recall" in r])
     heads = [f"depth {b / DEPTHS:.2f}-{(b + 1) / DEPTHS:.2f}" for b in range(DEPTHS)]
     b = markdown_table(["pairs", "filler", "variant", "accuracy"] + heads,
-                       [[r["pairs"], r.get("filler", 0), r["variant"], r["accuracy"]] + [_cell(x) for x in r["by_depth"]]
+                       [[r["pairs"], r.get("filler", 0), r["variant"], r["accuracy"]]
+                        + [_cell(x) for x in r["by_depth"]]
                         for r in result["variants"]])
     return f"{a}\n{recall}\nAccuracy with each approximation (all answers; chance {result['chance']}):\n\n{b}"
 

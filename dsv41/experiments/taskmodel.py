@@ -41,7 +41,7 @@ class Stage:
     seq_len: int        # training window (tokens); a kv-compact pair and its query take 8 tokens
     steps: int
     batch: int = 0      # sequences a step; 0: the run's batch size
-    filler: int = 0     # filler lines after each pair (about 5 tokens each): documents past 64 pairs' 512 tokens
+    filler: int = 0     # filler lines after each pair (about 6 tokens each): documents past 64 pairs' 512 tokens
 
 
 # about 0.3 / 0.5 / 0.8 s a step on one core of this (shared) machine
@@ -73,7 +73,8 @@ def scaled(curriculum, scale: float) -> tuple[Stage, ...]:
 
 def stage_documents(stage: Stage, n: int, seed: int) -> list[TaskDoc]:
     """n kv-compact documents with pairs ~ U[lo, hi], each querying all its pairs."""
-    rng = random.Random(f"{TASK}-curriculum:{seed}:{stage.lo}-{stage.hi}" + (f":{stage.filler}" if stage.filler else ""))
+    tag = f"{TASK}-curriculum:{seed}:{stage.lo}-{stage.hi}"
+    rng = random.Random(tag + (f":{stage.filler}" if stage.filler else ""))
     out = []
     for _ in range(n):
         pairs = rng.randint(stage.lo, stage.hi)
@@ -111,7 +112,8 @@ def train_task_model(out: str | Path, preset: str = TASK_PRESET, curriculum=CURR
     total = sum(st.steps for st in curriculum)
     # the config describes the last stage (its windows are the validation set and the first-batch probe's)
     cfg = TrainConfig(preset=preset, data=str(files[-1]), out=str(out), steps=total, seq_len=curriculum[-1].seq_len,
-                      batch_size=curriculum[-1].batch or batch_size, lr=lr, weight_decay=weight_decay, seed=seed, threads=threads, quiet=quiet, **train_kw)
+                      batch_size=curriculum[-1].batch or batch_size, lr=lr, weight_decay=weight_decay, seed=seed,
+                      threads=threads, quiet=quiet, **train_kw)
     trainer = Trainer(cfg)
     done = 0
     for i, st in enumerate(curriculum):

@@ -92,8 +92,9 @@ class Publications:
 @dataclass
 class StepContext:
     """Per-forward state handed down the stack. Rows may sit at different positions (continuous batching); all
-    rows process `seqlen` tokens (a ragged call: up to `seqlen`, `ragged`). `memo` holds what every layer of the step shares and computes once (the
-    visible-entry counts, RoPE tables, window rows of a decode step), keyed by what it depends on."""
+    rows process `seqlen` tokens (a ragged call: up to `seqlen`, `ragged`). `memo` holds what every layer of the
+    step shares and computes once (the visible-entry counts, RoPE tables, window rows of a decode step), keyed by
+    what it depends on."""
 
     start: torch.Tensor                 # [B] long: position of each row's first token in this call
     seqlen: int
