@@ -13,7 +13,9 @@ op of a decode step (B = 1, 8, 32, 64 tokens x top-6 of v41-geometry's 16 fp4 ro
 expert) over packed and over dense bf16 experts.
 
     python benchmarks/packed_gemm.py          # writes benchmarks/results/packed_gemm_h200.json
-    python benchmarks/packed_gemm.py --sweep  # first picks the decode tiles (DECODE_CONFIG) on two shapes, those of
+    python benchmarks/packed_gemm.py --sweep-gemv  # first picks the CUDA-core kernel's tiles of a few rows
+                                              # (packed_gemv.GEMV_CONFIG) and up to how many rows it serves (GEMV_ROWS)
+    python benchmarks/packed_gemm.py --sweep  # the same, then picks the decode tiles (DECODE_CONFIG) on two shapes, those of
                                               # the 32- and 64-row buckets (DECODE_CONFIGS), the MoE kernels' packed
                                               # tiles, and the prefill tiles of the FP8 tensor-core GEMM
                                               # (fp8_gemm.PREFILL_CONFIG; --no-prefill-sweep skips them)
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.codecs import qdq_fp8  # noqa: E402
 from dsv41.codecs.weights import PackedWeight, pack_weight  # noqa: E402
-from dsv41.kernels.triton import fp8_gemm, moe_kernel, packed_gemm  # noqa: E402
+from dsv41.kernels.triton import fp8_gemm, moe_kernel, packed_gemm, packed_gemv  # noqa: E402
 from dsv41.kernels.triton.moe_kernel import moe_experts_triton  # noqa: E402
 from dsv41.kernels.triton.packed_gemm import packed_linear_triton  # noqa: E402
 
@@ -145,6 +147,60 @@ def sweep_buckets(dev: str) -> dict:
         print(f"decode tiles, {M} rows: {cfg}")
         table += rows
     return {"sweep_buckets": table, "decode_configs": {str(k): dict(v) for k, v in packed_gemm.DECODE_CONFIGS.items()}}
+
+
+def sweep_gemv(dev: str) -> dict:
+    """The CUDA-core kernel of a few rows (`packed_gemv.GEMV_CONFIG`): least summed GPU time over fp8 (wq_b, wo_b)
+    and fp4 (expert w1) calls of one row; then at 1, 2, 4 and 8 rows each decode shape on it against the tensor-core
+    kernel, which sets `packed_gemm.GEMV_ROWS` (the most rows at which it wins over the summed shapes)."""
+    cases = {}
+    for name, kind, N, K in SHAPES:
+        codes, scale = pack_weight(torch.randn(N, K, device=dev) * K ** -0.5, kind)
+        cases[name] = rotating(lambda: PackedWeight(codes.clone(), scale.clone(), kind, (N, K), torch.bfloat16),
+                               codes.numel() + scale.numel())
+    xs = {(name, M): qdq_fp8(torch.randn(M, pws[0].shape[1], device=dev, dtype=torch.bfloat16))
+          for name, pws in cases.items() for M in (1, 2, 4, 8)}
+    cfg = packed_gemv.GEMV_CONFIG
+    table = []
+    for bn in (32, 64, 128):
+        for unroll in (2, 4, 8):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    for per_sm in (4, 8):
+                        cfg.update(block_n=bn, unroll=unroll, num_warps=warps, num_stages=stages,
+                                   programs_per_sm=per_sm)
+                        try:
+                            t = sum(cuda_time(cycling(lambda w: packed_gemv.packed_gemv_triton(xs[n, 1], w),
+                                                      cases[n])) for n in ("wq_b", "wo_b", "expert w1"))
+                        except Exception as e:   # registers / shared memory
+                            print(f"sweep gemv BN {bn} U {unroll} warps {warps} stages {stages}: {type(e).__name__}")
+                            continue
+                        table.append({"block_n": bn, "unroll": unroll, "num_warps": warps, "num_stages": stages,
+                                      "programs_per_sm": per_sm, "seconds": t})
+                        print(f"sweep gemv BN {bn:3d} U {unroll} warps {warps} stages {stages} per SM {per_sm}: "
+                              f"{t * 1e6:7.1f} us", flush=True)
+    best = min(table, key=lambda r: r["seconds"])
+    cfg.update({k: v for k, v in best.items() if k != "seconds"})
+    print(f"gemv tiles: {cfg}")
+    rows, wins = [], {}
+    for M in (1, 2, 4, 8):
+        packed_gemm.GEMV_ROWS = 0                                     # the tensor-core kernel at every M
+        t_tc = {n: cuda_time(cycling(lambda w: packed_linear_triton(xs[n, M], w), pws)) for n, pws in cases.items()}
+        t_gv = {n: cuda_time(cycling(lambda w: packed_gemv.packed_gemv_triton(xs[n, M], w), pws))
+                for n, pws in cases.items()}
+        for n in cases:
+            rows.append({"M": M, "weight": n, "gemv_s": t_gv[n], "tensor_core_s": t_tc[n]})
+            print(f"gemv vs tensor cores M {M} {n:11s}: {t_gv[n] * 1e6:7.1f} vs {t_tc[n] * 1e6:7.1f} us", flush=True)
+        wins[M] = sum(t_gv.values()) < sum(t_tc.values())
+    rows_max = 0
+    for M in (1, 2, 4, 8):
+        if not wins[M]:
+            break
+        rows_max = M
+    packed_gemm.GEMV_ROWS = rows_max
+    print(f"GEMV_ROWS = {packed_gemm.GEMV_ROWS}")
+    return {"sweep_gemv": table, "gemv_vs_tensor_cores": rows, "gemv_config": dict(cfg),
+            "gemv_rows": packed_gemm.GEMV_ROWS}
 
 
 def moe_weights(dev: str, g: torch.Generator) -> dict:
@@ -276,6 +332,8 @@ def main() -> None:
     res = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "bf16_gemm_rate": rate,
            "fp8_gemm_rate_per_tensor": rate8, "rows": [], "command": " ".join(["python"] + sys.argv),
            "commit": os.environ.get("COMMIT", "")}
+    if "--sweep-gemv" in sys.argv or "--sweep" in sys.argv:
+        res.update(sweep_gemv(dev))
     if "--sweep" in sys.argv:
         res.update(sweep(dev))
         res.update(sweep_buckets(dev))
@@ -283,6 +341,7 @@ def main() -> None:
         if "--no-prefill-sweep" not in sys.argv:
             res.update(sweep_prefill(dev))
     res["decode_config"] = dict(packed_gemm.DECODE_CONFIG)
+    res["gemv_config"], res["gemv_rows"] = dict(packed_gemv.GEMV_CONFIG), packed_gemm.GEMV_ROWS
     res["decode_configs"] = {str(k): dict(v) for k, v in packed_gemm.DECODE_CONFIGS.items()}
     res["moe_config"] = dict(moe_kernel.CONFIG)
     res["prefill_config"] = dict(fp8_gemm.PREFILL_CONFIG)

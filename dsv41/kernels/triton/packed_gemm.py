@@ -15,8 +15,9 @@ tensor cores') and across split-K parts differs from the CPU reference (the GPU 
 tests/test_kernels_packed_gemm.py, benchmarks/gpu_parity.py). Only the weight's bytes cross HBM: 1 byte (fp8) or
 half a byte (fp4) per weight instead of bf16's 2; the scales are read once per row and block, not per weight.
 
-Decode-size calls (M <= 64) are bound by reading W: the grid covers N in tiles of BN and, when that leaves SMs
-idle, splits K into S parts whose fp32 partials one sum adds (a fixed order). Larger M (prefill) decodes the weight
+Decode-size calls (M <= 64) are bound by reading W: calls of up to `GEMV_ROWS` rows take the CUDA-core kernel of
+packed_gemv.py; the others this one, whose grid covers N in tiles of BN and, when that leaves SMs idle, splits K
+into S parts whose fp32 partials the last part to finish adds in part order (`splitk_finish`, in the kernel). Larger M (prefill) decodes the weight
 once into a scratch (`dequant_triton`, one pass over the bytes) and runs the library's GEMM: its cost is shared by
 the M rows. The FP8 tensor-core GEMM with the per-32 K-block promotion (`dsv41.kernels.triton.fp8_gemm`) serves
 fp8 weights of bf16 models instead when FP8_PREFILL is set: measured on an H100 it ran at 0.26-0.35 x the bf16
@@ -33,11 +34,13 @@ from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.triton.common import ASM, DOT_BF16, LAST, sm_count
 from dsv41.kernels.triton.decoders import P2_112, P2_118, e2m1_split, swa_split, ue8m0_to_f32
 from dsv41.kernels.triton.fp8_gemm import fp8_linear_triton, fp8_prefill_fits
+from dsv41.kernels.triton.packed_gemv import packed_gemv_triton, splitk_finish, tile_counters
 
 __all__ = ["packed_linear_triton", "packed_block", "block_dot", "packed_rows_dot", "check_offsets", "dequant_triton",
-           "DECODE_ROWS", "DECODE_CONFIG", "DECODE_CONFIGS", "decode_config", "FP8_PREFILL"]
+           "DECODE_ROWS", "GEMV_ROWS", "DECODE_CONFIG", "DECODE_CONFIGS", "decode_config", "FP8_PREFILL"]
 
 DECODE_ROWS = 64        # up to this many rows: the weight-read-bound configuration (split-K)
+GEMV_ROWS = 4           # up to this many: the CUDA-core kernel (benchmarks/packed_gemm.py --sweep-gemv picks it)
 FP8_PREFILL = False     # prefill-size fp8 calls on the FP8 tensor cores (slower than dequant + bf16 GEMM today)
 
 
@@ -103,11 +106,11 @@ def check_offsets(weight: PackedWeight) -> None:
 
 
 @triton.jit
-def _packed_linear_kernel(x_ptr, c_ptr, s_ptr, b_ptr, y_ptr, M, N, K, kb_per_split, FP4: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _packed_linear_kernel(x_ptr, c_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, kb_per_split, S,
+                          FP4: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           U: tl.constexpr, DOT_BF16: tl.constexpr, ASM: tl.constexpr):
-    """One [BM, BN] tile of y over the 32-wide K blocks of split part program_id(2), U blocks a step; PARTIAL:
-    store the fp32 partial at y_ptr[part, m, n] (the caller sums the parts), else cast (+ bias) into y [M, N]."""
+    """One [BM, BN] tile of y over the 32-wide K blocks of split part program_id(2), U blocks a step; the S parts'
+    fp32 partials summed in part order by the last one to finish (`packed_gemv.splitk_finish`, + bias, cast)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     part = tl.program_id(2)
@@ -115,13 +118,8 @@ def _packed_linear_kernel(x_ptr, c_ptr, s_ptr, b_ptr, y_ptr, M, N, K, kb_per_spl
     kb_lo = part * kb_per_split
     acc = packed_rows_dot(tl.zeros([BM, BN], tl.float32), x_ptr + (rm * K)[:, None], mm[:, None], c_ptr, s_ptr, rn,
                           nm, K, kb_lo, tl.minimum(kb_lo + kb_per_split, K >> 5), BN, U, FP4, DOT_BF16, ASM)
-    row = (part * M + rm[:, None]).to(tl.int64) * N
-    if PARTIAL:
-        tl.store(y_ptr + row + rn[None, :], acc, mask=mm[:, None] & nm[None, :])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + row + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+    cnt = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    splitk_finish(acc, part, ws_ptr, cnt, b_ptr, y_ptr, rm, rn, mm, nm, M, N, S, HAS_BIAS)
 
 
 @triton.jit
@@ -186,20 +184,20 @@ def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
         w = dequant_triton(weight)
         return torch.nn.functional.linear(a.to(weight.dtype), w, bias).view(*x.shape[:-1], N)
     check_offsets(weight)
+    if M <= GEMV_ROWS:                   # a few rows: the CUDA-core kernel (packed_gemv.py)
+        return packed_gemv_triton(a, weight, bias).view(*x.shape[:-1], N)
     BM, BN, U, split = _config(M, N, K, weight.nbytes, x.device)
     cfg = decode_config(M)
     KB = K // 32
     kb_per_split = triton.cdiv(triton.cdiv(KB, split), U) * U
     split = triton.cdiv(KB, kb_per_split)
-    out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    ws = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
+    cnt = tile_counters(x.device, grid[0] * grid[1])
     LAST["packed_linear"] = _packed_linear_kernel[grid](
-        a, weight.codes, weight.scale, bias if bias is not None else a, out, M, N, K, kb_per_split,
-        FP4=weight.kind == "fp4", HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=BM, BN=BN, U=U,
+        a, weight.codes, weight.scale, bias if bias is not None else a, y, ws, cnt, M, N, K, kb_per_split, split,
+        FP4=weight.kind == "fp4", HAS_BIAS=bias is not None, BM=BM, BN=BN, U=U,
         DOT_BF16=DOT_BF16, ASM=ASM, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if split > 1:
-        s = out.sum(0)
-        y = (s + bias.float() if bias is not None else s).to(weight.dtype)
     return y.view(*x.shape[:-1], N)
 
 
