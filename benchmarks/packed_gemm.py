@@ -19,6 +19,7 @@ expert) over packed and over dense bf16 experts.
                                               # the 32- and 64-row buckets (DECODE_CONFIGS), the MoE kernels' packed
                                               # tiles, and the prefill tiles of the FP8 tensor-core GEMM
                                               # (fp8_gemm.PREFILL_CONFIG; --no-prefill-sweep skips them)
+    python benchmarks/packed_gemm.py --sweep-prefill  # only the FP8 tensor-core GEMM's prefill tiles
 Env: RESULT (the result file). The result's decode_configs / moe_config are what `benchmarks/gpu_weights.py` applies
 with TUNING=that file.
 """
@@ -266,16 +267,21 @@ def sweep_prefill(dev: str) -> dict:
     table = []
     for bm, bn, warps in ((64, 128, 4), (128, 128, 8), (128, 256, 8), (64, 256, 4)):
         for stages in (3, 5):
-            fp8_gemm.PREFILL_CONFIG.update(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
-            try:
-                t = sum(cuda_time(lambda: fp8_gemm.fp8_linear_triton(x, w)) for w, x in cases)
-            except Exception as e:              # a tile that does not fit the SM's shared memory
-                print(f"sweep prefill BM {bm} BN {bn} warps {warps} stages {stages}: {type(e).__name__}")
-                continue
-            table.append({"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages, "seconds": t})
-            print(f"sweep prefill BM {bm:3d} BN {bn:3d} warps {warps} stages {stages}: {t * 1e6:7.1f} us", flush=True)
+            for blocks in (1, 2):
+                fp8_gemm.PREFILL_CONFIG.update(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+                                               blocks=blocks)
+                try:
+                    t = sum(cuda_time(lambda: fp8_gemm.fp8_linear_triton(x, w)) for w, x in cases)
+                except Exception as e:              # a tile that does not fit the SM's shared memory
+                    print(f"sweep prefill BM {bm} BN {bn} warps {warps} stages {stages} blocks {blocks}: "
+                          f"{type(e).__name__}")
+                    continue
+                table.append({"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages,
+                              "blocks": blocks, "seconds": t})
+                print(f"sweep prefill BM {bm:3d} BN {bn:3d} warps {warps} stages {stages} blocks {blocks}: "
+                      f"{t * 1e6:7.1f} us", flush=True)
     best = min(table, key=lambda r: r["seconds"])
-    fp8_gemm.PREFILL_CONFIG.update({k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages")})
+    fp8_gemm.PREFILL_CONFIG.update({k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "blocks")})
     print(f"prefill tiles: {fp8_gemm.PREFILL_CONFIG}")
     return {"sweep_prefill": table, "prefill_config": dict(fp8_gemm.PREFILL_CONFIG)}
 
@@ -338,8 +344,8 @@ def main() -> None:
         res.update(sweep(dev))
         res.update(sweep_buckets(dev))
         res.update(sweep_moe(dev))
-        if "--no-prefill-sweep" not in sys.argv:
-            res.update(sweep_prefill(dev))
+    if ("--sweep" in sys.argv and "--no-prefill-sweep" not in sys.argv) or "--sweep-prefill" in sys.argv:
+        res.update(sweep_prefill(dev))
     res["decode_config"] = dict(packed_gemm.DECODE_CONFIG)
     res["gemv_config"], res["gemv_rows"] = dict(packed_gemv.GEMV_CONFIG), packed_gemm.GEMV_ROWS
     res["decode_configs"] = {str(k): dict(v) for k, v in packed_gemm.DECODE_CONFIGS.items()}

@@ -67,8 +67,10 @@ def quant_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _fp8_gemm_kernel(q_ptr, xs_ptr, c_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, HAS_BIAS: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """One [BM, BN] tile of y (tiles ordered in groups of GROUP_M tile rows, so neighbours share W in L2)."""
+                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, BLOCKS: tl.constexpr):
+    """One [BM, BN] tile of y (tiles ordered in groups of GROUP_M tile rows, so neighbours share W in L2). Each loop
+    step loads BLOCKS 32-wide K blocks and issues their dots before scaling any of them (independent tensor-core
+    work in flight while the previous block's partial is scaled); the partials are added in K order."""
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     first = (pid // (GROUP_M * tiles_n)) * GROUP_M
@@ -85,12 +87,23 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, c_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, HAS_BI
     sa_ptr = xs_ptr + rm.to(tl.int64) * KB
     sb_ptr = ws_ptr + (rn >> 5) * KB
     acc = tl.zeros([BM, BN], tl.float32)
-    for kb in range(0, KB):
+    for kb in range(0, KB - BLOCKS + 1, BLOCKS):       # whole steps of BLOCKS blocks
+        a0 = tl.load(a_ptr, mask=mm[:, None], other=0.0)
+        b0 = tl.load(w_ptr, mask=nm[:, None], other=0.0)
+        p0 = tl.dot(a0, tl.trans(b0))
+        if BLOCKS == 2:
+            a1 = tl.load(a_ptr + 32, mask=mm[:, None], other=0.0)
+            b1 = tl.load(w_ptr + 32, mask=nm[:, None], other=0.0)
+            p1 = tl.dot(a1, tl.trans(b1))
+        acc += p0 * _tile_scale(sa_ptr, sb_ptr, kb, mm, nm)
+        if BLOCKS == 2:
+            acc += p1 * _tile_scale(sa_ptr, sb_ptr, kb + 1, mm, nm)
+        a_ptr += 32 * BLOCKS
+        w_ptr += 32 * BLOCKS
+    for kb in range(KB - KB % BLOCKS, KB):              # the blocks left over (BLOCKS not dividing KB)
         a = tl.load(a_ptr, mask=mm[:, None], other=0.0)
         b = tl.load(w_ptr, mask=nm[:, None], other=0.0)
-        sa = tl.load(sa_ptr + kb, mask=mm, other=0.0)
-        sb = ue8m0_to_f32(tl.load(sb_ptr + kb, mask=nm, other=0).to(tl.int32))
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        acc += tl.dot(a, tl.trans(b)) * _tile_scale(sa_ptr, sb_ptr, kb, mm, nm)
         a_ptr += 32
         w_ptr += 32
     if HAS_BIAS:
@@ -99,8 +112,16 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, c_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, HAS_BI
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
 
+@triton.jit
+def _tile_scale(sa_ptr, sb_ptr, kb, mm, nm):
+    """Block kb's scales of the tile: x's per row times W's per 32 output features -> [BM, BN] (powers of two)."""
+    sa = tl.load(sa_ptr + kb, mask=mm, other=0.0)
+    sb = ue8m0_to_f32(tl.load(sb_ptr + kb, mask=nm, other=0).to(tl.int32))
+    return sa[:, None] * sb[None, :]
+
+
 # Prefill tiles: benchmarks/packed_gemm.py --sweep-prefill picks them on the H200 (results/packed_gemm_h200.json).
-PREFILL_CONFIG = {"block_m": 128, "block_n": 128, "group_m": 8, "num_warps": 8, "num_stages": 4}
+PREFILL_CONFIG = {"block_m": 128, "block_n": 128, "group_m": 8, "num_warps": 8, "num_stages": 4, "blocks": 1}
 
 
 def fp8_prefill_fits(x: torch.Tensor, weight: PackedWeight) -> bool:
@@ -125,5 +146,5 @@ def fp8_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor 
         bias = bias.contiguous()
     LAST["fp8_linear"] = _fp8_gemm_kernel[grid](
         q, s, weight.codes, weight.scale, bias if bias is not None else s, y, M, N, K, HAS_BIAS=bias is not None,
-        BM=BM, BN=BN, GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BM=BM, BN=BN, GROUP_M=cfg["group_m"], BLOCKS=cfg.get("blocks", 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y
