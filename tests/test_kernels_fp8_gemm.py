@@ -39,9 +39,13 @@ def test_quant_rows_kernel_equals_reference(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("blocks", [1, 2])
 @pytest.mark.parametrize("M,N,K", [(65, 100, 160), (300, 72, 512), (1000, 2304, 1280), (4096, 512, 5120)])
-def test_fp8_gemm_follows_the_reference(M, N, K):
+def test_fp8_gemm_follows_the_reference(M, N, K, blocks, monkeypatch):
+    """Both loop shapes (one K block a step, or two with both dots issued first; K = 160 leaves one block over)."""
+    from dsv41.kernels.triton import fp8_gemm
     from dsv41.kernels.triton.fp8_gemm import fp8_linear_triton
+    monkeypatch.setitem(fp8_gemm.PREFILL_CONFIG, "blocks", blocks)
     w = packed(N, K, "fp8", dtype=torch.bfloat16, device="cuda", seed=M)
     x = qdq_fp8((torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 3).bfloat16()).cuda()
     for bias in (None, torch.randn(N).bfloat16().cuda()):
