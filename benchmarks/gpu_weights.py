@@ -85,15 +85,18 @@ def decode_rows(model, cfg, dev: str, holding: str, bw: float, context: int, bat
 def apply_tuning(path: str) -> dict:
     """The decode tiles a `benchmarks/packed_gemm.py --sweep` (or --sweep-gemv) result picked (its decode_configs,
     gemv_config / gemv_rows and moe_config), set in this process."""
-    from dsv41.kernels.triton import moe_kernel, packed_gemm, packed_gemv
+    from dsv41.kernels.triton import fp8_decode, moe_kernel, packed_gemm, packed_gemv
     tuned = json.loads(Path(path).read_text())
     for rows, cfg in tuned.get("decode_configs", {}).items():
         packed_gemm.DECODE_CONFIGS[int(rows)].update(cfg)
     packed_gemv.GEMV_CONFIG.update(tuned.get("gemv_config", {}))
     packed_gemm.GEMV_ROWS = tuned.get("gemv_rows", packed_gemm.GEMV_ROWS)
+    fp8_decode.FP8_DECODE_CONFIG.update(tuned.get("fp8_decode_config", {}))
+    fp8_decode.FP8_DECODE_FROM = tuned.get("fp8_decode_from", fp8_decode.FP8_DECODE_FROM)
     moe_kernel.CONFIG.update(tuned.get("moe_config", {}))
     return {"decode_configs": {str(k): dict(v) for k, v in packed_gemm.DECODE_CONFIGS.items()},
             "gemv_config": dict(packed_gemv.GEMV_CONFIG), "gemv_rows": packed_gemm.GEMV_ROWS,
+            "fp8_decode_config": dict(fp8_decode.FP8_DECODE_CONFIG), "fp8_decode_from": fp8_decode.FP8_DECODE_FROM,
             "moe_config": dict(moe_kernel.CONFIG)}
 
 

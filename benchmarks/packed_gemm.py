@@ -15,6 +15,8 @@ expert) over packed and over dense bf16 experts.
     python benchmarks/packed_gemm.py          # writes benchmarks/results/packed_gemm_h200.json
     python benchmarks/packed_gemm.py --sweep-gemv  # first picks the CUDA-core kernel's tiles of a few rows
                                               # (packed_gemv.GEMV_CONFIG) and up to how many rows it serves (GEMV_ROWS)
+    python benchmarks/packed_gemm.py --sweep-fp8-decode  # the FP8 tensor-core decode kernel's tiles and from how
+                                              # many rows bf16 models take it (fp8_decode.FP8_DECODE_FROM)
     python benchmarks/packed_gemm.py --sweep  # the same, then picks the decode tiles (DECODE_CONFIG) on two shapes, those of
                                               # the 32- and 64-row buckets (DECODE_CONFIGS), the MoE kernels' packed
                                               # tiles, and the prefill tiles of the FP8 tensor-core GEMM
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.codecs import qdq_fp8  # noqa: E402
 from dsv41.codecs.weights import PackedWeight, pack_weight  # noqa: E402
-from dsv41.kernels.triton import fp8_gemm, moe_kernel, packed_gemm, packed_gemv  # noqa: E402
+from dsv41.kernels.triton import fp8_decode, fp8_gemm, moe_kernel, packed_gemm, packed_gemv  # noqa: E402
 from dsv41.kernels.triton.moe_kernel import moe_experts_triton  # noqa: E402
 from dsv41.kernels.triton.packed_gemm import packed_linear_triton  # noqa: E402
 
@@ -166,7 +168,7 @@ def sweep_gemv(dev: str) -> dict:
     for bn in (32, 64, 128):
         for unroll in (2, 4, 8):
             for warps in (4, 8):
-                for stages in (2, 3, 4):
+                for stages in (2, 4):
                     for per_sm in (4, 8):
                         cfg.update(block_n=bn, unroll=unroll, num_warps=warps, num_stages=stages,
                                    programs_per_sm=per_sm)
@@ -202,6 +204,61 @@ def sweep_gemv(dev: str) -> dict:
     print(f"GEMV_ROWS = {packed_gemm.GEMV_ROWS}")
     return {"sweep_gemv": table, "gemv_vs_tensor_cores": rows, "gemv_config": dict(cfg),
             "gemv_rows": packed_gemm.GEMV_ROWS}
+
+
+def sweep_fp8_decode(dev: str) -> dict:
+    """The FP8 tensor-core decode kernel (`fp8_decode.FP8_DECODE_CONFIG`): least summed GPU time over wq_b (fp8, 1
+    row), wo_b (fp8, 32 rows) and an expert's w1 (fp4, 8 rows); then, at 1 to 64 rows, every decode shape on it
+    against the path packed_linear_triton takes without it, which sets `FP8_DECODE_FROM` (the fewest rows from
+    which it wins, summed over the shapes, at that and every larger row count)."""
+    cases = {}
+    for name, kind, N, K in SHAPES:
+        codes, scale = pack_weight(torch.randn(N, K, device=dev) * K ** -0.5, kind)
+        cases[name] = rotating(lambda: PackedWeight(codes.clone(), scale.clone(), kind, (N, K), torch.bfloat16),
+                               codes.numel() + scale.numel())
+    counts = (1, 2, 4, 8, 16, 32, 64)
+    xs = {(name, M): qdq_fp8(torch.randn(M, pws[0].shape[1], device=dev, dtype=torch.bfloat16))
+          for name, pws in cases.items() for M in counts}
+    cfg = fp8_decode.FP8_DECODE_CONFIG
+    table = []
+    for bn in (64, 128, 256):
+        for warps in (4, 8):
+            for stages in (3, 4, 6):
+                for per_sm in (1, 2, 4):
+                    cfg.update(block_n=bn, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+                    try:
+                        t = sum(cuda_time(cycling(lambda w: fp8_decode.fp8_decode_triton(xs[n, M], w), cases[n]))
+                                for n, M in (("wq_b", 1), ("wo_b", 32), ("expert w1", 8)))
+                    except Exception as e:   # registers / shared memory
+                        print(f"sweep fp8 decode BN {bn} warps {warps} stages {stages}: {type(e).__name__}")
+                        continue
+                    table.append({"block_n": bn, "num_warps": warps, "num_stages": stages,
+                                  "programs_per_sm": per_sm, "seconds": t})
+                    print(f"sweep fp8 decode BN {bn:3d} warps {warps} stages {stages} per SM {per_sm}: "
+                          f"{t * 1e6:7.1f} us", flush=True)
+    best = min(table, key=lambda r: r["seconds"])
+    cfg.update({k: v for k, v in best.items() if k != "seconds"})
+    print(f"fp8 decode tiles: {cfg}")
+    rows, wins = [], {}
+    fp8_decode.FP8_DECODE_FROM = 65                                   # the other decode kernels
+    for M in counts:
+        t_other = {n: cuda_time(cycling(lambda w: packed_linear_triton(xs[n, M], w), pws)) for n, pws in cases.items()}
+        t_fp8 = {n: cuda_time(cycling(lambda w: fp8_decode.fp8_decode_triton(xs[n, M], w), pws))
+                 for n, pws in cases.items()}
+        for n in cases:
+            rows.append({"M": M, "weight": n, "fp8_decode_s": t_fp8[n], "other_s": t_other[n]})
+            print(f"fp8 decode vs the other kernels M {M:2d} {n:11s}: {t_fp8[n] * 1e6:7.1f} vs "
+                  f"{t_other[n] * 1e6:7.1f} us", flush=True)
+        wins[M] = sum(t_fp8.values()) < sum(t_other.values())
+    start = 65
+    for M in reversed(counts):
+        if not wins[M]:
+            break
+        start = M
+    fp8_decode.FP8_DECODE_FROM = start
+    print(f"FP8_DECODE_FROM = {start}")
+    return {"sweep_fp8_decode": table, "fp8_decode_vs_other": rows, "fp8_decode_config": dict(cfg),
+            "fp8_decode_from": start}
 
 
 def moe_weights(dev: str, g: torch.Generator) -> dict:
@@ -340,6 +397,8 @@ def main() -> None:
            "commit": os.environ.get("COMMIT", "")}
     if "--sweep-gemv" in sys.argv or "--sweep" in sys.argv:
         res.update(sweep_gemv(dev))
+    if "--sweep-fp8-decode" in sys.argv or "--sweep" in sys.argv:
+        res.update(sweep_fp8_decode(dev))
     if "--sweep" in sys.argv:
         res.update(sweep(dev))
         res.update(sweep_buckets(dev))
@@ -348,6 +407,8 @@ def main() -> None:
         res.update(sweep_prefill(dev))
     res["decode_config"] = dict(packed_gemm.DECODE_CONFIG)
     res["gemv_config"], res["gemv_rows"] = dict(packed_gemv.GEMV_CONFIG), packed_gemm.GEMV_ROWS
+    res["fp8_decode_config"] = dict(fp8_decode.FP8_DECODE_CONFIG)
+    res["fp8_decode_from"] = fp8_decode.FP8_DECODE_FROM
     res["decode_configs"] = {str(k): dict(v) for k, v in packed_gemm.DECODE_CONFIGS.items()}
     res["moe_config"] = dict(moe_kernel.CONFIG)
     res["prefill_config"] = dict(fp8_gemm.PREFILL_CONFIG)

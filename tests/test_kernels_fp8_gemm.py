@@ -60,6 +60,25 @@ def test_fp8_gemm_follows_the_reference(M, N, K, blocks, monkeypatch):
         assert rel_rows(got16, want) < 5e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+@pytest.mark.parametrize("M,N,K", [(1, 2304, 1024), (5, 100, 160), (16, 520, 2048), (33, 64, 4096), (64, 300, 512)])
+def test_fp8_decode_follows_the_reference(kind, M, N, K):
+    """The decode kernel on the FP8 tensor cores (swap AB, fp4 nibbles as E4M3 bytes, split-K summed in the kernel)
+    against the reference, bf16 output: within a bf16 rounding plus the FP8 MMA's in-block accumulation."""
+    from dsv41.kernels.triton.fp8_decode import FP8_DECODE_CONFIG, fp8_decode_triton
+    w = packed(N, K, kind, dtype=torch.bfloat16, device="cuda", seed=M)
+    x = qdq_fp8((torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 3).bfloat16()).cuda()
+    for bias in (None, torch.randn(N).bfloat16().cuda()):
+        want = packed_linear_ref(x.float(), _as_fp32(w), None if bias is None else bias.float())
+        for per_sm in (1, 16):                     # unsplit and split along K
+            got = fp8_decode_triton(x, w, bias, config={**FP8_DECODE_CONFIG, "block_n": 64, "programs_per_sm": per_sm})
+            assert got.shape == (M, N) and got.dtype == torch.bfloat16
+            err = rel_rows(got, want)
+            print(f"fp8 decode {kind} M {M} N {N} K {K} split {per_sm}: max relative row error {err:.2e}")
+            assert err < 5e-3
+
+
 def _as_fp32(w):
     from dsv41.codecs.weights import PackedWeight
     return PackedWeight(w.codes, w.scale, w.kind, w.shape, torch.float32)

@@ -15,8 +15,9 @@ tensor cores') and across split-K parts differs from the CPU reference (the GPU 
 tests/test_kernels_packed_gemm.py, benchmarks/gpu_parity.py). Only the weight's bytes cross HBM: 1 byte (fp8) or
 half a byte (fp4) per weight instead of bf16's 2; the scales are read once per row and block, not per weight.
 
-Decode-size calls (M <= 64) are bound by reading W: calls of up to `GEMV_ROWS` rows take the CUDA-core kernel of
-packed_gemv.py; the others this one, whose grid covers N in tiles of BN and, when that leaves SMs idle, splits K
+Decode-size calls (M <= 64) are bound by reading W: in bf16 models, calls of `fp8_decode.FP8_DECODE_FROM` rows or
+more take the FP8 tensor cores (fp8_decode.py, the weight's bytes as the MMA's operand); calls of up to `GEMV_ROWS`
+rows the CUDA-core kernel of packed_gemv.py; the others this one, whose grid covers N in tiles of BN and, when that leaves SMs idle, splits K
 into S parts whose fp32 partials the last part to finish adds in part order (`splitk_finish`, in the kernel). Larger M (prefill) decodes the weight
 once into a scratch (`dequant_triton`, one pass over the bytes) and runs the library's GEMM: its cost is shared by
 the M rows. The FP8 tensor-core GEMM with the per-32 K-block promotion (`dsv41.kernels.triton.fp8_gemm`) serves
@@ -33,6 +34,7 @@ import triton.language as tl
 from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.triton.common import ASM, DOT_BF16, LAST, sm_count
 from dsv41.kernels.triton.decoders import P2_112, P2_118, e2m1_split, swa_split, ue8m0_to_f32
+from dsv41.kernels.triton import fp8_decode
 from dsv41.kernels.triton.fp8_gemm import fp8_linear_triton, fp8_prefill_fits
 from dsv41.kernels.triton.packed_gemv import packed_gemv_triton, splitk_finish, tile_counters
 
@@ -184,6 +186,8 @@ def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
         w = dequant_triton(weight)
         return torch.nn.functional.linear(a.to(weight.dtype), w, bias).view(*x.shape[:-1], N)
     check_offsets(weight)
+    if M >= fp8_decode.FP8_DECODE_FROM and fp8_decode.fp8_decode_fits(a, weight):     # the FP8 tensor cores
+        return fp8_decode.fp8_decode_triton(a, weight, bias).view(*x.shape[:-1], N)
     if M <= GEMV_ROWS:                   # a few rows: the CUDA-core kernel (packed_gemv.py)
         return packed_gemv_triton(a, weight, bias).view(*x.shape[:-1], N)
     BM, BN, U, split = _config(M, N, K, weight.nbytes, x.device)
