@@ -41,7 +41,13 @@ def register(subparsers) -> None:
                    "post-trained checkpoint whose drafter trains (default runs/post-opd)")
     p.add_argument("--baseline", help="eval: a checkpoint to compare with, paired (default runs/post-sft)")
     p.add_argument("--problems", type=int, default=200, help="eval: held-out problems per level (default 200)")
-    p.add_argument("--levels", default="1,25,50,75,100", help="training effort levels, comma-separated")
+    p.add_argument("--levels", default="1,25,50,75,100",
+                   help="training effort levels, comma-separated, ranges allowed (1-100)")
+    p.add_argument("--hold-out", default="",
+                   help="effort levels removed from --levels (e.g. 12,37,62,87 with --levels 1-100)")
+    p.add_argument("--full-trace", type=float, help="sft: the share of stride-1 (full trace) examples (default 0.8)")
+    p.add_argument("--late-steps", type=int, help="sft: the last steps draw strides with --late-full-trace (default 0)")
+    p.add_argument("--late-full-trace", type=float, help="sft: the stride-1 share of the late steps")
     p.add_argument("--eval-levels", default="1,12,25,37,50,62,75,87,100",
                    help="eval: effort levels, the training ones and held-out ones between them")
     p.add_argument("--dispatch", default="sample", choices=("sync", "sample", "prompt", "batch"),
@@ -55,12 +61,32 @@ def register(subparsers) -> None:
     p.add_argument("--cmax", type=float, help="rl: the length term's cap C_max (default: its own)")
     p.add_argument("--samples", type=int, help="rl: M_b, samples per (x, b) (default: RLConfig's)")
     p.add_argument("--prompts", type=int, help="rl: prompts (groups) per update (default: RLConfig's)")
+    p.add_argument("--levels-per-prompt", type=int,
+                   help="rl: levels each prompt is sampled at, drawn from --levels (default 0: all of them)")
+    p.add_argument("--delta-b", type=float, help="rl: delta_b of tau = lambda delta_b (default: the levels' mean "
+                   "spacing; 24.75 keeps the five-level k(b) on a dense grid)")
+    p.add_argument("--epochs", type=int, help="rl: optimizer steps per update on the same rollouts (default 1)")
+    p.add_argument("--adv-norm", action="store_true", help="rl: divide advantages by their (x, b) subgroup's std")
+    p.add_argument("--init", help="rl: the checkpoint RL starts from (default <runs>/post-sft)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="eval: 0 greedy (default); > 0 sampled at that temperature, one seed per (problem, level)")
     p.add_argument("--out", help="the stage's output directory (default runs/post-<stage>)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=main)
+
+
+def parse_levels(text: str, hold_out: str = "") -> tuple[int, ...]:
+    """`1,25,50` or ranges `1-100` (inclusive), sorted, without the levels of `hold_out`."""
+    got = set()
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        if "-" in part:
+            a, b = (int(y) for y in part.split("-", 1))
+            got.update(range(a, b + 1))
+        else:
+            got.add(int(part))
+    got -= {int(x) for x in hold_out.split(",") if x.strip()}
+    return tuple(sorted(got))
 
 
 def _budget(cfg, args):
@@ -76,7 +102,7 @@ def _budget(cfg, args):
 def main(args) -> int:
     import torch
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    levels = tuple(int(x) for x in args.levels.split(","))
+    levels = parse_levels(args.levels, args.hold_out)
     mix = TaskMix(levels=levels).check()
     runs = Path(args.runs)
     stages = ("sft", "rl", "opd", "dspark", "eval") if args.stage == "all" else (args.stage,)
@@ -86,15 +112,20 @@ def main(args) -> int:
         out = args.out if args.out and args.stage != "all" else str(runs / f"post-{st}")
         t0 = time.time()
         if st == "sft":
-            run_sft(_budget(SFTConfig(out=out, seed=args.seed, mix=mix, quiet=args.quiet), args))
-        elif st == "rl":
-            from dsv41.posttrain.rl import RLConfig, run_rl
-            cfg = _budget(RLConfig(init=str(runs / "post-sft"), out=out, seed=args.seed, mix=mix,
-                                   dispatch=args.dispatch, quiet=args.quiet, drafter_lr=args.drafter_lr), args)
-            for name in ("samples", "prompts"):
+            cfg = _budget(SFTConfig(out=out, seed=args.seed, mix=mix, quiet=args.quiet), args)
+            for name in ("full_trace", "late_steps", "late_full_trace"):
                 if getattr(args, name) is not None:
                     setattr(cfg, name, getattr(args, name))
-            for name, field in (("k0", "k0"), ("lam", "lam"), ("cmax", "c_max")):
+            run_sft(cfg)
+        elif st == "rl":
+            from dsv41.posttrain.rl import RLConfig, run_rl
+            init = args.init if args.init and args.stage != "all" else str(runs / "post-sft")
+            cfg = _budget(RLConfig(init=init, out=out, seed=args.seed, mix=mix, dispatch=args.dispatch,
+                                   quiet=args.quiet, drafter_lr=args.drafter_lr, adv_norm=args.adv_norm), args)
+            for name in ("samples", "prompts", "levels_per_prompt", "epochs"):
+                if getattr(args, name) is not None:
+                    setattr(cfg, name, getattr(args, name))
+            for name, field in (("k0", "k0"), ("lam", "lam"), ("cmax", "c_max"), ("delta_b", "delta_b")):
                 if getattr(args, name) is not None:
                     setattr(cfg.length, field, getattr(args, name))
             run_rl(cfg)

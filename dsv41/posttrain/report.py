@@ -37,14 +37,15 @@ def plot_rl(history: list[dict], path: str | Path, title: str = "RL with control
     5-step moving mean over the raw per-step values)."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    from dsv41.posttrain.rl import band_means, level_bands
     per = [(h["step"], {int(b): v for b, v in h["levels"].items()}) for h in history]   # JSON keys are strings
-    levels = sorted({b for _, lv in per for b in lv})
+    bands = level_bands({b for _, lv in per for b in lv})     # each level, or bands of b over a dense grid
     for key, ax in zip(("reward", "accuracy", "length"), axes):
-        for b in levels:
-            pts = [(step, lv[b][key]) for step, lv in per if b in lv]
+        for band in bands:
+            pts = [(step, m) for step, lv in per for bb, m in band_means(lv, [band], key)]
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             sm = [sum(ys[max(0, i - 4):i + 1]) / len(ys[max(0, i - 4):i + 1]) for i in range(len(ys))]
-            ax.plot(xs, sm, lw=1.5, label=f"b={b}")
+            ax.plot(xs, sm, lw=1.5, label=f"b={band[0]}" if band[0] == band[1] else f"b={band[0]}-{band[1]}")
         ax.set(xlabel="RL step", ylabel="mean reasoning tokens" if key == "length" else key, title=key)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)

@@ -41,9 +41,14 @@ class LengthReward:
     l_norm: float = 20.0
     lam: float = 2.0              # tau = 2 delta_b: k(b_max) = k0 e^-2
     levels: tuple[int, ...] = (1, 25, 50, 75, 100)
+    # delta_b: None = the mean spacing of the training levels; a number fixes it, so that training on a dense
+    # grid of levels (1..100 less the held-out ones: spacing ~1) keeps the k(b) of the five-level set (24.75)
+    delta_b: float | None = None
 
     @property
     def tau(self) -> float:
+        if self.delta_b is not None:
+            return self.lam * self.delta_b
         lv = sorted(self.levels)
         delta = (lv[-1] - lv[0]) / (len(lv) - 1) if len(lv) > 1 else 1.0
         return self.lam * delta
@@ -73,18 +78,37 @@ class RLConfig:
     max_staleness: int = 1            # dispatched: tokens older than this many versions are masked
     quiet: bool = False
     drafter_lr: float = 0.0           # > 0: a drafter step (dspark.py, backbone frozen) on every update's rollouts
+    # levels drawn per prompt (without replacement; 0: every training level): with a dense grid of levels a group
+    # is a prompt at a few of them, M samples each
+    levels_per_prompt: int = 0
+    adv_norm: bool = False            # divide each advantage by its (x, b) subgroup's standard deviation
+    epochs: int = 1                   # optimizer steps per update on the same rollouts (ratios against the first)
     mix: TaskMix = field(default_factory=TaskMix)
     length: LengthReward = field(default_factory=LengthReward)
 
 
-def group_advantages(rewards: list[float], keys: list) -> list[float]:
-    """Reward minus the mean of its own key's subgroup ((x, b): samples at other levels never enter)."""
-    sums: dict = {}
+def group_advantages(rewards: list[float], keys: list, norm: bool = False, eps: float = 1e-4) -> list[float]:
+    """Reward minus the mean of its own key's subgroup ((x, b): samples at other levels never enter); norm:
+    divided by the subgroup's standard deviation (+ eps; a subgroup without variance keeps advantages 0)."""
+    groups: dict = {}
     for r, k in zip(rewards, keys):
-        s = sums.setdefault(k, [0.0, 0])
-        s[0] += r
-        s[1] += 1
-    return [r - sums[k][0] / sums[k][1] for r, k in zip(rewards, keys)]
+        groups.setdefault(k, []).append(r)
+    mean = {k: sum(v) / len(v) for k, v in groups.items()}
+    if not norm:
+        return [r - mean[k] for r, k in zip(rewards, keys)]
+    std = {k: math.sqrt(sum((x - mean[k]) ** 2 for x in v) / len(v)) for k, v in groups.items()}
+    return [(r - mean[k]) / (std[k] + eps) for r, k in zip(rewards, keys)]
+
+
+def prompt_levels(rng: random.Random, levels: tuple[int, ...], k: int) -> list[int]:
+    """The levels a prompt is sampled at: all of them (k = 0 or k >= their number), else one drawn from each of k
+    contiguous strata of the sorted levels (every prompt is then seen at low and at high effort, so one update
+    holds the same x's subgroups at both ends: what differs between their pulls is b alone)."""
+    lv = sorted(levels)
+    if k <= 0 or k >= len(lv):
+        return list(levels)
+    cuts = [round(i * len(lv) / k) for i in range(k + 1)]
+    return [lv[rng.randrange(cuts[i], cuts[i + 1])] for i in range(k)]
 
 
 def policy_loss(lp: torch.Tensor, lp_old: torch.Tensor, lp_mu: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
@@ -130,12 +154,16 @@ def train_step(model, opt, rs: list[Rollout], adv: list[float], cfg: RLConfig, p
                               ids.size(1))
     model.train()
     try:
-        lp = token_logprobs(model, ids, routes=routes)
-        loss, stats = policy_loss(lp, lp.detach(), mu, a, mask, cfg.clip, cfg.tis_cap)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        lp_old = None
+        for _ in range(max(1, cfg.epochs)):       # epochs > 1: PPO's passes over the same rollouts, clipped
+            lp = token_logprobs(model, ids, routes=routes)
+            if lp_old is None:
+                lp_old = lp.detach()              # the policy at the start of the update
+            loss, stats = policy_loss(lp, lp_old, mu, a, mask, cfg.clip, cfg.tis_cap)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
     finally:
         model.eval()
     return {"loss": float(loss.detach()), **stats}
@@ -147,9 +175,29 @@ def step_items(cfg: RLConfig, step: int) -> list[tuple[T.Problem, int, int]]:
     items = []
     for i in range(cfg.prompts):
         p = T.sample_problem(rng, cfg.mix.families[i % len(cfg.mix.families)], cfg.mix.lo, cfg.mix.hi)
-        for b in cfg.mix.levels:
+        for b in prompt_levels(rng, cfg.mix.levels, cfg.levels_per_prompt):
             items += [(p, b, rng.randrange(2 ** 31)) for _ in range(cfg.samples)]
     return items
+
+
+def level_bands(levels, n: int = 5) -> list[tuple[int, int]]:
+    """(lo, hi) ranges of b that group the levels for a progress line / plot: each level alone when there are at
+    most 9 of them, else n bands of equal width over 1..100."""
+    levels = sorted(levels)
+    if len(levels) <= 9:
+        return [(b, b) for b in levels]
+    w = 100 / n
+    return [(int(round(i * w)) + 1, int(round((i + 1) * w))) for i in range(n)]
+
+
+def band_means(per_level: dict, bands: list[tuple[int, int]], key: str) -> list[tuple[tuple[int, int], float]]:
+    """Sample-weighted means of per_level[b][key] within each band ({b: {key, "n"}}; levels without "n": 1)."""
+    out = []
+    for lo, hi in bands:
+        got = [(v[key], v.get("n", 1)) for b, v in per_level.items() if lo <= int(b) <= hi]
+        if got:
+            out.append(((lo, hi), sum(x * n for x, n in got) / sum(n for _, n in got)))
+    return out
 
 
 def level_stats(rs: list[Rollout], rewards: list[float]) -> dict:
@@ -158,7 +206,7 @@ def level_stats(rs: list[Rollout], rewards: list[float]) -> dict:
         idx = [i for i, r in enumerate(rs) if r.effort == b]
         out[b] = {"reward": sum(rewards[i] for i in idx) / len(idx),
                   "accuracy": sum(rs[i].verdict.correct for i in idx) / len(idx),
-                  "length": sum(rs[i].verdict.reasoning_tokens for i in idx) / len(idx)}
+                  "length": sum(rs[i].verdict.reasoning_tokens for i in idx) / len(idx), "n": len(idx)}
     return out
 
 
@@ -193,7 +241,7 @@ class RLRun:
     def update(self, rs: list[Rollout], masks: list[list[float]] | None = None, **extra) -> dict:
         """Score the rollouts, one policy-gradient step on them, a history row."""
         rewards = rewards_of(rs, self.cfg.length)
-        adv = group_advantages(rewards, [(r.problem.content, r.effort) for r in rs])
+        adv = group_advantages(rewards, [(r.problem.content, r.effort) for r in rs], self.cfg.adv_norm)
         stats = train_step(self.model, self.opt, rs, adv, self.cfg, self.tok.pad_id, masks)
         if self.dopt is not None:       # the drafter on the same rollouts, against the updated backbone
             from dsv41.posttrain.dspark import drafter_step
@@ -202,7 +250,10 @@ class RLRun:
         lv = level_stats(rs, rewards)
         self.history.append({"step": self.step, **stats, "levels": lv, "elapsed": time.time() - self.t0,
                              "sampled_tokens": sum(len(r.output_ids) for r in rs), **extra})
-        self.bar.update(" ".join(f"b{b} acc {v['accuracy']:.2f} len {v['length']:.1f}" for b, v in lv.items()))
+        bands = level_bands(self.cfg.mix.levels)
+        acc, ln = band_means(lv, bands, "accuracy"), band_means(lv, bands, "length")
+        self.bar.update(" ".join(f"b{lo}{'' if lo == hi else f'-{hi}'} acc {a:.2f} len {l_:.1f}"
+                                 for ((lo, hi), a), (_, l_) in zip(acc, ln)))
         return self.history[-1]
 
     def finish(self, **meta) -> Path:

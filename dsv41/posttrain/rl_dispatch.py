@@ -1,8 +1,8 @@
 """RL driven by the asynchronous dispatcher (dispatch.py, docs/system.md §7): generation and training time-share
 the machine through one engine whose model the updates change in place.
 
-A group is one training prompt x at every effort level b, M_b samples each (the (x, b) subgroups of the
-advantages); `cfg.prompts` finished groups make one update. Samples still running at an update continue from their
+A group is one training prompt x at every effort level b (or `levels_per_prompt` of them), M_b samples each (the
+(x, b) subgroups of the advantages); `cfg.prompts` finished groups make one update. Samples still running at an update continue from their
 KV cache at the new weights; their tokens carry the version that generated them (older than `max_staleness`
 versions: masked out of the loss), and their expert routing is recorded per version and replayed by the update's
 forward (routing.py). The granularity (`cfg.dispatch`: sample, prompt or batch) only changes when groups enter
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dsv41.posttrain import tasks as T
 from dsv41.posttrain.dispatch import DispatchConfig, Dispatcher, EngineBackend, Group, Sample
-from dsv41.posttrain.rl import RLConfig, RLRun
+from dsv41.posttrain.rl import RLConfig, RLRun, prompt_levels
 from dsv41.posttrain.rollout import Rollout, make_engine
 
 
@@ -28,7 +28,7 @@ def group_source(cfg: RLConfig, tok, first: int = 0):
     while True:
         rng = random.Random(f"rl-dispatch:{cfg.seed}:{gid}")
         p = T.sample_problem(rng, cfg.mix.families[gid % len(cfg.mix.families)], cfg.mix.lo, cfg.mix.hi)
-        efforts = [b for b in cfg.mix.levels for _ in range(cfg.samples)]
+        efforts = [b for b in prompt_levels(rng, cfg.mix.levels, cfg.levels_per_prompt) for _ in range(cfg.samples)]
         samples = [Sample(f"g{gid}s{j}", T.prompt_ids(tok, p, b), rng.randrange(2 ** 31))
                    for j, b in enumerate(efforts)]
         yield Group(gid, p.family, samples, meta=(p, efforts))

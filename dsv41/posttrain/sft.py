@@ -67,6 +67,10 @@ class SFTConfig:
     batch: int = 16
     lr: float = 3e-3
     full_trace: float = FULL_TRACE    # probability of stride 1; else uniform in 1..n
+    # the last `late_steps` steps draw stride 1 with probability `late_full_trace` instead (a diverse phase after
+    # the stride-1-heavy one that teaches the steps: RL then sees length variance in its (x, b) subgroups)
+    late_steps: int = 0
+    late_full_trace: float = FULL_TRACE
     indexer_loss: float = 1.0         # weight of the indexer objective (0: the indexers stay as initialised)
     # how often each family is drawn (a family not named: 1); sums' mod-10 step needs the larger share
     family_weights: dict = field(default_factory=lambda: {"sums": 0.7, "chase": 0.3})
@@ -109,9 +113,17 @@ def sft_loss(model, ids: torch.Tensor, targets: torch.Tensor, indexer_loss: floa
     return ce, (ce + indexer_loss * indexer_kl(model, tap) if indexer_loss else ce)
 
 
+def stride_share(cfg: SFTConfig, step: int) -> float:
+    """The probability of stride 1 at `step` (else uniform in 1..n): `late_full_trace` in the last `late_steps`."""
+    return cfg.late_full_trace if step >= cfg.steps - cfg.late_steps else cfg.full_trace
+
+
 def run_sft(cfg: SFTConfig, say=print) -> Path:
     """Train (or resume) the SFT checkpoint in cfg.out; returns its directory."""
     cfg.mix.check()
+    if not (0 <= cfg.full_trace <= 1 and 0 <= cfg.late_full_trace <= 1 and 0 <= cfg.late_steps <= cfg.steps):
+        raise ValueError(f"SFT needs stride-1 shares in [0, 1] and 0 <= late_steps <= steps, got "
+                         f"{cfg.full_trace}, {cfg.late_full_trace}, {cfg.late_steps} of {cfg.steps}")
     weights = tuple(float(cfg.family_weights.get(f, 1.0)) for f in cfg.mix.families)
     if any(w < 0 for w in weights) or not sum(weights) > 0:
         raise ValueError(f"family weights must be >= 0 with a positive sum, got {cfg.family_weights}")
@@ -133,7 +145,7 @@ def run_sft(cfg: SFTConfig, say=print) -> Path:
     while step < cfg.steps and time.time() - t0 < cfg.minutes * 60:
         for g in opt.param_groups:
             g["lr"] = cfg.lr * lr_factor(step, cfg.steps, warm)
-        ids, tg = sft_batch(cfg.seed, step, tok, cfg.mix, cfg.batch, cfg.full_trace, weights)
+        ids, tg = sft_batch(cfg.seed, step, tok, cfg.mix, cfg.batch, stride_share(cfg, step), weights)
         loss, total = sft_loss(model, ids, tg, cfg.indexer_loss)
         opt.zero_grad(set_to_none=True)
         total.backward()

@@ -1,0 +1,118 @@
+"""Effort-control options of post-training (dsv41/posttrain/): SFT's late diverse-stride phase, dense training
+levels with held-out ones (parsing, a few levels per prompt, subgroups kept per (x, b)), the fixed delta_b of the
+length term, per-subgroup advantage normalisation, and the level bands of the progress line and plot."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from dsv41.posttrain import tasks as T
+from dsv41.posttrain.cli import parse_levels
+from dsv41.posttrain.rl import (LengthReward, RLConfig, band_means, group_advantages, level_bands, prompt_levels,
+                                step_items)
+from dsv41.posttrain.sft import SFTConfig, TaskMix, run_sft, stride_share
+
+
+def test_parse_levels_ranges_and_hold_out():
+    assert parse_levels("1,25,50,75,100") == (1, 25, 50, 75, 100)
+    lv = parse_levels("1-100", "12,37,62,87")
+    assert len(lv) == 96 and lv[0] == 1 and lv[-1] == 100
+    assert not {12, 37, 62, 87} & set(lv) and {11, 13, 36, 38} <= set(lv)
+    assert parse_levels("5-7,1,6") == (1, 5, 6, 7)
+
+
+def test_sft_late_phase_switches_the_stride_share_at_its_boundary():
+    cfg = SFTConfig(steps=100, full_trace=0.8, late_steps=30, late_full_trace=0.1)
+    assert [stride_share(cfg, s) for s in (0, 69, 70, 99)] == [0.8, 0.8, 0.1, 0.1]
+    assert stride_share(SFTConfig(steps=100), 99) == SFTConfig().full_trace      # no late phase by default
+    with pytest.raises(ValueError):
+        run_sft(SFTConfig(steps=10, late_steps=11, out="/nonexistent/never-written"))
+
+
+def test_prompt_levels_all_by_default_without_touching_the_stream():
+    levels = parse_levels("1-100", "12,37,62,87")
+    a, b = random.Random(5), random.Random(5)
+    assert prompt_levels(a, levels, 0) == list(levels)
+    assert a.random() == b.random()                  # k = 0 draws nothing: the default run's stream is unchanged
+    for seed in range(20):                           # one level from each quarter of the sorted levels
+        got = prompt_levels(random.Random(seed), levels, 4)
+        assert len(got) == 4 and set(got) <= set(levels)
+        assert got[0] <= 25 and 26 <= got[1] <= 50 and 51 <= got[2] <= 75 and got[3] >= 76
+    assert len({tuple(prompt_levels(random.Random(s), levels, 4)) for s in range(20)}) > 10
+
+
+def test_step_items_draw_a_few_levels_per_prompt_with_M_samples_each():
+    mix = TaskMix(levels=parse_levels("1-100", "12,37,62,87"))
+    cfg = RLConfig(prompts=3, samples=4, levels_per_prompt=5, mix=mix)
+    its = step_items(cfg, 7)
+    assert len(its) == 3 * 5 * 4
+    per_prompt: dict = {}
+    for p, b, _ in its:
+        per_prompt.setdefault(p.content, []).append(b)
+    assert len(per_prompt) == 3
+    for bs in per_prompt.values():
+        assert len(set(bs)) == 5 and all(bs.count(b) == 4 for b in set(bs))
+        assert not {12, 37, 62, 87} & set(bs)
+    assert step_items(cfg, 7) == its                 # a pure function of (seed, step)
+
+
+def test_fixed_delta_b_keeps_the_five_level_length_term_on_a_dense_grid():
+    five = LengthReward(k0=4, lam=1.6)
+    dense = LengthReward(k0=4, lam=1.6, levels=parse_levels("1-100", "12,37,62,87"), delta_b=24.75)
+    assert five.tau == pytest.approx(1.6 * 24.75) == dense.tau
+    for b in (1, 37, 100):
+        assert dense(20, b) == pytest.approx(five(20, b))
+    # without delta_b the dense grid's spacing (~1.04) makes k(b) vanish after a few levels
+    assert LengthReward(k0=4, lam=1.6, levels=dense.levels).k(20) < 1e-4
+
+
+def test_normalised_advantages_stay_within_the_subgroup():
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.5, 0.5, 3.0, 1.0]
+    keys = [("x", 1)] * 2 + [("x", 100)] * 2 + [("y", 1)] * 2 + [("y", 100)] * 2
+    plain = group_advantages(rewards, keys)
+    norm = group_advantages(rewards, keys, norm=True)
+    assert plain[:2] == [0.5, -0.5] and norm[0] == pytest.approx(1.0, abs=1e-3)
+    assert norm[2:6] == [0.0, 0.0, 0.0, 0.0]          # no variance in the subgroup: no signal, no blow-up
+    assert norm[6] == pytest.approx(1.0, abs=1e-3) and norm[7] == pytest.approx(-1.0, abs=1e-3)
+    for k in set(keys):
+        assert math.isclose(sum(a for a, kk in zip(norm, keys) if kk == k), 0.0, abs_tol=1e-9)
+
+
+def test_level_bands_group_a_dense_grid_and_weight_by_samples():
+    assert level_bands((1, 25, 50, 75, 100)) == [(1, 1), (25, 25), (50, 50), (75, 75), (100, 100)]
+    bands = level_bands(parse_levels("1-100", "12,37,62,87"))
+    assert bands == [(1, 20), (21, 40), (41, 60), (61, 80), (81, 100)]
+    per = {3: {"length": 2.0, "n": 1}, 15: {"length": 5.0, "n": 3}, 99: {"length": 10.0, "n": 2}}
+    got = dict(band_means(per, bands, "length"))
+    assert got == {(1, 20): pytest.approx(4.25), (81, 100): 10.0}
+
+
+def test_rl_epochs_take_that_many_optimizer_steps_on_the_same_rollouts(tmp_path):
+    import torch
+
+    from dsv41.posttrain.model import build_model
+    from dsv41.posttrain.rl import train_step
+    from dsv41.posttrain.rollout import make_engine, rollouts
+    from dsv41.posttrain.tokenizer import load_post_tokenizer
+
+    tok = load_post_tokenizer(tmp_path)
+    model = build_model(tok, seed=3).eval()
+    rng = random.Random(0)
+    its = [(T.sample_problem(rng, "sums", 2, 3), b, rng.randrange(10 ** 6)) for b in (1, 100, 1, 100)]
+    rs = rollouts(make_engine(model, tok), tok, its, max_tokens=6)
+
+    class Counting(torch.optim.SGD):
+        steps = 0
+
+        def step(self, closure=None):
+            Counting.steps += 1
+            return super().step(closure)
+
+    before = [p.detach().clone() for p in model.parameters()]
+    st = train_step(model, Counting(model.parameters(), lr=0.0), rs, [1.0, -1.0, 0.5, -0.5], RLConfig(epochs=3),
+                    tok.pad_id)
+    assert Counting.steps == 3 and st["tis_mean"] == 1.0
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))      # lr 0: nothing moved
