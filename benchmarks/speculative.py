@@ -12,10 +12,12 @@ at batch 1 and at a loaded batch. Greedy decoding, so every mode must produce th
     python benchmarks/speculative.py --config tiny --batches 1 8 32 --max-tokens 32 \
         --modes off fixed:1 fixed:2 fixed:4 dspark dspark:online
 
-The T(n) profile (plain decode and V = 0..G at each batch, warmed, median of --profile-repeats) is the
-checkpoint's step_profile.json when it has one, else measured first at the benchmark's batches and context. Each
-run records the verify lengths the engine chose (row-steps by length, 0: decoded without drafting) and the tokens
-the scheduler predicted vs those emitted; a table of ratios vs off per batch closes the output.
+The T(n) profile (plain decode and V = 0..G at each batch, whole engine steps, warmed, median of
+--profile-repeats) is the checkpoint's step_profile.json when it has one, else measured first at the benchmark's
+batches and context. Each run records the verify lengths the engine chose (row-steps by length, 0: decoded without
+drafting), the tokens the scheduler predicted vs those emitted, and the decode steps' seconds the cost model
+predicted vs those they took (every mode is given the profile, so fixed lengths show how well T fits their
+shapes); a table of ratios vs off per batch closes the output.
 
 Decode phase only: the engine steps until every request is prefilled (its first token sampled; at batch 32 the
 prompts span several steps of the token budget), then the remaining steps are timed and the tokens they emit
@@ -202,7 +204,7 @@ def _profile(args, model, tok, res: dict):
     t0 = time.perf_counter()
     context = min(512, args.prompt_tokens if tok is None else len(stdlib_prompts(tok, 1)[0]))
     prof = profile_step(model, batches=sorted(set(args.batches)), context=context, repeats=args.profile_repeats,
-                        device=args.device, log=lambda *a: print(*a, flush=True))
+                        device=args.device, log=lambda *a: print(*a, flush=True), tokenizer=tok)
     res["profile"] = {"measured_s": time.perf_counter() - t0, **prof.to_json()}
     return prof
 
@@ -235,7 +237,9 @@ def _run_batch(args, res: dict, model, tok, prompts: list, modes: list[str], pro
                      drafted=sum(sc["reached"]), accepted=sum(sc["accepted"]),
                      verify_lengths=dict(sorted(lengths.items())),
                      predicted_tokens=sum(x.get("predicted_tokens", 0.0) for x in st),
-                     realised_tokens=sum(x.get("realised_tokens", 0) for x in st))
+                     realised_tokens=sum(x.get("realised_tokens", 0) for x in st),
+                     timed_steps=sc.get("timed_steps", 0), step_predicted_s=sc.get("predicted_s", 0.0),
+                     step_realised_s=sc.get("realised_s", 0.0))
             prev = best.get(mode)
             rounds = (prev["rounds_tok_per_s"] if prev else []) + [r["tok_per_s"]]
             if prev is None or r["tok_per_s"] > prev["tok_per_s"]:
@@ -253,6 +257,7 @@ def _run_batch(args, res: dict, model, tok, prompts: list, modes: list[str], pro
         print(f"batch {B:3d}  {mode:13s}  {r['tok_per_s']:8.2f} tok/s  x{r['speedup_vs_off']:.2f}  "
               f"tokens/forward/row {r['tokens_per_forward_per_row']:.2f}  acceptance [{acc}]  "
               f"verify lengths [{vl}]  predicted/realised {r['predicted_tokens']:.0f}/{r['realised_tokens']}  "
+              f"step s predicted/realised {r['step_predicted_s']:.2f}/{r['step_realised_s']:.2f}  "
               f"same tokens {r['same_tokens_as_off']}", flush=True)
     if args.out:                                       # after every batch: a time limit keeps what was measured
         Path(args.out).write_text(_json(res) + "\n")

@@ -110,6 +110,12 @@ def test_dspark_online_cost_follows_rank_zero():
     assert lead.take() == []
     assert all(follow(n) == lead(n) for n in (1, 8, 16, 40))
     assert lead(8) == pytest.approx(0.02)
+    for B, n, dt, plain in [(4, 12, 0.2, False), (4, 12, 0.05, False), (4, 4, 0.3, True), (4, 4, 0.01, True)]:
+        lead.record(n, dt, batch=B, plain=plain)                # as the engine records (issue 28: with the batch
+        follow.record(n, dt * 3, batch=B, plain=plain)          # and kind; this signature used to raise here)
+    follow.replay(lead.take())
+    assert follow.spec(4, 12) == lead.spec(4, 12) == pytest.approx(0.05)
+    assert follow.plain(4) == lead.plain(4) == pytest.approx(0.01)
 
 
 def test_lockstep_clock_drives_every_tier(tmp_path):

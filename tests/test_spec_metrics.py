@@ -64,3 +64,38 @@ def test_server_exports_speculative_metrics(tmp_path):
     assert 'dsv41_speculative_verify_length_total{length="2"}' in text
     for name in ("predicted", "realised", "drafted", "accepted"):
         assert f"dsv41_speculative_{name}_tokens_total" in text
+
+
+def test_step_cost_predicted_vs_realised(one_thread):
+    """The engine times each decode step against its cost model (the seconds T predicted for the step's shape vs
+    those it took; nothing without a cost model) and the server exports both sums."""
+    cfg, m = continuous_model("debug")
+    G = cfg.dspark_block_size
+    prompts = _prompts(cfg.vocab_size, (5, 17))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prof = batch_profile((1, 2), G, 0.001, 0.01, 0.01)
+    eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative="dspark", step_profile=prof)
+    seen = []
+    inner = eng._decode
+
+    def decode(seqs, join, drafts, outs):
+        inner(seqs, join, drafts, outs)
+        if eng.last_step_cost is not None:
+            seen.append(eng.last_step_cost)
+    eng._decode = decode
+    eng.generate(prompts, params)
+    sc = eng.spec_counts
+    assert sc["timed_steps"] == len(seen) > 0
+    assert sc["predicted_s"] == pytest.approx(sum(p for p, _ in seen))
+    assert sc["realised_s"] == pytest.approx(sum(r for _, r in seen))
+    assert all(p >= 0.01 for p, _ in seen)                  # at least the profile's cheapest step (plain, B = 1)
+    fixed = Engine(m, prefill_mode="full", max_seq_len=256, speculative="fixed:2")
+    fixed.generate(prompts, params)
+    assert fixed.spec_counts["timed_steps"] == 0 and fixed.last_step_cost is None
+    metrics = ServerMetrics()
+    metrics.observe_step(2, (0.25, 0.5))
+    metrics.observe_step(2, None)
+    text = metrics.render().decode()
+    assert "dsv41_speculative_timed_steps_total 1.0" in text
+    assert "dsv41_speculative_step_predicted_seconds_total 0.25" in text
+    assert "dsv41_speculative_step_realised_seconds_total 0.5" in text

@@ -170,9 +170,12 @@ def profile_step_main(args) -> int:
     from dsv41.engine.speculative.profile import PROFILE_FILE, profile_step
     from dsv41.model.loading import load_model
 
-    model, _ = load_model(args.checkpoint, dtype=parse_dtype(args.dtype))
+    from dsv41.engine.tokenizer import load_tokenizer
+
+    model, cfg = load_model(args.checkpoint, dtype=parse_dtype(args.dtype))
     model.to(args.device)
-    prof = profile_step(model, batches=args.batches, context=args.context, repeats=args.repeats, device=args.device)
+    prof = profile_step(model, batches=args.batches, context=args.context, repeats=args.repeats, device=args.device,
+                        tokenizer=load_tokenizer(args.checkpoint, cfg.vocab_size))
     out = Path(args.out) if args.out else Path(args.checkpoint) / PROFILE_FILE
     prof.meta["checkpoint"] = str(args.checkpoint)
     prof.save(out)

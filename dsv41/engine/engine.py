@@ -155,8 +155,11 @@ class Engine:
         self.drafter = None if self.speculation.mode == "off" else DSparkDrafter(model)
         G = model.cfg.dspark_block_size
         # engine-wide speculative counters: per draft position k, rows that verified it with drafts < k accepted
-        # ("reached") and rows that accepted it; target forwards and rows decoded
-        self.spec_counts = {"reached": [0] * G, "accepted": [0] * G, "forwards": 0, "row_steps": 0, "tokens": 0}
+        # ("reached") and rows that accepted it; target forwards and rows decoded; with a cost model (dspark),
+        # decode steps timed and the seconds the model predicted for their shapes vs those they took
+        self.spec_counts = {"reached": [0] * G, "accepted": [0] * G, "forwards": 0, "row_steps": 0, "tokens": 0,
+                            "timed_steps": 0, "predicted_s": 0.0, "realised_s": 0.0}
+        self.last_step_cost: tuple[float, float] | None = None   # (predicted, realised) s of the last timed step
         self._skipped = 0                      # dspark steps in a row decoded without drafting (`_drafting_pays`)
         if self.speculation.mode == "dspark" and step_profile is None:
             raise ValueError("the dspark scheduler needs the step latency profile T(n): run `dsv41 profile-step` "
@@ -227,6 +230,7 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
         outs: list[StepOutput] = []
+        self.last_step_cost = None
         plan = self.scheduler.plan(self.running, self.waiting, self._admit, self._preempt,
                                    can_join=self.drafter is None)
         self.last_plan = plan
@@ -382,6 +386,14 @@ class Engine:
             n_tokens = self._verify(view, live, outs, drafts)
         self.pool.release(view, sids)
         dt = time.perf_counter() - t0
+        if self.step_cost is not None and live and not join:     # the cost model's prediction vs this step
+            B = len(live)
+            pred = spec_cost(self.step_cost, B)(n_tokens) if spec_step else plain_cost(self.step_cost, B)
+            sc = self.spec_counts
+            sc["timed_steps"] += 1
+            sc["predicted_s"] += pred
+            sc["realised_s"] += dt
+            self.last_step_cost = (pred, dt)
         if isinstance(self.step_cost, MeasuredCost) and live and not join:
             self.step_cost.record(n_tokens, dt, batch=len(live), plain=not spec_step)
         for s in live:

@@ -73,13 +73,13 @@ class RankZeroCost(MeasuredCost):
 
     def __init__(self, profile):
         super().__init__(profile)
-        self.unsent: list[tuple[int, float]] = []
+        self.unsent: list[tuple] = []
 
-    def record(self, n: int, seconds: float) -> None:
-        super().record(n, seconds)
-        self.unsent.append((n, seconds))
+    def record(self, n: int, seconds: float, batch: int | None = None, plain: bool = False) -> None:
+        super().record(n, seconds, batch=batch, plain=plain)
+        self.unsent.append((n, seconds, batch, plain))
 
-    def take(self) -> list[tuple[int, float]]:
+    def take(self) -> list[tuple]:
         out, self.unsent = self.unsent, []
         return out
 
@@ -87,12 +87,13 @@ class RankZeroCost(MeasuredCost):
 class FollowerCost(MeasuredCost):
     """A worker's step-cost model: its own step times are ignored; rank 0's arrive with its commands."""
 
-    def record(self, n: int, seconds: float) -> None:
+    def record(self, n: int, seconds: float, batch: int | None = None, plain: bool = False) -> None:
         pass
 
-    def replay(self, records: list[tuple[int, float]]) -> None:
-        for n, seconds in records:
-            MeasuredCost.record(self, n, seconds)
+    def replay(self, records: list[tuple]) -> None:
+        """Rank 0's (tokens, seconds[, batch, plain]) records, in order."""
+        for n, seconds, *rest in records:
+            MeasuredCost.record(self, n, seconds, *rest)
 
 
 def share_step_cost(engine: Engine, leader: bool) -> None:

@@ -25,6 +25,9 @@
     dsv41_speculative_realised_tokens_total        tokens those row-steps emitted (predicted / realised over a
                                                    window: the calibration of the confidence head)
     dsv41_speculative_drafted_tokens_total / dsv41_speculative_accepted_tokens_total
+    dsv41_speculative_step_predicted_seconds_total decode steps timed against the scheduler's cost model (dspark):
+    dsv41_speculative_step_realised_seconds_total  the seconds it predicted for their shapes vs those they took
+    dsv41_speculative_timed_steps_total            (predicted / realised: the calibration of T)
 """
 
 from __future__ import annotations
@@ -82,6 +85,12 @@ class ServerMetrics:
                                    "verified")
         self.spec_accepted = metric(Counter, "dsv41_speculative_accepted_tokens", "Speculative decoding: drafts "
                                     "accepted")
+        self.spec_steps = metric(Counter, "dsv41_speculative_timed_steps", "Decode steps timed against the "
+                                 "speculative scheduler's cost model T")
+        self.spec_step_predicted = metric(Counter, "dsv41_speculative_step_predicted_seconds", "Seconds the cost "
+                                          "model T predicted for the timed decode steps' shapes")
+        self.spec_step_realised = metric(Counter, "dsv41_speculative_step_realised_seconds", "Seconds the timed "
+                                         "decode steps took")
         self._peak: dict[str, int] = {}
         for kind in ("global", "swa", "pending"):
             self.kv_bytes.labels(kind).set(0)
@@ -96,9 +105,14 @@ class ServerMetrics:
             self.latency.labels(endpoint).observe(seconds)
 
     # called from the engine loop thread
-    def observe_step(self, batch: int) -> None:
+    def observe_step(self, batch: int, step_cost: tuple[float, float] | None = None) -> None:
+        """step_cost: the engine's (predicted, realised) seconds of this step (`Engine.last_step_cost`)."""
         if batch:
             self.batch_size.observe(batch)
+        if step_cost is not None:
+            self.spec_steps.inc()
+            self.spec_step_predicted.inc(max(0.0, float(step_cost[0])))
+            self.spec_step_realised.inc(max(0.0, float(step_cost[1])))
 
     def observe_engine(self, running: int, waiting: int, kv: dict[str, int],
                        store: dict[str, float] | None = None) -> None:

@@ -163,7 +163,8 @@ class EngineRunner:
             self._fail_all(500, f"internal engine error: {type(e).__name__}: {e}")
             return
         self.n_steps += 1
-        self.metrics.observe_step(len(self.engine.running) + sum(1 for o in outs if o.finished))
+        self.metrics.observe_step(len(self.engine.running) + sum(1 for o in outs if o.finished),
+                                  getattr(self.engine, "last_step_cost", None))
         for o in outs:
             rid = o.request_id
             sink = self._sinks.get(rid)

@@ -6,18 +6,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Sequence
 
 import torch
 
 from dsv41.engine.bench import timed
-from dsv41.engine.sampling import SamplingParams, sample_token
-from dsv41.engine.speculative.drafter import DSparkDrafter
-from dsv41.engine.speculative.rejection import accept_drafts
-from dsv41.engine.speculative.rollback import VerifyJournal
-from dsv41.engine.store import make_pool
-from dsv41.model.step import ForwardOptions
+from dsv41.engine.sampling import SamplingParams
 
 PROFILE_FILE = "step_profile.json"
 
@@ -36,8 +30,9 @@ class StepProfile:
     profile's `points` (`profile_step`) say which batch each was measured at, `spec(B, n)` reads the curve measured
     at that batch (tokens per row kept when B lies between or beyond measured batches: linear in B between them,
     proportional to B past the largest) and `plain(B)` the plain decode points; each curve is fitted
-    non-decreasing in n and in B. A profile of token counts only (older files, tests) serves both from T(n):
-    spec(B, n) = T(n), plain(B) = T(B)."""
+    non-decreasing in n and in B (meta "fit": "linear", what `profile_step` writes on a CPU: the least-squares line
+    in n through each batch's points, `line_fit`). A profile of token counts only (older files, tests) serves both
+    from T(n): spec(B, n) = T(n), plain(B) = T(B)."""
 
     def __init__(self, tokens: Sequence[int], seconds: Sequence[float], meta: dict | None = None):
         if not tokens or len(tokens) != len(seconds):
@@ -51,7 +46,8 @@ class StepProfile:
         self.t = non_decreasing([sum(acc[n]) / len(acc[n]) for n in self.n], [len(acc[n]) for n in self.n])
         self.meta = dict(meta or {})
         self._by_batch, self._plain = _batch_curves(list(self.meta.get("points") or []) +
-                                                    list(self.meta.get("plain") or []))
+                                                    list(self.meta.get("plain") or []),
+                                                    linear=self.meta.get("fit") == "linear")
 
     def __call__(self, n: int) -> float:
         return _interp(self.n, self.t, n)
@@ -105,9 +101,10 @@ def _over_batches(curves: dict, B: int, at) -> float:
     return y0 + (y1 - y0) * (B - b0) / (b1 - b0)
 
 
-def _batch_curves(points: list) -> tuple[dict, dict]:
+def _batch_curves(points: list, linear: bool = False) -> tuple[dict, dict]:
     """From profile points ({batch, verify, tokens, seconds}; verify None: plain decode): {B: (tokens, seconds)} of
-    the speculative steps and {B: seconds} of plain decode, each fitted non-decreasing in tokens within a batch,
+    the speculative steps and {B: seconds} of plain decode, each fitted non-decreasing in tokens within a batch
+    (linear: the least-squares line a + b n, b >= 0, through the batch's points instead of pooling only the dips),
     then (cumulative max) in the batch at each verify length."""
     spec: dict[int, dict[int, list[float]]] = {}
     plain: dict[int, list[float]] = {}
@@ -122,7 +119,8 @@ def _batch_curves(points: list) -> tuple[dict, dict]:
     curves = {}
     for B, pts in spec.items():
         xs = sorted(pts)
-        curves[B] = (xs, non_decreasing([sum(pts[x]) / len(pts[x]) for x in xs], [len(pts[x]) for x in xs]))
+        ys = [sum(pts[x]) / len(pts[x]) for x in xs]
+        curves[B] = (xs, line_fit(xs, ys) if linear else non_decreasing(ys, [len(pts[x]) for x in xs]))
     prev: list[float] | None = None
     for B in sorted(curves):                         # per row of tokens: more rows never cost less
         xs, ys = curves[B]
@@ -135,6 +133,22 @@ def _batch_curves(points: list) -> tuple[dict, dict]:
     for B in sorted(pl):
         best = pl[B] = max(pl[B], best)
     return curves, pl
+
+
+def line_fit(xs: Sequence[float], ys: Sequence[float]) -> list[float]:
+    """The least-squares line a + b x through (xs, ys), with b >= 0 (a decreasing trend is noise: the mean), at xs.
+
+    What a CPU step costs grows in proportion to the tokens it runs, so one line through all verify lengths of a
+    batch is the right shape there, and it pools the noise of every point: a point measured while the shared
+    machine was busy elsewhere moves the line by a fifth of its error, where an interpolation through the points
+    (or pooling only the dips) would hand the scheduler that point's error whole, and a 5 % error is enough to
+    pick V = 3 where V = 4 is best (issue 28). Not for GPU profiles, whose T(n) is flat up to a size and then
+    steps."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx) if sxx > 0 else 0.0
+    return [my + b * (x - mx) for x in xs]
 
 
 def non_decreasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:
@@ -151,43 +165,46 @@ def non_decreasing(values: Sequence[float], weights: Sequence[float]) -> list[fl
 
 @torch.no_grad()
 def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), context: int = 256, repeats: int = 5, device="cpu",
-                 log=print, warmup: int = 1) -> StepProfile:
-    """Measure the engine's decode steps at a context of `context` tokens, for each batch size: the plain decode
-    step (no drafts: forward of one token a row, the drafter seeded with its taps, each row's token sampled; what
-    `off` and a skipped step run) and the speculative step for V = 0..G (the drafter's block): the drafter's
-    proposal, the verify forward over B x (1 + V) tokens, each row's acceptance, rollback, the drafter seeded.
+                 log=print, warmup: int = 1, tokenizer=None) -> StepProfile:
+    """Measure the engine's decode steps through the engine's own step path (`Engine.step`), for each batch size B:
+    B greedy requests with random prompts of `context` tokens are prefilled into an engine, then each timed sample
+    is one whole `Engine.step()` of a forced shape: the plain decode step (no drafts: what `off` and a skipped step
+    run) and the speculative step with every row verifying V = 0..G drafts (the drafter's block). So T holds
+    everything the engine really runs per step, not only the forward: the scheduler's planning, the drafter's
+    proposal, the ragged verify forward, each row's acceptance and `_emit` (stop conditions, detokenizing,
+    streaming text), the rollback, the drafter's seeding (issue 28: a profile of the forward alone said V = 3
+    at batch 8 where V = 4 was best). `tokenizer`: the one the engine will serve with (its detokenizing is part of
+    each row's emit work; default the byte tokenizer).
+
     Every shape runs `warmup` times untimed first (allocations, kernel choices and compilation are paid there, not
     in the first point); then `repeats` rounds, each over all shapes in turn (so drift of the machine spreads over
     the points instead of biasing one); the median per shape (one outlier of three or more repeats moves nothing);
-    `StepProfile` fits the curves non-decreasing."""
+    `StepProfile` fits the curves non-decreasing (on a CPU a line per batch, `line_fit`). The contexts grow by the tokens each step emits (at most
+    (warmup + repeats) (G + 2) (1 + G) a row)."""
+    from dsv41.engine.engine import Engine
+    from dsv41.engine.speculative.policy import Speculation
     cfg = model.cfg
+    if not cfg.dspark_enabled or not len(model.mtp):
+        raise ValueError("profile-step measures speculative steps: the model needs the DSpark drafter")
     G = cfg.dspark_block_size
     gen = torch.Generator().manual_seed(0)
-    pool = make_pool(model, device)
-    drafter = DSparkDrafter(model) if cfg.dspark_enabled and len(model.mtp) else None
     rows = []
     shapes = [None] + list(range(G + 1))                 # None: plain decode
+    grow = (warmup + repeats) * len(shapes) * (1 + G) + 4
     for B in batches:
-        sids = []
+        eng = Engine(model, tokenizer, prefill_mode="full", max_batch=B, max_seq_len=context + grow + 8,
+                     device=device, speculative=f"fixed:{G}", max_step_tokens=max(2048, B * (1 + G)))
+        params = SamplingParams(max_tokens=grow, ignore_eos=True)
         for _ in range(B):
-            sid = pool.new_sequence()
-            view = pool.bind([sid])
-            ids = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
-            out = model(ids, view, last_only=True)
-            if drafter is not None and out.main_hidden is not None:
-                drafter.seed(view, out.main_hidden[:, -cfg.window_size:], view.pos - min(context, cfg.window_size))
-            pool.release(view, [sid])
-            sids.append(sid)
+            eng.add_request(torch.randint(0, cfg.vocab_size, (context,), generator=gen).tolist(), params)
+        while eng.waiting or any(s.pending is None for s in eng.running):
+            eng.step()                                   # admit and prefill every request
         times: dict = {V: [] for V in shapes}
         for r in range(warmup + repeats):
             for V in shapes:
-                view = pool.bind(sids)
-                pending = torch.randint(0, cfg.vocab_size, (B,), generator=gen)
-                if V is None:
-                    t = timed(lambda: _plain_step(model, drafter, view, pending, gen, device), device)
-                else:
-                    t = timed(lambda: _verify_step(model, drafter, view, pending, V, gen, device), device)
-                pool.release(view, sids)
+                _force_shape(eng, V, Speculation)
+                t = timed(eng.step, device)
+                assert len(eng.running) == B and eng.last_plan is not None
                 if r >= warmup:
                     times[V].append(t)
         for V, ts in times.items():
@@ -196,50 +213,24 @@ def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), context: int = 25
             rows.append({"batch": B, "verify": V, "tokens": n, "seconds": t, "samples": ts})
             what = "plain   " if V is None else f"verify {V}"
             log(f"profile-step  batch {B:3d}  {what}  tokens {n:4d}  {t * 1e3:9.2f} ms")
-        for sid in sids:
-            pool.free(sid)
+        for s in list(eng.running):
+            eng.abort(s.request_id)
     spec = [r for r in rows if r["verify"] is not None]
     return StepProfile([r["tokens"] for r in spec], [r["seconds"] for r in spec],
                        {"context": context, "device": str(device), "points": spec,
                         "plain": [r for r in rows if r["verify"] is None], "warmup": warmup,
-                        "repeats": repeats, "dtype": str(model.dtype).replace("torch.", "")})
+                        "repeats": repeats, "dtype": str(model.dtype).replace("torch.", ""), "path": "engine.step",
+                        "fit": "linear" if torch.device(device).type == "cpu" else "isotonic"})
+
+
+def _force_shape(eng, V: int | None, Speculation) -> None:
+    """Make the engine's next decode step a plain one (V None) or a verify of exactly V drafts a row (as `fixed:V`,
+    V = 0 included: a proposal and a verify forward of the pending tokens only)."""
+    eng.speculation = Speculation("fixed", V or 0)
+    eng._drafting_pays = (lambda live, drafts: False) if V is None else (lambda live, drafts: True)
 
 
 def _median(ts: Sequence[float]) -> float:
     s = sorted(ts)
     k = len(s) // 2
     return s[k] if len(s) % 2 else (s[k - 1] + s[k]) / 2
-
-
-def _plain_step(model, drafter, view, pending: torch.Tensor, gen: torch.Generator, device) -> None:
-    """One decode step without drafts, as the engine runs it: one token a row, the drafter seeded with its taps,
-    a token sampled per row."""
-    pos = view.pos.clone()
-    greedy = SamplingParams(temperature=0.0)
-    out = model(pending.view(-1, 1).to(device), view, last_only=True)
-    if drafter is not None and out.main_hidden is not None:
-        drafter.seed(view, out.main_hidden, pos)
-    for b in range(len(pending)):
-        sample_token(out.logits[b, -1], greedy, gen)
-
-
-def _verify_step(model, drafter, view, pending: torch.Tensor, V: int, gen: torch.Generator, device) -> None:
-    """One speculative step of V drafts per row (random drafts without a drafter): the drafter's proposal, the
-    verify forward, each row's acceptance (greedy: the engine's per-row work), every row keeps one token, the
-    drafter is seeded with the kept taps."""
-    pos = view.pos.clone()
-    greedy = SamplingParams(temperature=0.0)
-    if drafter is not None:
-        rows = [SimpleNamespace(pending=int(t), params=greedy, gen=gen) for t in pending]
-        drafts = drafter.propose(view, rows, pos).tokens[:, :V]
-    else:
-        drafts = torch.randint(0, model.cfg.vocab_size, (len(pending), V), generator=gen)
-    ids = torch.cat([pending.view(-1, 1), drafts], dim=1).to(device)
-    journal = VerifyJournal(model, view, pos, 1 + V)
-    out = model(ids, view, opts=ForwardOptions(journal=journal.model_journal))
-    for b in range(len(pending)):
-        accept_drafts(out.logits[b, :V + 1], drafts[b].tolist(), None, greedy, gen)
-    keep = torch.ones(len(pending), dtype=torch.long)
-    journal.rollback(model, view, ids, keep)
-    if drafter is not None and out.main_hidden is not None:
-        drafter.seed(view, out.main_hidden, pos, keep)
