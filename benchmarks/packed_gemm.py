@@ -371,13 +371,19 @@ def moe_rows(dev: str, bw: float) -> list[dict]:
         touched = sorted(set(idx.flatten().tolist())) + [EXPERTS]
         nbytes = sum(ws[n][e].nbytes for n in ws for e in touched)
         t_p = cuda_time(lambda: moe_experts_triton(x, idx, wts, ws["w1"], ws["w3"], ws["w2"], 10.0, True, True))
+        t_8 = cuda_time(lambda: moe_experts_triton(x, idx, wts, ws["w1"], ws["w3"], ws["w2"], 10.0, True, True,
+                                                   packed_fp8_mma=not moe_kernel.CONFIG["packed_fp8_mma"]))
+        if moe_kernel.CONFIG["packed_fp8_mma"]:
+            t_p, t_8 = t_8, t_p                          # t_p: the bf16-decode kernels, t_8: the FP8 tensor cores
         t_b = cuda_time(lambda: moe_experts_triton(x, idx, wts, dense["w1"], dense["w3"], dense["w2"], 10.0, True,
                                                    True))
-        rows.append({"tokens": B, "experts_touched": len(touched), "packed_s": t_p, "bf16_s": t_b,
+        rows.append({"tokens": B, "experts_touched": len(touched), "packed_s": t_p, "packed_fp8_mma_s": t_8,
+                     "bf16_s": t_b,
                      "speedup_vs_bf16": t_b / t_p, "bytes": nbytes, "bytes_per_s": nbytes / t_p,
                      "share_of_copy_bw": nbytes / t_p / bw})
         print(f"MoE B {B:3d}: {len(touched):2d} experts, packed {t_p * 1e6:7.1f} us, bf16 {t_b * 1e6:7.1f} us, "
-              f"x {t_b / t_p:.2f}, {nbytes / t_p / 1e12:.2f} TB/s ({nbytes / t_p / bw * 100:.0f}% of copy)",
+              f"x {t_b / t_p:.2f}, {nbytes / t_p / 1e12:.2f} TB/s ({nbytes / t_p / bw * 100:.0f}% of copy); FP8 tensor "
+              f"cores {t_8 * 1e6:7.1f} us ({nbytes / t_8 / 1e12:.2f} TB/s)",
               flush=True)
     return rows
 

@@ -142,6 +142,34 @@ def test_moe_kernel_reads_packed_experts(device, shape, split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 8])
+@pytest.mark.parametrize("shape", [(1, 256, 128, 6, 3), (5, 256, 96, 8, 2), (40, 512, 288, 16, 6)])
+def test_moe_packed_experts_on_fp8_tensor_cores(shape, split):
+    """The MoE op over packed experts with `packed_fp8_mma` (the FP8 tensor cores, the experts' codes as the MMA's
+    operand) against the same op's bf16-decode kernels and the reference: the same products up to the FP8 MMA's
+    in-block accumulation (~1e-4), before the bf16 roundings of the outputs."""
+    from dsv41.kernels.moe_ref import moe_experts_ref
+    from dsv41.kernels.triton import moe_experts_triton
+    from tests.test_kernels_moe import make_moe, rel_err
+    n, dim, inter, experts, topk = shape
+    moe = make_moe(True, dim, inter, experts, topk, seed=n)
+    for m in moe.modules():
+        if hasattr(m, "pack") and getattr(m, "packable", False):
+            m.pack()
+    moe = moe.to("cuda")
+    w = moe.fused_weights()
+    x = (torch.randn(n, dim, generator=torch.Generator().manual_seed(n)) * 3).bfloat16().to("cuda")
+    weights, indices, _ = moe.gate(x)
+    args = (x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:])
+    ref = moe_experts_ref(*args)
+    fp8 = moe_experts_triton(*args, packed_split=split, packed_fp8_mma=True)
+    bf16 = moe_experts_triton(*args, packed_split=split)
+    print(f"MoE on FP8 tensor cores {shape} split {split}: vs bf16 kernels {rel_err(fp8, bf16):.2e}, "
+          f"vs reference {rel_err(fp8, ref):.2e}")
+    assert torch.isfinite(fp8).all() and rel_err(fp8, ref) < 2e-2 and rel_err(fp8, bf16) < 2e-2
+
+
+@pytest.mark.gpu
 def test_packed_model_on_gpu_follows_the_dense_model(monkeypatch):
     """The golden checkpoint in bf16 on the GPU, held packed (every fp8 / fp4 GEMM reads the bytes: the whole-weight
     dequantization is forbidden here) against held dense (cuBLAS over the dequantized weights), Triton backend:

@@ -35,6 +35,7 @@ from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
 from dsv41.kernels.triton.quant_kernel import _fp8_groups, qdq_fp8_triton
 from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.triton.common import ASM, DOT_BF16, INTERPRET, LAST, libdevice, sm_count
+from dsv41.kernels.triton.fp8_decode import fp8_rows_dot_t
 from dsv41.kernels.triton.packed_gemm import check_offsets, packed_rows_dot
 
 __all__ = ["moe_experts_triton", "CONFIG"]
@@ -46,10 +47,13 @@ __all__ = ["moe_experts_triton", "CONFIG"]
 # most that many parts of the reduced width (split-K: fp32 partials added in part order by a finish kernel) so that
 # a decode step's few busy experts fill about packed_programs_per_sm programs per SM (H200 sweep at 1 + 32 tokens:
 # split 16 / 8 programs per SM 819 us against 1,840 without the split; tiles F 128 / D 128 971 us against 1,208
-# at F 64; results/packed_gemm_h200-2026-12-05.log).
+# at F 64; results/packed_gemm_h200-2026-12-05.log). packed_fp8_mma: packed experts of bf16 models on the FP8 tensor
+# cores (fp8_decode.fp8_rows_dot_t: the inputs, FP8-QDQ'd, as codes; the weights' codes as the operand, no decode to
+# bf16), when benchmarks/packed_gemm.py --sweep-moe-fp8 finds it faster.
 CONFIG = {"block_m": 16, "up_block_f": 32, "up_block_d": 256, "down_block_d": 32, "down_block_f": 256,
           "combine_block_d": 512, "num_warps": 4, "packed_unroll": 2, "packed_block_f": 128,
-          "packed_down_block_d": 128, "packed_num_warps": 4, "packed_split": 16, "packed_programs_per_sm": 8}
+          "packed_down_block_d": 128, "packed_num_warps": 4, "packed_split": 16, "packed_programs_per_sm": 8,
+          "packed_fp8_mma": False}
 
 
 @triton.jit
@@ -92,6 +96,20 @@ def _packed_rows_dot(acc, xrow, xm, w_tab, s_tab, j, rn, nm, C, kb_lo, kb_hi, BN
 
 
 @triton.jit
+def _fp8_rows_dot(acc, xrow, xm, w_tab, s_tab, j, rn, nm, C, kb_lo, kb_hi, BN: tl.constexpr, FP4: tl.constexpr,
+                  ALIGNED: tl.constexpr):
+    """`_packed_rows_dot` on the FP8 tensor cores (bf16 models, x FP8-QDQ'd): `fp8_decode.fp8_rows_dot_t`, the
+    weight's rows on the MMA's wide side, transposed back to acc's [BM, BN]."""
+    codes = tl.load(w_tab + j).to(tl.pointer_type(tl.uint8))
+    if ALIGNED:
+        codes = tl.multiple_of(codes, 16)
+    scales = tl.load(s_tab + j).to(tl.pointer_type(tl.uint8))
+    acc_t = fp8_rows_dot_t(tl.zeros([BN, acc.shape[0]], tl.float32), xrow, xm, codes, scales, rn, nm, C, kb_lo,
+                           kb_hi, BN, FP4)
+    return acc + tl.trans(acc_t)
+
+
+@triton.jit
 def _up_finish(acc_g, acc_u, s, sm, f, fm, order_ptr, pw_ptr, h_ptr, F, limit, floor, max_inv, CLAMP: tl.constexpr,
                QUANT: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr, GROUP: tl.constexpr,
                LIBDEVICE: tl.constexpr):
@@ -119,7 +137,7 @@ def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, cou
                    e0, D, F, KP, P, kb_per_split, limit, floor, max_inv, CLAMP: tl.constexpr, QUANT: tl.constexpr,
                    BM: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GROUP: tl.constexpr, DOT_BF16: tl.constexpr,
                    LIBDEVICE: tl.constexpr, PACKED: tl.constexpr, FP4: tl.constexpr, U: tl.constexpr,
-                   ASM: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr):
+                   ASM: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr, FP8MMA: tl.constexpr):
     """Program (expert j, F tile, split part): gate and up of the expert's slots over the part's 32-wide blocks
     of D (packed weights; dense: all of D, SPLIT 1). SPLIT 1: the epilogue (`_up_finish`) -> h; else the fp32
     partials at part_ptr[0 or 1, part, slot, f] (`_moe_up_finish_kernel` adds them in part order)."""
@@ -144,10 +162,14 @@ def _moe_up_kernel(x_ptr, w1_tab, w3_tab, s1_tab, s3_tab, order_ptr, pw_ptr, cou
             xm = sm[:, None]
             lo = part * kb_per_split
             hi = tl.minimum(lo + kb_per_split, D >> 5)
-            acc_g = _packed_rows_dot(acc_g, xrow, xm, w1_tab, s1_tab, j, f, fm, D, lo, hi, BF, U, FP4, DOT_BF16, ASM,
-                                     ALIGNED)
-            acc_u = _packed_rows_dot(acc_u, xrow, xm, w3_tab, s3_tab, j, f, fm, D, lo, hi, BF, U, FP4, DOT_BF16, ASM,
-                                     ALIGNED)
+            if FP8MMA:
+                acc_g = _fp8_rows_dot(acc_g, xrow, xm, w1_tab, s1_tab, j, f, fm, D, lo, hi, BF, FP4, ALIGNED)
+                acc_u = _fp8_rows_dot(acc_u, xrow, xm, w3_tab, s3_tab, j, f, fm, D, lo, hi, BF, FP4, ALIGNED)
+            else:
+                acc_g = _packed_rows_dot(acc_g, xrow, xm, w1_tab, s1_tab, j, f, fm, D, lo, hi, BF, U, FP4, DOT_BF16,
+                                         ASM, ALIGNED)
+                acc_u = _packed_rows_dot(acc_u, xrow, xm, w3_tab, s3_tab, j, f, fm, D, lo, hi, BF, U, FP4, DOT_BF16,
+                                         ASM, ALIGNED)
         else:
             for d0 in range(0, D, BD):
                 dm = d0 + d < D
@@ -198,7 +220,7 @@ def _moe_up_finish_kernel(part_ptr, order_ptr, pw_ptr, counts_ptr, offs_ptr, h_p
 def _moe_down_kernel(h_ptr, w2_tab, s2_tab, counts_ptr, offs_ptr, out_ptr, part_ptr, e0, D, F, P, kb_per_split,
                      BM: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, DOT_BF16: tl.constexpr,
                      PACKED: tl.constexpr, FP4: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr,
-                     ALIGNED: tl.constexpr, SPLIT: tl.constexpr):
+                     ALIGNED: tl.constexpr, SPLIT: tl.constexpr, FP8MMA: tl.constexpr):
     """Program (expert j, D tile, split part): h W2^T of the expert's slots over the part's 32-wide blocks of F
     (packed; dense: all of F, SPLIT 1). SPLIT 1: rounded to the weights' dtype -> out; else the fp32 partial at
     part_ptr[part, slot, d] (`_moe_down_finish_kernel`)."""
@@ -218,8 +240,12 @@ def _moe_down_kernel(h_ptr, w2_tab, s2_tab, counts_ptr, offs_ptr, out_ptr, part_
         if PACKED:
             lo = part * kb_per_split
             hi = tl.minimum(lo + kb_per_split, F >> 5)
-            acc = _packed_rows_dot(acc, h_ptr + s[:, None] * F, sm[:, None], w2_tab, s2_tab, j, dd, dmask, F, lo, hi,
-                                   BD, U, FP4, DOT_BF16, ASM, ALIGNED)
+            if FP8MMA:
+                acc = _fp8_rows_dot(acc, h_ptr + s[:, None] * F, sm[:, None], w2_tab, s2_tab, j, dd, dmask, F, lo, hi,
+                                    BD, FP4, ALIGNED)
+            else:
+                acc = _packed_rows_dot(acc, h_ptr + s[:, None] * F, sm[:, None], w2_tab, s2_tab, j, dd, dmask, F, lo,
+                                       hi, BD, U, FP4, DOT_BF16, ASM, ALIGNED)
         else:
             for f0 in range(0, F, BF):
                 fm = f0 + fr < F
@@ -376,6 +402,8 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     out = torch.empty(N * KP, D, dtype=dt, device=dev)
     BM = cfg["block_m"]
     P = N * KP
+    fp8mma = (cfg["packed_fp8_mma"] and dt == torch.bfloat16 and dev.type == "cuda" and not INTERPRET
+              and torch.cuda.get_device_capability(dev) >= (8, 9))
     for e0, n in groups:
         t1, s1, packed, fp4, al1 = _tables(w1[e0:e0 + n], dev)
         t3, s3, _, _, al3 = _tables(w3[e0:e0 + n], dev)
@@ -389,7 +417,8 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
         LAST['moe_up'] = _moe_up_kernel[(n, triton.cdiv(F, BF), sp1)](
             xq, t1, t3, s1, s3, order, pw, counts, offs, h, parts, e0, D, F, KP, P, kb1, float(limit),
             FP8_AMAX_FLOOR, FP8_MAX_INV, BD=cfg["up_block_d"], DOT_BF16=DOT_BF16, PACKED=packed, FP4=fp4, U=U,
-            ASM=ASM, ALIGNED=al1 and al3, num_warps=nw, enable_fp_fusion=False, **quant)
+            ASM=ASM, ALIGNED=al1 and al3, FP8MMA=packed and fp8mma and bool(quant_in), num_warps=nw,
+            enable_fp_fusion=False, **quant)
         if sp1 > 1:
             _moe_up_finish_kernel[(n, triton.cdiv(F, BF))](
                 parts, order, pw, counts, offs, h, e0, F, P, float(limit), FP8_AMAX_FLOOR, FP8_MAX_INV, num_warps=4,
@@ -399,7 +428,8 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
         parts = torch.empty(sp2 * P * D if sp2 > 1 else 1, dtype=torch.float32, device=dev)
         LAST['moe_down'] = _moe_down_kernel[(n, triton.cdiv(D, BD2), sp2)](
             h, t2, s2, counts, offs, out, parts, e0, D, F, P, kb2, BM=BM, BD=BD2, BF=cfg["down_block_f"],
-            DOT_BF16=DOT_BF16, PACKED=packed, FP4=fp4, U=U, ASM=ASM, ALIGNED=al2, SPLIT=sp2, num_warps=nw)
+            DOT_BF16=DOT_BF16, PACKED=packed, FP4=fp4, U=U, ASM=ASM, ALIGNED=al2, SPLIT=sp2,
+            FP8MMA=packed and fp8mma and bool(quant_mid), num_warps=nw)
         if sp2 > 1:
             _moe_down_finish_kernel[(n, triton.cdiv(D, BD2))](parts, counts, offs, out, e0, D, P, BM=BM, BD=BD2,
                                                               SPLIT=sp2, num_warps=4)
