@@ -11,7 +11,8 @@ rounded to the checkpoint formats), measure memory, time again.
     python benchmarks/gpu_weights.py           # writes benchmarks/results/gpu_weights_h200.json
 Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (6), DENSE_ROWS (1: time the dense holding too;
 0 builds it only to pack it), RESULT (the result file; default by GPU: gpu_weights_h200.json / gpu_weights_h100.json),
-TUNING (a `benchmarks/packed_gemm.py --sweep` result whose decode tiles to use).
+TUNING (a `benchmarks/packed_gemm.py --sweep*` result whose decode kernels and tiles to use), BASELINE (1: time the
+packed model with the default kernels first, then with TUNING's, side by side).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     res = {"config": name, "gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "context": context,
            "commit": os.environ.get("COMMIT", "")}
-    if os.environ.get("TUNING"):
+    if os.environ.get("TUNING") and os.environ.get("BASELINE") != "1":
         res["tuning"] = apply_tuning(os.environ["TUNING"])
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     base = torch.cuda.memory_allocated()
@@ -136,7 +137,13 @@ def main() -> None:
           f"{measured / 1e9:.1f} GB (weights {held['weights'] / 1e9:.1f} + Engram tables "
           f"{held['engram_tables'] / 1e9:.1f}); analytic {total_analytic / 1e9:.1f} GB; measured / analytic "
           f"{res['measured_over_analytic']:.3f}", flush=True)
-    res["rows"] += decode_rows(model, cfg, dev, "packed", bw, context, batches, n_steps)
+    if os.environ.get("TUNING") and os.environ.get("BASELINE") == "1":    # the kernels before the tuning, then after
+        for row in decode_rows(model, cfg, dev, "packed", bw, context, batches, n_steps):
+            res["rows"].append({**row, "kernels": "untuned"})
+        res["tuning"] = apply_tuning(os.environ["TUNING"])
+        print(f"tuned: {res['tuning']}", flush=True)
+    for row in decode_rows(model, cfg, dev, "packed", bw, context, batches, n_steps):
+        res["rows"].append({**row, "kernels": "tuned" if os.environ.get("TUNING") else "default"})
     gpu = "h100" if "H100" in res["gpu"] else "h200"
     out = Path(os.environ.get("RESULT") or Path(__file__).parent / "results" / f"gpu_weights_{gpu}.json")
     out.write_text(json.dumps(res, indent=1))
