@@ -12,7 +12,8 @@ rounded to the checkpoint formats), measure memory, time again.
 Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (6), DENSE_ROWS (1: time the dense holding too;
 0 builds it only to pack it), RESULT (the result file; default by GPU: gpu_weights_h200.json / gpu_weights_h100.json),
 TUNING (a `benchmarks/packed_gemm.py --sweep*` result whose decode kernels and tiles to use), BASELINE (1: time the
-packed model with the default kernels first, then with TUNING's, side by side).
+packed model first on the bf16-decode kernels alone (the tensor-core decode kernel at every row count, the MoE's
+bf16-decode path: the kernels before packed_gemv / fp8_decode), then with TUNING's choices, side by side).
 """
 
 from __future__ import annotations
@@ -138,8 +139,12 @@ def main() -> None:
           f"{held['engram_tables'] / 1e9:.1f}); analytic {total_analytic / 1e9:.1f} GB; measured / analytic "
           f"{res['measured_over_analytic']:.3f}", flush=True)
     if os.environ.get("TUNING") and os.environ.get("BASELINE") == "1":    # the kernels before the tuning, then after
-        for row in decode_rows(model, cfg, dev, "packed", bw, context, batches, n_steps):
-            res["rows"].append({**row, "kernels": "untuned"})
+        from dsv41.kernels.triton import fp8_decode, moe_kernel, packed_gemm
+        saved = packed_gemm.GEMV_ROWS, fp8_decode.FP8_DECODE_FROM, moe_kernel.CONFIG["packed_fp8_mma"]
+        packed_gemm.GEMV_ROWS, fp8_decode.FP8_DECODE_FROM, moe_kernel.CONFIG["packed_fp8_mma"] = 0, 65, False
+        for row in decode_rows(model, cfg, dev, "packed", bw, context, batches, n_steps):   # bf16-decode kernels only
+            res["rows"].append({**row, "kernels": "bf16-decode"})
+        packed_gemm.GEMV_ROWS, fp8_decode.FP8_DECODE_FROM, moe_kernel.CONFIG["packed_fp8_mma"] = saved
         res["tuning"] = apply_tuning(os.environ["TUNING"])
         print(f"tuned: {res['tuning']}", flush=True)
     for row in decode_rows(model, cfg, dev, "packed", bw, context, batches, n_steps):
