@@ -167,7 +167,7 @@ def sweep_gemv(dev: str) -> dict:
     table = []
     for bn in (32, 64, 128):
         for unroll in (2, 4, 8):
-            for warps in (4, 8):
+            for warps in (4,):
                 for stages in (2, 4):
                     for per_sm in (4, 8):
                         cfg.update(block_n=bn, unroll=unroll, num_warps=warps, num_stages=stages,
@@ -222,8 +222,8 @@ def sweep_fp8_decode(dev: str) -> dict:
     cfg = fp8_decode.FP8_DECODE_CONFIG
     table = []
     for bn in (64, 128, 256):
-        for warps in (4, 8):
-            for stages in (3, 4, 6):
+        for warps in (4,):
+            for stages in (3, 5):
                 for per_sm in (1, 2, 4):
                     cfg.update(block_n=bn, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
                     try:
