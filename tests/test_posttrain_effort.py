@@ -116,3 +116,13 @@ def test_rl_epochs_take_that_many_optimizer_steps_on_the_same_rollouts(tmp_path)
                     tok.pad_id)
     assert Counting.steps == 3 and st["tis_mean"] == 1.0
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))      # lr 0: nothing moved
+
+
+def test_k0_controller_holds_the_mean_length():
+    from dsv41.posttrain.rl import hold_length, next_k0
+    st = hold_length(None, 10.0)
+    assert st == {"target": 10.0, "ema": 10.0} and next_k0(4.0, st, 1.0) == 4.0
+    short = hold_length(st, 5.0)                      # lengths fell: the penalty eases
+    assert short["ema"] == pytest.approx(9.0) and next_k0(4.0, short, 1.0) == pytest.approx(4.0 * math.exp(-0.1))
+    long_ = hold_length(st, 15.0)                     # lengths grew: the penalty tightens
+    assert next_k0(4.0, long_, 1.0) > 4.0 and next_k0(4.0, long_, 0.0) == 4.0

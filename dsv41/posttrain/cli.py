@@ -65,6 +65,8 @@ def register(subparsers) -> None:
                    help="rl: levels each prompt is sampled at, drawn from --levels (default 0: all of them)")
     p.add_argument("--delta-b", type=float, help="rl: delta_b of tau = lambda delta_b (default: the levels' mean "
                    "spacing; 24.75 keeps the five-level k(b) on a dense grid)")
+    p.add_argument("--k0-rate", type=float, help="rl: > 0 lets k0 follow the sampled length so the mean length "
+                   "holds at the first update's (k0 *= exp(rate (L_ema - L_0) / L_0); default 0: fixed k0)")
     p.add_argument("--epochs", type=int, help="rl: optimizer steps per update on the same rollouts (default 1)")
     p.add_argument("--adv-norm", action="store_true", help="rl: divide advantages by their (x, b) subgroup's std")
     p.add_argument("--init", help="rl: the checkpoint RL starts from (default <runs>/post-sft)")
@@ -122,7 +124,7 @@ def main(args) -> int:
             init = args.init if args.init and args.stage != "all" else str(runs / "post-sft")
             cfg = _budget(RLConfig(init=init, out=out, seed=args.seed, mix=mix, dispatch=args.dispatch,
                                    quiet=args.quiet, drafter_lr=args.drafter_lr, adv_norm=args.adv_norm), args)
-            for name in ("samples", "prompts", "levels_per_prompt", "epochs"):
+            for name in ("samples", "prompts", "levels_per_prompt", "epochs", "k0_rate"):
                 if getattr(args, name) is not None:
                     setattr(cfg, name, getattr(args, name))
             for name, field in (("k0", "k0"), ("lam", "lam"), ("cmax", "c_max"), ("delta_b", "delta_b")):

@@ -83,6 +83,11 @@ class RLConfig:
     levels_per_prompt: int = 0
     adv_norm: bool = False            # divide each advantage by its (x, b) subgroup's standard deviation
     epochs: int = 1                   # optimizer steps per update on the same rollouts (ratios against the first)
+    # > 0: k0 follows the sampled length (hold_length below): after each update k0 *= exp(rate (L_ema - L_0) / L_0),
+    # L_ema the moving mean (0.8 / 0.2) of the updates' mean sampled reasoning length, L_0 the first update's; the
+    # length term then pulls as much toward shorter (low b) as the score and the high levels toward longer, so
+    # the mean length holds and what the update can still change is how the length depends on b
+    k0_rate: float = 0.0
     mix: TaskMix = field(default_factory=TaskMix)
     length: LengthReward = field(default_factory=LengthReward)
 
@@ -180,6 +185,19 @@ def step_items(cfg: RLConfig, step: int) -> list[tuple[T.Problem, int, int]]:
     return items
 
 
+def hold_length(state: dict | None, mean_length: float, beta: float = 0.8) -> dict:
+    """The k0 controller's state after an update whose sampled mean reasoning length is `mean_length`: the target
+    is the first update's, ema the moving mean (beta on the old value)."""
+    if state is None:
+        return {"target": mean_length, "ema": mean_length}
+    return {"target": state["target"], "ema": beta * state["ema"] + (1 - beta) * mean_length}
+
+
+def next_k0(k0: float, state: dict, rate: float) -> float:
+    """k0 after an update: raised while the moving mean length is above the target, lowered while below."""
+    return k0 * math.exp(rate * (state["ema"] - state["target"]) / max(state["target"], 1.0))
+
+
 def level_bands(levels, n: int = 5) -> list[tuple[int, int]]:
     """(lo, hi) ranges of b that group the levels for a progress line / plot: each level alone when there are at
     most 9 of them, else n bands of equal width over 1..100."""
@@ -221,6 +239,11 @@ class RLRun:
         resume = (self.out / "posttrain.json").is_file()
         self.model, self.tok, meta = load(self.out if resume else cfg.init)
         self.step, self.history = (int(meta["step"]), meta["history"]) if resume else (0, [])
+        self.hold = None
+        if resume and self.history and self.history[-1].get("hold"):      # the k0 controller's state
+            self.hold = dict(self.history[-1]["hold"])
+            last = self.history[-1]
+            cfg.length.k0 = next_k0(last["k0"], self.hold, cfg.k0_rate)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         if resume and (self.out / "optimizer.pt").is_file():
             self.opt.load_state_dict(torch.load(self.out / "optimizer.pt"))
@@ -248,8 +271,13 @@ class RLRun:
             stats.update(drafter_step(self.model, self.dopt, rs, self.tok.pad_id))
         self.step += 1
         lv = level_stats(rs, rewards)
+        k0 = self.cfg.length.k0
+        if self.cfg.k0_rate > 0:
+            self.hold = hold_length(self.hold, sum(r.verdict.reasoning_tokens for r in rs) / max(1, len(rs)))
+            self.cfg.length.k0 = next_k0(k0, self.hold, self.cfg.k0_rate)
         self.history.append({"step": self.step, **stats, "levels": lv, "elapsed": time.time() - self.t0,
-                             "sampled_tokens": sum(len(r.output_ids) for r in rs), **extra})
+                             "sampled_tokens": sum(len(r.output_ids) for r in rs), "k0": k0,
+                             "hold": dict(self.hold) if self.hold else None, **extra})
         bands = level_bands(self.cfg.mix.levels)
         acc, ln = band_means(lv, bands, "accuracy"), band_means(lv, bands, "length")
         self.bar.update(" ".join(f"b{lo}{'' if lo == hi else f'-{hi}'} acc {a:.2f} len {l_:.1f}"
