@@ -27,6 +27,7 @@ counted. Prints a table and one JSON line (also written to --out).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -121,8 +122,9 @@ def main() -> None:
                     help="T(n) profile: timed repeats per shape, the median kept (on a machine shared with other "
                          "work, a median of 3 was often a slowed sample and misled the scheduler)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="run every mode this many times, interleaved (off, A, B, ..., off, A, B, ...); each mode's "
-                         "fastest round is reported (a machine shared with other work slows some rounds)")
+                    help="run every mode this many times, interleaved (off, A, B, ...; then A, B, ..., off; then "
+                         "B, ..., off, A: each later round rotates the order); each mode's fastest round is "
+                         "reported (a machine shared with other work slows some rounds)")
     ap.add_argument("--deterministic", action="store_true",
                     help="the engine's deterministic mode (and the profile measured in it): greedy outputs then do "
                          "not depend on speculation at all, bit for bit (without it, a random-weight model's nearly "
@@ -218,7 +220,9 @@ def _run_batch(args, res: dict, model, tok, prompts: list, modes: list[str], pro
     best: dict[str, dict] = {}
     futures = None
     for rnd in range(args.rounds):
-        for mode in modes:
+        k = rnd % len(modes)                  # later rounds rotate the order, so no mode always follows the same one
+        for mode in modes[k:] + modes[:k]:
+            gc.collect()                      # the previous engine's garbage is not collected inside a timed step
             eng = Engine(model, tok, prefill_mode="ced-bounded", max_batch=B, max_seq_len=8192, device=args.device,
                          speculative=mode, step_profile=prof, deterministic=args.deterministic)
             if args.checkpoint is None and eng.drafter is not None:
