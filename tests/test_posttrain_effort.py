@@ -126,3 +126,16 @@ def test_k0_controller_holds_the_mean_length():
     assert short["ema"] == pytest.approx(9.0) and next_k0(4.0, short, 1.0) == pytest.approx(4.0 * math.exp(-0.1))
     long_ = hold_length(st, 15.0)                     # lengths grew: the penalty tightens
     assert next_k0(4.0, long_, 1.0) > 4.0 and next_k0(4.0, long_, 0.0) == 4.0
+
+
+def test_paired_seeds_share_the_samples_seeds_across_a_prompts_levels():
+    mix = TaskMix(levels=(1, 25, 50, 75, 100))
+    its = step_items(RLConfig(prompts=2, samples=3, paired_seeds=True, mix=mix), 4)
+    by = {}
+    for p, b, s in its:
+        by.setdefault(p.content, {}).setdefault(b, []).append(s)
+    for lv in by.values():
+        assert len(lv) == 5 and all(v == lv[1] for v in lv.values()) and len(set(lv[1])) == 3
+    un = step_items(RLConfig(prompts=2, samples=3, mix=mix), 4)
+    assert len({s for _, _, s in un}) == len(un)                # unpaired: every sample its own seed
+

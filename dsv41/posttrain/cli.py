@@ -68,6 +68,8 @@ def register(subparsers) -> None:
     p.add_argument("--k0-rate", type=float, help="rl: > 0 lets k0 follow the sampled length so the mean length "
                    "holds at the first update's (k0 *= exp(rate (L_ema - L_0) / L_0); default 0: fixed k0)")
     p.add_argument("--epochs", type=int, help="rl: optimizer steps per update on the same rollouts (default 1)")
+    p.add_argument("--paired-seeds", action="store_true",
+                   help="rl: the same M sampling seeds at every level of a prompt (common random numbers)")
     p.add_argument("--adv-norm", action="store_true", help="rl: divide advantages by their (x, b) subgroup's std")
     p.add_argument("--init", help="rl: the checkpoint RL starts from (default <runs>/post-sft)")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -123,7 +125,8 @@ def main(args) -> int:
             from dsv41.posttrain.rl import RLConfig, run_rl
             init = args.init if args.init and args.stage != "all" else str(runs / "post-sft")
             cfg = _budget(RLConfig(init=init, out=out, seed=args.seed, mix=mix, dispatch=args.dispatch,
-                                   quiet=args.quiet, drafter_lr=args.drafter_lr, adv_norm=args.adv_norm), args)
+                                   quiet=args.quiet, drafter_lr=args.drafter_lr, adv_norm=args.adv_norm,
+                                   paired_seeds=args.paired_seeds), args)
             for name in ("samples", "prompts", "levels_per_prompt", "epochs", "k0_rate"):
                 if getattr(args, name) is not None:
                     setattr(cfg, name, getattr(args, name))

@@ -88,6 +88,10 @@ class RLConfig:
     # length term then pulls as much toward shorter (low b) as the score and the high levels toward longer, so
     # the mean length holds and what the update can still change is how the length depends on b
     k0_rate: float = 0.0
+    # the same M seeds at every level of a prompt (common random numbers): while the policy ignores b, the samples
+    # of (x, b) and (x, b') are the same responses, so the task score's part of the update is the same at every
+    # level and what differs between the levels' pulls is the length term alone
+    paired_seeds: bool = False
     mix: TaskMix = field(default_factory=TaskMix)
     length: LengthReward = field(default_factory=LengthReward)
 
@@ -103,6 +107,14 @@ def group_advantages(rewards: list[float], keys: list, norm: bool = False, eps: 
         return [r - mean[k] for r, k in zip(rewards, keys)]
     std = {k: math.sqrt(sum((x - mean[k]) ** 2 for x in v) / len(v)) for k, v in groups.items()}
     return [(r - mean[k]) / (std[k] + eps) for r, k in zip(rewards, keys)]
+
+
+def level_seeds(rng: random.Random, levels: int, samples: int, paired: bool) -> list[list[int]]:
+    """Sampling seeds per level of a prompt: M fresh ones each, or (paired) one list of M shared by every level."""
+    if paired:
+        seeds = [rng.randrange(2 ** 31) for _ in range(samples)]
+        return [list(seeds) for _ in range(levels)]
+    return [[rng.randrange(2 ** 31) for _ in range(samples)] for _ in range(levels)]
 
 
 def prompt_levels(rng: random.Random, levels: tuple[int, ...], k: int) -> list[int]:
@@ -180,8 +192,9 @@ def step_items(cfg: RLConfig, step: int) -> list[tuple[T.Problem, int, int]]:
     items = []
     for i in range(cfg.prompts):
         p = T.sample_problem(rng, cfg.mix.families[i % len(cfg.mix.families)], cfg.mix.lo, cfg.mix.hi)
-        for b in prompt_levels(rng, cfg.mix.levels, cfg.levels_per_prompt):
-            items += [(p, b, rng.randrange(2 ** 31)) for _ in range(cfg.samples)]
+        levels = prompt_levels(rng, cfg.mix.levels, cfg.levels_per_prompt)
+        for b, seeds in zip(levels, level_seeds(rng, len(levels), cfg.samples, cfg.paired_seeds)):
+            items += [(p, b, s) for s in seeds]
     return items
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dsv41.posttrain import tasks as T
 from dsv41.posttrain.dispatch import DispatchConfig, Dispatcher, EngineBackend, Group, Sample
-from dsv41.posttrain.rl import RLConfig, RLRun, prompt_levels
+from dsv41.posttrain.rl import RLConfig, RLRun, level_seeds, prompt_levels
 from dsv41.posttrain.rollout import Rollout, make_engine
 
 
@@ -28,9 +28,11 @@ def group_source(cfg: RLConfig, tok, first: int = 0):
     while True:
         rng = random.Random(f"rl-dispatch:{cfg.seed}:{gid}")
         p = T.sample_problem(rng, cfg.mix.families[gid % len(cfg.mix.families)], cfg.mix.lo, cfg.mix.hi)
-        efforts = [b for b in prompt_levels(rng, cfg.mix.levels, cfg.levels_per_prompt) for _ in range(cfg.samples)]
-        samples = [Sample(f"g{gid}s{j}", T.prompt_ids(tok, p, b), rng.randrange(2 ** 31))
-                   for j, b in enumerate(efforts)]
+        levels = prompt_levels(rng, cfg.mix.levels, cfg.levels_per_prompt)
+        seeds = [s for ss in level_seeds(rng, len(levels), cfg.samples, cfg.paired_seeds) for s in ss]
+        efforts = [b for b in levels for _ in range(cfg.samples)]
+        samples = [Sample(f"g{gid}s{j}", T.prompt_ids(tok, p, b), seed)
+                   for j, (b, seed) in enumerate(zip(efforts, seeds))]
         yield Group(gid, p.family, samples, meta=(p, efforts))
         gid += 1
 
