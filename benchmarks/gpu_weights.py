@@ -13,7 +13,7 @@ Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (6), DENSE_ROW
 0 builds it only to pack it), RESULT (the result file; default by GPU: gpu_weights_h200.json / gpu_weights_h100.json),
 TUNING (a `benchmarks/packed_gemm.py --sweep*` result whose decode kernels and tiles to use), BASELINE (1: time the
 packed model first on the bf16-decode kernels alone (the tensor-core decode kernel at every row count, the MoE's
-bf16-decode path: the kernels before packed_gemv / fp8_decode), then with TUNING's choices, side by side).
+bf16-decode path: the kernels before fp8_decode), then with TUNING's choices, side by side).
 """
 
 from __future__ import annotations
@@ -85,20 +85,18 @@ def decode_rows(model, cfg, dev: str, holding: str, bw: float, context: int, bat
 
 
 def apply_tuning(path: str) -> dict:
-    """The decode tiles a `benchmarks/packed_gemm.py --sweep` (or --sweep-gemv) result picked (its decode_configs,
-    gemv_config / gemv_rows and moe_config), set in this process."""
-    from dsv41.kernels.triton import fp8_decode, moe_kernel, packed_gemm, packed_gemv
+    """The decode tiles a `benchmarks/packed_gemm.py --sweep` (or --sweep-fp8-decode) result picked (its
+    decode_configs, fp8_decode_config / fp8_decode_from and moe_config), set in this process."""
+    from dsv41.kernels.triton import fp8_decode, moe_kernel, packed_gemm
     tuned = json.loads(Path(path).read_text())
     for rows, cfg in tuned.get("decode_configs", {}).items():
         packed_gemm.DECODE_CONFIGS[int(rows)].update(cfg)
-    packed_gemv.GEMV_CONFIG.update(tuned.get("gemv_config", {}))
-    packed_gemm.GEMV_ROWS = tuned.get("gemv_rows", packed_gemm.GEMV_ROWS)
     fp8_decode.FP8_DECODE_CONFIG.update(tuned.get("fp8_decode_config", {}))
-    fp8_decode.FP8_DECODE_FROM = tuned.get("fp8_decode_from", fp8_decode.FP8_DECODE_FROM)
+    if isinstance(tuned.get("fp8_decode_from"), dict):
+        fp8_decode.FP8_DECODE_FROM.update(tuned["fp8_decode_from"])
     moe_kernel.CONFIG.update(tuned.get("moe_config", {}))
     return {"decode_configs": {str(k): dict(v) for k, v in packed_gemm.DECODE_CONFIGS.items()},
-            "gemv_config": dict(packed_gemv.GEMV_CONFIG), "gemv_rows": packed_gemm.GEMV_ROWS,
-            "fp8_decode_config": dict(fp8_decode.FP8_DECODE_CONFIG), "fp8_decode_from": fp8_decode.FP8_DECODE_FROM,
+            "fp8_decode_config": dict(fp8_decode.FP8_DECODE_CONFIG), "fp8_decode_from": dict(fp8_decode.FP8_DECODE_FROM),
             "moe_config": dict(moe_kernel.CONFIG)}
 
 
@@ -139,12 +137,14 @@ def main() -> None:
           f"{held['engram_tables'] / 1e9:.1f}); analytic {total_analytic / 1e9:.1f} GB; measured / analytic "
           f"{res['measured_over_analytic']:.3f}", flush=True)
     if os.environ.get("TUNING") and os.environ.get("BASELINE") == "1":    # the kernels before the tuning, then after
-        from dsv41.kernels.triton import fp8_decode, moe_kernel, packed_gemm
-        saved = packed_gemm.GEMV_ROWS, fp8_decode.FP8_DECODE_FROM, moe_kernel.CONFIG["packed_fp8_mma"]
-        packed_gemm.GEMV_ROWS, fp8_decode.FP8_DECODE_FROM, moe_kernel.CONFIG["packed_fp8_mma"] = 0, 65, False
+        from dsv41.kernels.triton import fp8_decode, moe_kernel
+        saved = dict(fp8_decode.FP8_DECODE_FROM), moe_kernel.CONFIG["packed_fp8_mma"]
+        fp8_decode.FP8_DECODE_FROM.update(fp8=65, fp4=65)
+        moe_kernel.CONFIG["packed_fp8_mma"] = 0
         for row in decode_rows(model, cfg, dev, "packed", bw, context, batches, n_steps):   # bf16-decode kernels only
             res["rows"].append({**row, "kernels": "bf16-decode"})
-        packed_gemm.GEMV_ROWS, fp8_decode.FP8_DECODE_FROM, moe_kernel.CONFIG["packed_fp8_mma"] = saved
+        fp8_decode.FP8_DECODE_FROM.update(saved[0])
+        moe_kernel.CONFIG["packed_fp8_mma"] = saved[1]
         res["tuning"] = apply_tuning(os.environ["TUNING"])
         print(f"tuned: {res['tuning']}", flush=True)
     for row in decode_rows(model, cfg, dev, "packed", bw, context, batches, n_steps):

@@ -13,10 +13,9 @@ op of a decode step (B = 1, 8, 32, 64 tokens x top-6 of v41-geometry's 16 fp4 ro
 expert) over packed and over dense bf16 experts.
 
     python benchmarks/packed_gemm.py          # writes benchmarks/results/packed_gemm_h200.json
-    python benchmarks/packed_gemm.py --sweep-gemv  # first picks the CUDA-core kernel's tiles of a few rows
-                                              # (packed_gemv.GEMV_CONFIG) and up to how many rows it serves (GEMV_ROWS)
     python benchmarks/packed_gemm.py --sweep-fp8-decode  # the FP8 tensor-core decode kernel's tiles and from how
-                                              # many rows bf16 models take it (fp8_decode.FP8_DECODE_FROM)
+                                              # many rows bf16 models take it, per weight kind
+                                              # (fp8_decode.FP8_DECODE_FROM)
     python benchmarks/packed_gemm.py --sweep  # the same, then picks the decode tiles (DECODE_CONFIG) on two shapes, those of
                                               # the 32- and 64-row buckets (DECODE_CONFIGS), the MoE kernels' packed
                                               # tiles, and the prefill tiles of the FP8 tensor-core GEMM
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.codecs import qdq_fp8  # noqa: E402
 from dsv41.codecs.weights import PackedWeight, pack_weight  # noqa: E402
-from dsv41.kernels.triton import fp8_decode, fp8_gemm, moe_kernel, packed_gemm, packed_gemv  # noqa: E402
+from dsv41.kernels.triton import fp8_decode, fp8_gemm, moe_kernel, packed_gemm  # noqa: E402
 from dsv41.kernels.triton.moe_kernel import moe_experts_triton  # noqa: E402
 from dsv41.kernels.triton.packed_gemm import packed_linear_triton  # noqa: E402
 
@@ -152,65 +151,11 @@ def sweep_buckets(dev: str) -> dict:
     return {"sweep_buckets": table, "decode_configs": {str(k): dict(v) for k, v in packed_gemm.DECODE_CONFIGS.items()}}
 
 
-def sweep_gemv(dev: str) -> dict:
-    """The CUDA-core kernel of a few rows (`packed_gemv.GEMV_CONFIG`): least summed GPU time over fp8 (wq_b, wo_b)
-    and fp4 (expert w1) calls of one row; then at 1, 2, 4 and 8 rows each decode shape on it against the tensor-core
-    kernel, which sets `packed_gemm.GEMV_ROWS` (the most rows at which it wins over the summed shapes)."""
-    cases = {}
-    for name, kind, N, K in SHAPES:
-        codes, scale = pack_weight(torch.randn(N, K, device=dev) * K ** -0.5, kind)
-        cases[name] = rotating(lambda: PackedWeight(codes.clone(), scale.clone(), kind, (N, K), torch.bfloat16),
-                               codes.numel() + scale.numel())
-    xs = {(name, M): qdq_fp8(torch.randn(M, pws[0].shape[1], device=dev, dtype=torch.bfloat16))
-          for name, pws in cases.items() for M in (1, 2, 4, 8)}
-    cfg = packed_gemv.GEMV_CONFIG
-    table = []
-    for bn in (32, 64, 128):
-        for unroll in (2, 4, 8):
-            for warps in (4,):
-                for stages in (2, 4):
-                    for per_sm in (4, 8):
-                        cfg.update(block_n=bn, unroll=unroll, num_warps=warps, num_stages=stages,
-                                   programs_per_sm=per_sm)
-                        try:
-                            t = sum(cuda_time(cycling(lambda w: packed_gemv.packed_gemv_triton(xs[n, 1], w),
-                                                      cases[n])) for n in ("wq_b", "wo_b", "expert w1"))
-                        except Exception as e:   # registers / shared memory
-                            print(f"sweep gemv BN {bn} U {unroll} warps {warps} stages {stages}: {type(e).__name__}")
-                            continue
-                        table.append({"block_n": bn, "unroll": unroll, "num_warps": warps, "num_stages": stages,
-                                      "programs_per_sm": per_sm, "seconds": t})
-                        print(f"sweep gemv BN {bn:3d} U {unroll} warps {warps} stages {stages} per SM {per_sm}: "
-                              f"{t * 1e6:7.1f} us", flush=True)
-    best = min(table, key=lambda r: r["seconds"])
-    cfg.update({k: v for k, v in best.items() if k != "seconds"})
-    print(f"gemv tiles: {cfg}")
-    rows, wins = [], {}
-    for M in (1, 2, 4, 8):
-        packed_gemm.GEMV_ROWS = 0                                     # the tensor-core kernel at every M
-        t_tc = {n: cuda_time(cycling(lambda w: packed_linear_triton(xs[n, M], w), pws)) for n, pws in cases.items()}
-        t_gv = {n: cuda_time(cycling(lambda w: packed_gemv.packed_gemv_triton(xs[n, M], w), pws))
-                for n, pws in cases.items()}
-        for n in cases:
-            rows.append({"M": M, "weight": n, "gemv_s": t_gv[n], "tensor_core_s": t_tc[n]})
-            print(f"gemv vs tensor cores M {M} {n:11s}: {t_gv[n] * 1e6:7.1f} vs {t_tc[n] * 1e6:7.1f} us", flush=True)
-        wins[M] = sum(t_gv.values()) < sum(t_tc.values())
-    rows_max = 0
-    for M in (1, 2, 4, 8):
-        if not wins[M]:
-            break
-        rows_max = M
-    packed_gemm.GEMV_ROWS = rows_max
-    print(f"GEMV_ROWS = {packed_gemm.GEMV_ROWS}")
-    return {"sweep_gemv": table, "gemv_vs_tensor_cores": rows, "gemv_config": dict(cfg),
-            "gemv_rows": packed_gemm.GEMV_ROWS}
-
-
 def sweep_fp8_decode(dev: str) -> dict:
     """The FP8 tensor-core decode kernel (`fp8_decode.FP8_DECODE_CONFIG`): least summed GPU time over wq_b (fp8, 1
     row), wo_b (fp8, 32 rows) and an expert's w1 (fp4, 8 rows); then, at 1 to 64 rows, every decode shape on it
-    against the path packed_linear_triton takes without it, which sets `FP8_DECODE_FROM` (the fewest rows from
-    which it wins, summed over the shapes, at that and every larger row count)."""
+    against the path packed_linear_triton takes without it, which sets `FP8_DECODE_FROM` per weight kind (the
+    fewest rows from which it wins, summed over the kind's shapes, at that and every larger row count)."""
     cases = {}
     for name, kind, N, K in SHAPES:
         codes, scale = pack_weight(torch.randn(N, K, device=dev) * K ** -0.5, kind)
@@ -240,7 +185,8 @@ def sweep_fp8_decode(dev: str) -> dict:
     cfg.update({k: v for k, v in best.items() if k != "seconds"})
     print(f"fp8 decode tiles: {cfg}")
     rows, wins = [], {}
-    fp8_decode.FP8_DECODE_FROM = 65                                   # the other decode kernels
+    saved = dict(fp8_decode.FP8_DECODE_FROM)
+    fp8_decode.FP8_DECODE_FROM.update(fp8=65, fp4=65)                  # the other decode kernel
     for M in counts:
         t_other = {n: cuda_time(cycling(lambda w: packed_linear_triton(xs[n, M], w), pws)) for n, pws in cases.items()}
         t_fp8 = {n: cuda_time(cycling(lambda w: fp8_decode.fp8_decode_triton(xs[n, M], w), pws))
@@ -249,16 +195,20 @@ def sweep_fp8_decode(dev: str) -> dict:
             rows.append({"M": M, "weight": n, "fp8_decode_s": t_fp8[n], "other_s": t_other[n]})
             print(f"fp8 decode vs the other kernels M {M:2d} {n:11s}: {t_fp8[n] * 1e6:7.1f} vs "
                   f"{t_other[n] * 1e6:7.1f} us", flush=True)
-        wins[M] = sum(t_fp8.values()) < sum(t_other.values())
-    start = 65
-    for M in reversed(counts):
-        if not wins[M]:
-            break
-        start = M
-    fp8_decode.FP8_DECODE_FROM = start
-    print(f"FP8_DECODE_FROM = {start}")
+        for kind in ("fp8", "fp4"):
+            names = [n for n, k, _, _ in SHAPES if k == kind]
+            wins[kind, M] = sum(t_fp8[n] for n in names) < sum(t_other[n] for n in names)
+    start = {}
+    for kind in ("fp8", "fp4"):                # the fewest rows from which it wins at every larger count
+        start[kind] = 65
+        for M in reversed(counts):
+            if not wins[kind, M]:
+                break
+            start[kind] = M
+    fp8_decode.FP8_DECODE_FROM.update(saved if "--keep" in sys.argv else start)
+    print(f"FP8_DECODE_FROM = {fp8_decode.FP8_DECODE_FROM}")
     return {"sweep_fp8_decode": table, "fp8_decode_vs_other": rows, "fp8_decode_config": dict(cfg),
-            "fp8_decode_from": start}
+            "fp8_decode_from": dict(fp8_decode.FP8_DECODE_FROM)}
 
 
 def moe_weights(dev: str, g: torch.Generator) -> dict:
@@ -372,18 +322,19 @@ def moe_rows(dev: str, bw: float) -> list[dict]:
         nbytes = sum(ws[n][e].nbytes for n in ws for e in touched)
         t_p = cuda_time(lambda: moe_experts_triton(x, idx, wts, ws["w1"], ws["w3"], ws["w2"], 10.0, True, True))
         t_8 = cuda_time(lambda: moe_experts_triton(x, idx, wts, ws["w1"], ws["w3"], ws["w2"], 10.0, True, True,
-                                                   packed_fp8_mma=not moe_kernel.CONFIG["packed_fp8_mma"]))
-        if moe_kernel.CONFIG["packed_fp8_mma"]:
-            t_p, t_8 = t_8, t_p                          # t_p: the bf16-decode kernels, t_8: the FP8 tensor cores
+                                                   packed_fp8_mma=1))                  # the FP8 tensor cores
+        t_d = cuda_time(lambda: moe_experts_triton(x, idx, wts, ws["w1"], ws["w3"], ws["w2"], 10.0, True, True,
+                                                   packed_fp8_mma=0))                  # the bf16-decode kernels
         t_b = cuda_time(lambda: moe_experts_triton(x, idx, wts, dense["w1"], dense["w3"], dense["w2"], 10.0, True,
                                                    True))
         rows.append({"tokens": B, "experts_touched": len(touched), "packed_s": t_p, "packed_fp8_mma_s": t_8,
+                     "packed_bf16_decode_s": t_d,
                      "bf16_s": t_b,
                      "speedup_vs_bf16": t_b / t_p, "bytes": nbytes, "bytes_per_s": nbytes / t_p,
                      "share_of_copy_bw": nbytes / t_p / bw})
         print(f"MoE B {B:3d}: {len(touched):2d} experts, packed {t_p * 1e6:7.1f} us, bf16 {t_b * 1e6:7.1f} us, "
               f"x {t_b / t_p:.2f}, {nbytes / t_p / 1e12:.2f} TB/s ({nbytes / t_p / bw * 100:.0f}% of copy); FP8 tensor "
-              f"cores {t_8 * 1e6:7.1f} us ({nbytes / t_8 / 1e12:.2f} TB/s)",
+              f"cores {t_8 * 1e6:7.1f} us, bf16 decode {t_d * 1e6:7.1f} us",
               flush=True)
     return rows
 
@@ -401,8 +352,6 @@ def main() -> None:
     res = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "bf16_gemm_rate": rate,
            "fp8_gemm_rate_per_tensor": rate8, "rows": [], "command": " ".join(["python"] + sys.argv),
            "commit": os.environ.get("COMMIT", "")}
-    if "--sweep-gemv" in sys.argv or "--sweep" in sys.argv:
-        res.update(sweep_gemv(dev))
     if "--sweep-fp8-decode" in sys.argv or "--sweep" in sys.argv:
         res.update(sweep_fp8_decode(dev))
     if "--sweep" in sys.argv:
@@ -412,9 +361,8 @@ def main() -> None:
     if ("--sweep" in sys.argv and "--no-prefill-sweep" not in sys.argv) or "--sweep-prefill" in sys.argv:
         res.update(sweep_prefill(dev))
     res["decode_config"] = dict(packed_gemm.DECODE_CONFIG)
-    res["gemv_config"], res["gemv_rows"] = dict(packed_gemv.GEMV_CONFIG), packed_gemm.GEMV_ROWS
     res["fp8_decode_config"] = dict(fp8_decode.FP8_DECODE_CONFIG)
-    res["fp8_decode_from"] = fp8_decode.FP8_DECODE_FROM
+    res["fp8_decode_from"] = dict(fp8_decode.FP8_DECODE_FROM)
     res["decode_configs"] = {str(k): dict(v) for k, v in packed_gemm.DECODE_CONFIGS.items()}
     res["moe_config"] = dict(moe_kernel.CONFIG)
     res["prefill_config"] = dict(fp8_gemm.PREFILL_CONFIG)

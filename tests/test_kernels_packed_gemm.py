@@ -62,24 +62,6 @@ def test_kernel_equals_reference(device, kind, M, N, K):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["fp8", "fp4"])
-@pytest.mark.parametrize("programs_per_sm", [1, 64])
-def test_gemv_split_k_sums_in_the_kernel(device, kind, programs_per_sm):
-    """The CUDA-core kernel of a few rows, unsplit and split along K (the last part to finish adds the parts'
-    partials, + bias, and resets its tile's counter): equal to the reference, and the same bytes again on a second
-    call (the counters start from 0 again: a stale count would let a part finish before the others)."""
-    from dsv41.kernels.triton.packed_gemv import GEMV_CONFIG, packed_gemv_triton, tile_counters
-    w = packed(200, 1024, kind, device=device)
-    x = qdq_fp8(torch.randn(3, 1024, generator=torch.Generator().manual_seed(3)) * 3).to(device)
-    bias = torch.randn(200).to(device)
-    cfg = {**GEMV_CONFIG, "block_n": 32, "programs_per_sm": programs_per_sm}
-    first = packed_gemv_triton(x, w, bias, config=cfg)
-    assert rel_rows(first, packed_linear_ref(x, w, bias)) < 1e-5
-    assert torch.equal(packed_gemv_triton(x, w, bias, config=cfg), first)
-    assert int(tile_counters(x.device, 1)[:16].abs().sum()) == 0
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_kernel_bf16_output_and_leading_dims(device):
     from dsv41.kernels.triton.packed_gemm import packed_linear_triton
     w = packed(96, 256, "fp8", dtype=torch.bfloat16, device=device)
@@ -162,8 +144,8 @@ def test_moe_packed_experts_on_fp8_tensor_cores(shape, split):
     weights, indices, _ = moe.gate(x)
     args = (x, indices, weights, *w[:3], moe.shared_experts.limit, *w[3:])
     ref = moe_experts_ref(*args)
-    fp8 = moe_experts_triton(*args, packed_split=split, packed_fp8_mma=True)
-    bf16 = moe_experts_triton(*args, packed_split=split)
+    fp8 = moe_experts_triton(*args, packed_split=split, packed_fp8_mma=1)
+    bf16 = moe_experts_triton(*args, packed_split=split, packed_fp8_mma=0)
     print(f"MoE on FP8 tensor cores {shape} split {split}: vs bf16 kernels {rel_err(fp8, bf16):.2e}, "
           f"vs reference {rel_err(fp8, ref):.2e}")
     assert torch.isfinite(fp8).all() and rel_err(fp8, ref) < 2e-2 and rel_err(fp8, bf16) < 2e-2

@@ -4,8 +4,8 @@ reference `dsv41.kernels.gemm_ref.packed_linear_ref`, for bf16 models (as the pr
 Legend: M rows of x (at most 64), N output features, K input features (a multiple of 32); BN output features per
 program, BM = x's rows padded to a tile (16 or more), S split-K parts.
 
-The decode kernels of packed_gemm.py / packed_gemv.py decode every weight byte to bf16 or fp32 in registers and
-multiply there or on the bf16 tensor cores; here the weight's bytes are the FP8 MMA's operand as they are:
+The decode kernel of packed_gemm.py decodes every weight byte to bf16 in registers and multiplies on the bf16 tensor
+cores, x's rows padded to 16 on the MMA's 16-row side; here the weight's bytes are the FP8 MMA's operand as they are:
 y^T [N, M] = W [N, K] x^T [K, M], the weight's N rows on the MMA's 64-row side, x's few rows on its narrow side (as
 DeepGEMM does for small M). Per 32-wide K block (docs/model.md §9): the fp32 partial of W's e4m3 codes times x's
 e4m3 codes (x is FP8-QDQ'd, so `quant_block` turns each block into codes and a power-of-two scale exactly, in
@@ -14,7 +14,7 @@ W's block scale (e8m0: per 32 x 32 tile for fp8, per row for fp4) and x's row sc
 order. fp4 weights: each E2M1 nibble becomes the E4M3 byte of the same value times 2^-6 (the 3 magnitude bits under
 E4M3's exponent and mantissa, the sign to bit 7: exact; the 2^6 goes into the block's scale), bytes interleaved
 back into column order. K split into S parts when N / BN leaves SMs idle, summed in the kernel in part order
-(`packed_gemv.splitk_finish`).
+(`splitk.splitk_finish`).
 
 Numerics: Hopper's FP8 MMA keeps about 14 bits while it sums a block's 32 products (fp8_gemm.py), ~1e-4 relative
 per row, below a bf16 output's rounding: bf16 models only (`fp8_decode_fits`); fp32 models keep the exact kernels.
@@ -30,13 +30,16 @@ from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.triton.common import INTERPRET, LAST, sm_count
 from dsv41.kernels.triton.decoders import ue8m0_to_f32
 from dsv41.kernels.triton.fp8_gemm import AMAX_FLOOR, MAX_INV
-from dsv41.kernels.triton.packed_gemv import splitk_finish, tile_counters
+from dsv41.kernels.triton.splitk import splitk_finish, tile_counters
 
 __all__ = ["fp8_decode_triton", "fp8_decode_fits", "fp8_rows_dot_t", "quant_block", "weight_block_e4m3", "FP8_DECODE_CONFIG", "FP8_DECODE_FROM"]
 
-FP8_DECODE_FROM = 65    # packed_gemm routes bf16 decode calls of this many rows and more here (65: none; set by
-                        # benchmarks/packed_gemm.py --sweep-fp8-decode)
-FP8_DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2}
+# packed_gemm routes bf16 decode calls of at least this many rows per weight kind here (65: none). H100 sweep
+# (benchmarks/packed_gemm.py --sweep-fp8-decode, results/packed_gemm_h100-2026-12-06.log): over the v41-geometry fp8
+# shapes 87.8 us against the bf16-decode kernel's 91.9 at one row, 33-50% less time at 32-64 rows; over an expert's
+# fp4 w1 + w2 29.1 against 24.9 us at one row, even at 2-8, 25-60% less at 16-64 rows.
+FP8_DECODE_FROM = {"fp8": 1, "fp4": 2}
+FP8_DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4}
 
 
 @triton.jit

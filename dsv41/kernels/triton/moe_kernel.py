@@ -47,13 +47,14 @@ __all__ = ["moe_experts_triton", "CONFIG"]
 # most that many parts of the reduced width (split-K: fp32 partials added in part order by a finish kernel) so that
 # a decode step's few busy experts fill about packed_programs_per_sm programs per SM (H200 sweep at 1 + 32 tokens:
 # split 16 / 8 programs per SM 819 us against 1,840 without the split; tiles F 128 / D 128 971 us against 1,208
-# at F 64; results/packed_gemm_h200-2026-12-05.log). packed_fp8_mma: packed experts of bf16 models on the FP8 tensor
-# cores (fp8_decode.fp8_rows_dot_t: the inputs, FP8-QDQ'd, as codes; the weights' codes as the operand, no decode to
-# bf16), when benchmarks/packed_gemm.py --sweep-moe-fp8 finds it faster.
+# at F 64; results/packed_gemm_h200-2026-12-05.log). packed_fp8_mma: from this many tokens (0: never), packed experts
+# of bf16 models run on the FP8 tensor cores (fp8_decode.fp8_rows_dot_t: the inputs, FP8-QDQ'd, as codes; the
+# weights' codes as the operand, no decode to bf16). H100 (results/packed_gemm_h100-2026-12-06.log, the op at
+# B = 1 / 8 / 32 / 64 tokens): 224 / 404 / 469 / 833 us against the bf16-decode kernels' 215 / 397 / 556 / 1,028.
 CONFIG = {"block_m": 16, "up_block_f": 32, "up_block_d": 256, "down_block_d": 32, "down_block_f": 256,
           "combine_block_d": 512, "num_warps": 4, "packed_unroll": 2, "packed_block_f": 128,
           "packed_down_block_d": 128, "packed_num_warps": 4, "packed_split": 16, "packed_programs_per_sm": 8,
-          "packed_fp8_mma": False}
+          "packed_fp8_mma": 16}
 
 
 @triton.jit
@@ -402,7 +403,7 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     out = torch.empty(N * KP, D, dtype=dt, device=dev)
     BM = cfg["block_m"]
     P = N * KP
-    fp8mma = (cfg["packed_fp8_mma"] and dt == torch.bfloat16 and dev.type == "cuda" and not INTERPRET
+    fp8mma = (0 < cfg["packed_fp8_mma"] <= N and dt == torch.bfloat16 and dev.type == "cuda" and not INTERPRET
               and torch.cuda.get_device_capability(dev) >= (8, 9))
     for e0, n in groups:
         t1, s1, packed, fp4, al1 = _tables(w1[e0:e0 + n], dev)

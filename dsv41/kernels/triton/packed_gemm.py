@@ -15,10 +15,12 @@ tensor cores') and across split-K parts differs from the CPU reference (the GPU 
 tests/test_kernels_packed_gemm.py, benchmarks/gpu_parity.py). Only the weight's bytes cross HBM: 1 byte (fp8) or
 half a byte (fp4) per weight instead of bf16's 2; the scales are read once per row and block, not per weight.
 
-Decode-size calls (M <= 64) are bound by reading W: in bf16 models, calls of `fp8_decode.FP8_DECODE_FROM` rows or
-more take the FP8 tensor cores (fp8_decode.py, the weight's bytes as the MMA's operand); calls of up to `GEMV_ROWS`
-rows the CUDA-core kernel of packed_gemv.py; the others this one, whose grid covers N in tiles of BN and, when that leaves SMs idle, splits K
-into S parts whose fp32 partials the last part to finish adds in part order (`splitk_finish`, in the kernel). Larger M (prefill) decodes the weight
+Decode-size calls (M <= 64) are bound by reading W: in bf16 models, calls of at least `fp8_decode.FP8_DECODE_FROM`
+rows (per kind) take the FP8 tensor cores (fp8_decode.py, the weight's codes as the MMA's operand, no decode); the
+others (fp32 models, fewer rows) this kernel, whose grid covers N in tiles of BN and, when that leaves SMs idle,
+splits K into S parts whose fp32 partials the last part to finish adds in part order (`splitk.splitk_finish`, in
+the kernel). A CUDA-core kernel for 1-8 rows (decode in registers, FMA; 2026-12-06) lost to both on an H100: 1.7 x
+slower than this one at one row over fp8 weights (results/packed_gemm_h100-2026-12-06.log), so it was removed. Larger M (prefill) decodes the weight
 once into a scratch (`dequant_triton`, one pass over the bytes) and runs the library's GEMM: its cost is shared by
 the M rows. The FP8 tensor-core GEMM with the per-32 K-block promotion (`dsv41.kernels.triton.fp8_gemm`) serves
 fp8 weights of bf16 models instead when FP8_PREFILL is set: measured on an H100 it ran at 0.26-0.35 x the bf16
@@ -36,13 +38,12 @@ from dsv41.kernels.triton.common import ASM, DOT_BF16, LAST, sm_count
 from dsv41.kernels.triton.decoders import P2_112, P2_118, e2m1_split, swa_split, ue8m0_to_f32
 from dsv41.kernels.triton import fp8_decode
 from dsv41.kernels.triton.fp8_gemm import fp8_linear_triton, fp8_prefill_fits
-from dsv41.kernels.triton.packed_gemv import packed_gemv_triton, splitk_finish, tile_counters
+from dsv41.kernels.triton.splitk import splitk_finish, tile_counters
 
 __all__ = ["packed_linear_triton", "packed_block", "block_dot", "packed_rows_dot", "check_offsets", "dequant_triton",
-           "DECODE_ROWS", "GEMV_ROWS", "DECODE_CONFIG", "DECODE_CONFIGS", "decode_config", "FP8_PREFILL"]
+           "DECODE_ROWS", "DECODE_CONFIG", "DECODE_CONFIGS", "decode_config", "FP8_PREFILL"]
 
 DECODE_ROWS = 64        # up to this many rows: the weight-read-bound configuration (split-K)
-GEMV_ROWS = 4           # up to this many: the CUDA-core kernel (benchmarks/packed_gemm.py --sweep-gemv picks it)
 FP8_PREFILL = False     # prefill-size fp8 calls on the FP8 tensor cores (slower than dequant + bf16 GEMM today)
 
 
@@ -112,7 +113,7 @@ def _packed_linear_kernel(x_ptr, c_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M,
                           FP4: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           U: tl.constexpr, DOT_BF16: tl.constexpr, ASM: tl.constexpr):
     """One [BM, BN] tile of y over the 32-wide K blocks of split part program_id(2), U blocks a step; the S parts'
-    fp32 partials summed in part order by the last one to finish (`packed_gemv.splitk_finish`, + bias, cast)."""
+    fp32 partials summed in part order by the last one to finish (`splitk.splitk_finish`, + bias, cast)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     part = tl.program_id(2)
@@ -186,10 +187,8 @@ def packed_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
         w = dequant_triton(weight)
         return torch.nn.functional.linear(a.to(weight.dtype), w, bias).view(*x.shape[:-1], N)
     check_offsets(weight)
-    if M >= fp8_decode.FP8_DECODE_FROM and fp8_decode.fp8_decode_fits(a, weight):     # the FP8 tensor cores
+    if M >= fp8_decode.FP8_DECODE_FROM[weight.kind] and fp8_decode.fp8_decode_fits(a, weight):   # FP8 tensor cores
         return fp8_decode.fp8_decode_triton(a, weight, bias).view(*x.shape[:-1], N)
-    if M <= GEMV_ROWS:                   # a few rows: the CUDA-core kernel (packed_gemv.py)
-        return packed_gemv_triton(a, weight, bias).view(*x.shape[:-1], N)
     BM, BN, U, split = _config(M, N, K, weight.nbytes, x.device)
     cfg = decode_config(M)
     KB = K // 32

@@ -1,0 +1,56 @@
+"""Split-K summed inside the kernel, shared by the decode GEMMs (packed_gemm.py, fp8_decode.py).
+
+When a decode GEMM's N / BN output tiles leave SMs idle, K is split into S parts, one program each. Each part stores
+its fp32 partial of the tile and counts itself done on the tile's counter (a device int32, atomically, after a
+barrier: the partial is visible before the count); the part that finds S - 1 parts done adds the S partials in part
+order (a fixed order: the result does not depend on which part finishes last), adds the bias, casts, stores y, and
+resets the counter to 0 for the next call (so CUDA-graph replays need no memset). The earlier decode path summed the
+parts with torch (`out.sum(0)`, then the bias and the cast): two or three more launches per GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["splitk_finish", "tile_counters"]
+
+_COUNTERS: dict = {}
+
+
+def tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The split-K counters of a device (int32 zeros, at least n; every finishing part resets its tile's to 0).
+    Allocated once per device, outside any CUDA-graph capture where the first call is a warm-up (as the graph
+    runner's is)."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+@triton.jit
+def splitk_finish(acc, part, ws_ptr, cnt_ptr, b_ptr, y_ptr, rm, rn, mm, nm, M, N, S, HAS_BIAS: tl.constexpr):
+    """acc [R, BN] is split part `part`'s fp32 partial of the y tile (rows rm, columns rn): stored at ws[part],
+    counted on cnt_ptr (this tile's counter); the last part to finish sums ws[0..S-1] in order (+ bias), casts into
+    y and resets the counter. With S == 1 it stores acc (+ bias) directly."""
+    mask = mm[:, None] & nm[None, :]
+    off = rm[:, None].to(tl.int64) * N + rn[None, :]
+    if S == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + part.to(tl.int64) * M * N + off, acc, mask=mask)
+        tl.debug_barrier()                                   # every thread's partial stored before the count
+        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == S - 1:
+            tot = tl.load(ws_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+            for p in range(1, S):
+                tot += tl.load(ws_ptr + p * M * N + off, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + off, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
