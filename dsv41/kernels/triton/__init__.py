@@ -7,6 +7,9 @@ once the backend switch (`dsv41.kernels.backend`) has chosen Triton for a call.
   indexer_kernel.py      indexer_scores_packed_triton, indexer_topk_packed_triton (decode, packed MXFP4 keys)
   mhc_kernel.py          mhc_fused_triton (the fused mHC step between two sub-layers)
   packed_gemm.py         packed_linear_triton (x W^T over a weight's checkpoint bytes, decoded in registers)
+  fp8_decode.py          fp8_decode_triton (decode sizes of bf16 models on the FP8 tensor cores, swap AB)
+  fp8_gemm.py            fp8_linear_triton (prefill sizes on the FP8 tensor cores, per-32 promotion; opt in)
+  splitk.py              the split-K sum inside the decode kernels (last part to finish adds the parts in order)
   moe_kernel.py          moe_experts_triton (a MoE layer's routed + shared experts: grouped GEMMs, no host sync)
   quant_kernel.py        qdq_fp8_triton (the FP8 activation QDQ in front of every quantized Linear),
                          pack_swa_kv_triton (the packed sliding-window KV row), expert_act_triton (SwiGLU + QDQ)
