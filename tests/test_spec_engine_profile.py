@@ -93,3 +93,19 @@ def test_linear_fit_pools_a_noisy_point():
     assert choice(clean, "isotonic") == choice(clean, "linear")
     assert line_fit([1, 2, 3], [3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]              # never decreasing: the mean
     assert line_fit([1, 2, 3], [1.0, 2.0, 3.0]) == pytest.approx([1.0, 2.0, 3.0])
+
+
+def test_resolve_speculation_flags_a_forward_only_profile(debug_model, tmp_path):
+    """A step_profile.json from the older profile-step (the verify forward only) still loads, with a log line
+    asking for a new one; a profile of engine steps loads silently."""
+    from dsv41.engine.speculative.policy import resolve_speculation
+    from dsv41.engine.speculative.profile import StepProfile
+    cfg, m = debug_model
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    StepProfile([1, 5], [0.1, 0.2]).save(old)
+    StepProfile([1, 5], [0.1, 0.2], {"path": "engine.step"}).save(new)
+    for path, warned in ((old, True), (new, False)):
+        logs: list[str] = []
+        spec, prof = resolve_speculation(m, None, "dspark", profile_path=path, log=logs.append)
+        assert str(spec) == "dspark" and prof(5) == pytest.approx(0.2)
+        assert any("forward only" in x for x in logs) == warned, logs

@@ -41,8 +41,9 @@ then the budget with the best ratio wins; the engine's ragged forward runs exact
 V = 0 is not a verify of 0 drafts but a plain decode step (no proposal): `choose_verify_lengths(..., plain=T_plain)`
 compares every verify length with B / T_plain(B), and before drafting the engine asks whether any length could win
 (at acceptance 1, then at the measured acceptance); when none can it decodes plainly, skipping the drafter's cost
-(`Engine._drafting_pays`). T comes from `StepProfile.spec(B, n)` / `plain(B)`: per-batch curves measured warm,
-median of repeats, non-decreasing (`profile.py`).
+(`Engine._drafting_pays`). T comes from `StepProfile.spec(B, n)` / `plain(B)`: per-batch curves of whole engine
+steps (the drafter, each row's accept and emit work included) measured warm, median of repeats, non-decreasing
+(a line per batch on a CPU; `profile.py`).
 
     policy.py     the `--speculative` flag (`Speculation`) and what `auto` resolves to for a checkpoint
     drafter.py    the DSpark drafter: propose (1) and seed (6)

@@ -13,8 +13,9 @@ from dsv41.engine.speculative.profile import PROFILE_FILE, StepProfile, profile_
 class Speculation:
     """`off`, `fixed:N` (verify N drafts every step), `dspark` (the confidence scheduler of docs/system.md §5 on the
     confidence head's a_r,k and the profiled T(n)) or `dspark:online` (the same scheduler with both inputs corrected
-    online by what the engine measures: `AcceptanceCalibration`, `MeasuredCost`; an extension, not yet shown to
-    pay: see the speculative results indexed in benchmarks/results/README.md)."""
+    online by what the engine measures: `AcceptanceCalibration`, `MeasuredCost`; an extension, not shown to pay over
+    `dspark` with a profile of whole engine steps: see the speculative results indexed in
+    benchmarks/results/README.md)."""
     mode: str = "off"
     n: int = 0
     online: bool = False
@@ -71,7 +72,12 @@ def resolve_speculation(model, checkpoint, flag: str = "auto", profile_path=None
         return spec, None
     path = Path(profile_path) if profile_path else (Path(checkpoint) / PROFILE_FILE if checkpoint else None)
     if path is not None and path.exists():
-        return spec, StepProfile.load(path)
+        prof = StepProfile.load(path)
+        if prof.meta.get("path") != "engine.step":
+            log(f"speculative dspark: {path} was measured over the verify forward only (an older profile-step); "
+                "re-run `dsv41 profile-step` so that T holds the engine's whole step (drafter, per-row accept and "
+                "emit work)")
+        return spec, prof
     log("speculative dspark: no step profile found (run `dsv41 profile-step --checkpoint ...` to store one); "
         "measuring a quick one now")
     return spec, profile_step(model, batches=sorted({1, max(1, max_batch)}), context=256, repeats=3, device=device,
