@@ -96,7 +96,8 @@ def apply_tuning(path: str) -> dict:
         fp8_decode.FP8_DECODE_FROM.update(tuned["fp8_decode_from"])
     moe_kernel.CONFIG.update(tuned.get("moe_config", {}))
     return {"decode_configs": {str(k): dict(v) for k, v in packed_gemm.DECODE_CONFIGS.items()},
-            "fp8_decode_config": dict(fp8_decode.FP8_DECODE_CONFIG), "fp8_decode_from": dict(fp8_decode.FP8_DECODE_FROM),
+            "fp8_decode_config": dict(fp8_decode.FP8_DECODE_CONFIG),
+            "fp8_decode_from": dict(fp8_decode.FP8_DECODE_FROM),
             "moe_config": dict(moe_kernel.CONFIG)}
 
 

@@ -16,9 +16,9 @@ expert) over packed and over dense bf16 experts.
     python benchmarks/packed_gemm.py --sweep-fp8-decode  # the FP8 tensor-core decode kernel's tiles and from how
                                               # many rows bf16 models take it, per weight kind
                                               # (fp8_decode.FP8_DECODE_FROM)
-    python benchmarks/packed_gemm.py --sweep  # the same, then picks the decode tiles (DECODE_CONFIG) on two shapes, those of
-                                              # the 32- and 64-row buckets (DECODE_CONFIGS), the MoE kernels' packed
-                                              # tiles, and the prefill tiles of the FP8 tensor-core GEMM
+    python benchmarks/packed_gemm.py --sweep  # the same, then picks the decode tiles (DECODE_CONFIG) on two shapes,
+                                              # those of the 32- and 64-row buckets (DECODE_CONFIGS), the MoE
+                                              # kernels' packed tiles, and the prefill tiles of the FP8 tensor-core GEMM
                                               # (fp8_gemm.PREFILL_CONFIG; --no-prefill-sweep skips them)
     python benchmarks/packed_gemm.py --sweep-prefill  # only the FP8 tensor-core GEMM's prefill tiles
 Env: RESULT (the result file). The result's decode_configs / moe_config are what `benchmarks/gpu_weights.py` applies

@@ -32,7 +32,8 @@ from dsv41.kernels.triton.decoders import ue8m0_to_f32
 from dsv41.kernels.triton.fp8_gemm import AMAX_FLOOR, MAX_INV
 from dsv41.kernels.triton.splitk import splitk_finish, tile_counters
 
-__all__ = ["fp8_decode_triton", "fp8_decode_fits", "fp8_rows_dot_t", "quant_block", "weight_block_e4m3", "FP8_DECODE_CONFIG", "FP8_DECODE_FROM"]
+__all__ = ["fp8_decode_triton", "fp8_decode_fits", "fp8_rows_dot_t", "quant_block", "weight_block_e4m3",
+           "FP8_DECODE_CONFIG", "FP8_DECODE_FROM"]
 
 # packed_gemm routes bf16 decode calls of at least this many rows per weight kind here (65: none). H100 sweep
 # (benchmarks/packed_gemm.py --sweep-fp8-decode, results/packed_gemm_h100-2026-12-06.log): over the v41-geometry fp8

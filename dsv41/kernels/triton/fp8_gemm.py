@@ -146,5 +146,6 @@ def fp8_linear_triton(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor 
         bias = bias.contiguous()
     LAST["fp8_linear"] = _fp8_gemm_kernel[grid](
         q, s, weight.codes, weight.scale, bias if bias is not None else s, y, M, N, K, HAS_BIAS=bias is not None,
-        BM=BM, BN=BN, GROUP_M=cfg["group_m"], BLOCKS=cfg.get("blocks", 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BM=BM, BN=BN, GROUP_M=cfg["group_m"], BLOCKS=cfg.get("blocks", 1), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return y

@@ -20,9 +20,9 @@ rows (per kind) take the FP8 tensor cores (fp8_decode.py, the weight's codes as 
 others (fp32 models, fewer rows) this kernel, whose grid covers N in tiles of BN and, when that leaves SMs idle,
 splits K into S parts whose fp32 partials the last part to finish adds in part order (`splitk.splitk_finish`, in
 the kernel). A CUDA-core kernel for 1-8 rows (decode in registers, FMA; 2026-12-06) lost to both on an H100: 1.7 x
-slower than this one at one row over fp8 weights (results/packed_gemm_h100-2026-12-06.log), so it was removed. Larger M (prefill) decodes the weight
-once into a scratch (`dequant_triton`, one pass over the bytes) and runs the library's GEMM: its cost is shared by
-the M rows. The FP8 tensor-core GEMM with the per-32 K-block promotion (`dsv41.kernels.triton.fp8_gemm`) serves
+slower than this one at one row over fp8 weights (results/packed_gemm_h100-2026-12-06.log), so it was removed.
+Larger M (prefill) decodes the weight once into a scratch (`dequant_triton`, one pass over the bytes) and runs the
+library's GEMM: its cost is shared by the M rows. The FP8 tensor-core GEMM with the per-32 K-block promotion (`dsv41.kernels.triton.fp8_gemm`) serves
 fp8 weights of bf16 models instead when FP8_PREFILL is set: measured on an H100 it ran at 0.26-0.35 x the bf16
 GEMM's speed (benchmarks/results/packed_gemm_h100-2026-12-05.json), slower than decoding first, so it is off.
 """
