@@ -45,11 +45,10 @@ def test_profile_runs_each_shape_through_the_engine_step(debug_model, one_thread
         return inner_emit(self, seq, new_ids, logits)
     monkeypatch.setattr(Engine, "_emit", slow_emit)
     slow = profile_step(m, batches=(1, 2), context=20, repeats=1, log=lambda *a: None)
-    for B in (1, 2):
+    for B in (1, 2):                 # lower bounds the sleeps guarantee: B rows' emits in every point of batch B
         assert slow.plain(B) >= B * emit_cost
         for V in range(G + 1):
             assert slow.spec(B, B * (1 + V)) >= B * emit_cost
-    assert slow.plain(2) > slow.plain(1) + 0.9 * emit_cost
 
 
 def test_profile_leaves_the_model_serving_exactly(debug_model, one_thread):
