@@ -185,7 +185,6 @@ def sweep_fp8_decode(dev: str) -> dict:
     cfg.update({k: v for k, v in best.items() if k != "seconds"})
     print(f"fp8 decode tiles: {cfg}")
     rows, wins = [], {}
-    saved = dict(fp8_decode.FP8_DECODE_FROM)
     fp8_decode.FP8_DECODE_FROM.update(fp8=65, fp4=65)                  # the other decode kernel
     for M in counts:
         t_other = {n: cuda_time(cycling(lambda w: packed_linear_triton(xs[n, M], w), pws)) for n, pws in cases.items()}
@@ -205,7 +204,7 @@ def sweep_fp8_decode(dev: str) -> dict:
             if not wins[kind, M]:
                 break
             start[kind] = M
-    fp8_decode.FP8_DECODE_FROM.update(saved if "--keep" in sys.argv else start)
+    fp8_decode.FP8_DECODE_FROM.update(start)
     print(f"FP8_DECODE_FROM = {fp8_decode.FP8_DECODE_FROM}")
     return {"sweep_fp8_decode": table, "fp8_decode_vs_other": rows, "fp8_decode_config": dict(cfg),
             "fp8_decode_from": dict(fp8_decode.FP8_DECODE_FROM)}
