@@ -2,9 +2,9 @@
 
 When a decode GEMM's N / BN output tiles leave SMs idle, K is split into S parts, one program each. Each part stores
 its fp32 partial of the tile and counts itself done on the tile's counter (a device int32, atomically, after a
-barrier: the partial is visible before the count); the part that finds S - 1 parts done adds the S partials in part
-order (a fixed order: the result does not depend on which part finishes last), adds the bias, casts, stores y, and
-resets the counter to 0 for the next call (so CUDA-graph replays need no memset). The earlier decode path summed the
+barrier: the partial is visible before the count); the part that finds S - 1 parts done adds the S partials (a
+few at a time, in a fixed order: the result does not depend on which part finishes last), adds the bias, casts,
+stores y, and resets the counter to 0 for the next call (so CUDA-graph replays need no memset). The earlier decode path summed the
 parts with torch (`out.sum(0)`, then the bias and the cast): two or three more launches per GEMM.
 """
 
@@ -34,8 +34,12 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor:
 @triton.jit
 def splitk_finish(acc, part, ws_ptr, cnt_ptr, b_ptr, y_ptr, rm, rn, mm, nm, M, N, S, HAS_BIAS: tl.constexpr):
     """acc [R, BN] is split part `part`'s fp32 partial of the y tile (rows rm, columns rn): stored at ws[part],
-    counted on cnt_ptr (this tile's counter); the last part to finish sums ws[0..S-1] in order (+ bias), casts into
-    y and resets the counter. With S == 1 it stores acc (+ bias) directly."""
+    counted on cnt_ptr (this tile's counter); the last part to finish sums ws[0..S-1] (+ bias), casts into y and
+    resets the counter. With S == 1 it stores acc (+ bias) directly.
+
+    The sum loads CHUNK partials at once ([CHUNK, R, BN], as many as keep the tile within 8K fp32 values: 8 for a
+    16 x 64 tile) and adds each chunk's tree sum in chunk order: a fixed order, and one load latency per chunk
+    instead of one per part (a one-by-one sum of 40 parts, wkv's split, was bound by 40 dependent L2 reads)."""
     mask = mm[:, None] & nm[None, :]
     off = rm[:, None].to(tl.int64) * N + rn[None, :]
     if S == 1:
@@ -47,10 +51,23 @@ def splitk_finish(acc, part, ws_ptr, cnt_ptr, b_ptr, y_ptr, rm, rn, mm, nm, M, N
         tl.debug_barrier()                                   # every thread's partial stored before the count
         done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if done == S - 1:
-            tot = tl.load(ws_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
-            for p in range(1, S):
-                tot += tl.load(ws_ptr + p * M * N + off, mask=mask, other=0.0, cache_modifier=".cg")
+            CHUNK: tl.constexpr = _chunk(acc.shape[0] * acc.shape[1])
+            tot = tl.zeros(acc.shape, tl.float32)
+            for p0 in range(0, S, CHUNK):
+                pp = p0 + tl.arange(0, CHUNK)
+                at = ws_ptr + pp[:, None, None].to(tl.int64) * M * N + off[None, :, :]
+                tot += tl.sum(tl.load(at, mask=(pp < S)[:, None, None] & mask[None, :, :], other=0.0,
+                                      cache_modifier=".cg"), axis=0)
             if HAS_BIAS:
                 tot += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + off, tot.to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.constexpr_function
+def _chunk(tile: int) -> int:
+    """Partials summed per load in the split-K finish: a power of two <= 8 keeping CHUNK x tile <= 8192 values."""
+    c = 8
+    while c > 1 and c * tile > 8192:
+        c //= 2
+    return c
