@@ -139,3 +139,61 @@ def test_paired_seeds_share_the_samples_seeds_across_a_prompts_levels():
     un = step_items(RLConfig(prompts=2, samples=3, mix=mix), 4)
     assert len({s for _, _, s in un}) == len(un)                # unpaired: every sample its own seed
 
+
+
+def test_plan_heads_fix_the_stride_and_count_as_reasoning(tmp_path):
+    from dsv41.posttrain.tokenizer import load_post_tokenizer
+    tok = load_post_tokenizer(tmp_path)
+    assert [T.effort_band(b) for b in (1, 9, 10, 12, 37, 99, 100)] == ["A", "A", "B", "B", "D", "J", "K"]
+    with pytest.raises(ValueError):
+        T.effort_band(0)
+    with pytest.raises(ValueError):
+        T.plan_head(50, "X", True)
+    rng = random.Random(3)
+    for fam in T.FAMILIES:
+        for n in range(2, 7):
+            p = T.MAKERS[fam](rng, n)
+            lens = {}
+            for plan in T.PLANS:
+                head = T.plan_head(62, plan, echo=True)
+                assert head == "G" + plan
+                ids = T.response_ids(tok, p, T.plan_stride(p, plan), head)
+                v = T.check(tok, p, ids)
+                assert v.correct and v.closed
+                lens[plan] = v.reasoning_tokens
+            assert lens["S"] == 2                                    # the head alone: the empty trace
+            assert lens["S"] < lens["M"] <= lens["L"]
+            assert lens["L"] == 2 + len(T.trace(p, 1))
+            m = T.trace(p, T.plan_stride(p, "M"))
+            assert m.count(" ") == 1                                 # two chunks (n = 2: the full trace)
+    assert T.response(p, 1) == T.trace(p, 1) + "</think>" + p.answer   # no head: the default format
+
+
+def test_sft_plan_is_drawn_independently_of_b_and_the_echo_names_b():
+    from dsv41.posttrain.sft import sft_example
+    from dsv41.posttrain.tokenizer import load_post_tokenizer
+    import tempfile
+    tok = load_post_tokenizer(tempfile.mkdtemp())
+    mix = TaskMix(levels=parse_levels("1-100", "12,37,62,87"))
+    rng = random.Random(0)
+    counts = {"lo": {c: 0 for c in T.PLANS}, "hi": {c: 0 for c in T.PLANS}}
+    effort_id = tok.tok.token_to_id("Reasoning Effort: ")
+    for _ in range(1200):
+        ids, tg = sft_example(rng, tok, mix, 0.5, None, echo=True, plan=True)
+        k = ids.index(effort_id)
+        digits = ""
+        while tok.decode([ids[k + 1]]).isdigit():
+            digits += tok.decode([ids[k + 1]])
+            k += 1
+        b = int(digits)
+        resp = [t for t in tg if t != -100]
+        head = tok.decode(resp[:2])
+        assert head[0] == T.effort_band(b) and head[1] in T.PLANS
+        counts["lo" if b <= 50 else "hi"][head[1]] += 1
+    for side in counts.values():
+        tot = sum(side.values())
+        assert abs(side["L"] / tot - 0.5) < 0.06 and abs(side["S"] / tot - 0.25) < 0.06
+    # off by default: the same stream as before the option existed (no head letters)
+    a = sft_example(random.Random(9), tok, mix, 0.5)
+    ids, tg = a
+    assert tok.decode([t for t in tg if t != -100])[0] not in T.BANDS + T.PLANS

@@ -48,6 +48,12 @@ def register(subparsers) -> None:
     p.add_argument("--full-trace", type=float, help="sft: the share of stride-1 (full trace) examples (default 0.8)")
     p.add_argument("--late-steps", type=int, help="sft: the last steps draw strides with --late-full-trace (default 0)")
     p.add_argument("--late-full-trace", type=float, help="sft: the stride-1 share of the late steps")
+    p.add_argument("--echo", action="store_true",
+                   help="sft: the reasoning opens with the effort band letter (b // 10 as A..K; a reading of b "
+                   "that does not change the length)")
+    p.add_argument("--plan", action="store_true",
+                   help="sft: the reasoning opens with a plan letter S / M / L (empty / two chunks / full trace) "
+                   "that fixes the stride, drawn independently of b (L with the stride-1 share)")
     p.add_argument("--eval-levels", default="1,12,25,37,50,62,75,87,100",
                    help="eval: effort levels, the training ones and held-out ones between them")
     p.add_argument("--dispatch", default="sample", choices=("sync", "sample", "prompt", "batch"),
@@ -120,6 +126,7 @@ def main(args) -> int:
             for name in ("full_trace", "late_steps", "late_full_trace"):
                 if getattr(args, name) is not None:
                     setattr(cfg, name, getattr(args, name))
+            cfg.echo, cfg.plan = args.echo, args.plan
             run_sft(cfg)
         elif st == "rl":
             from dsv41.posttrain.rl import RLConfig, run_rl

@@ -76,18 +76,29 @@ class SFTConfig:
     family_weights: dict = field(default_factory=lambda: {"sums": 0.7, "chase": 0.3})
     seed: int = 0
     quiet: bool = False
+    # the reasoning's opening (tasks.plan_head; off by default): echo writes b's band letter first, plan a plan
+    # letter that fixes the stride (L with the stride-1 share, else S or M evenly; drawn independently of b)
+    echo: bool = False
+    plan: bool = False
     mix: TaskMix = field(default_factory=TaskMix)
 
 
 def sft_example(rng: random.Random, tok: PostTokenizer, mix: TaskMix, full_trace: float = 0.0,
-                weights: tuple[float, ...] | None = None) -> tuple[list[int], list[int]]:
+                weights: tuple[float, ...] | None = None, echo: bool = False,
+                plan: bool = False) -> tuple[list[int], list[int]]:
     """(ids, targets): one rendered example, the prompt's targets masked; the family drawn with `weights` (one
-    per mix family; None: uniform)."""
+    per mix family; None: uniform); echo / plan: the reasoning's opening (SFTConfig)."""
     fam = rng.choices(mix.families, weights)[0] if weights else rng.choice(mix.families)
     p = T.sample_problem(rng, fam, mix.lo, mix.hi)
     b = rng.choice(mix.levels)
-    stride = 1 if rng.random() < full_trace else rng.randint(1, p.difficulty)
-    prompt, resp = T.prompt_ids(tok, p, b), T.response_ids(tok, p, stride)
+    letter = None
+    if plan:
+        letter = "L" if rng.random() < full_trace else rng.choice("SM")
+        stride = T.plan_stride(p, letter)
+    else:
+        stride = 1 if rng.random() < full_trace else rng.randint(1, p.difficulty)
+    prompt = T.prompt_ids(tok, p, b)
+    resp = T.response_ids(tok, p, stride, T.plan_head(b, letter, echo))
     ids = prompt + resp
     return ids[:-1], [IGNORE] * (len(prompt) - 1) + resp
 
@@ -98,9 +109,9 @@ def pad_batch(rows: list[list[int]], fill: int) -> torch.Tensor:
 
 
 def sft_batch(seed: int, step: int, tok: PostTokenizer, mix: TaskMix, batch: int, full_trace: float = 0.0,
-              weights: tuple[float, ...] | None = None):
+              weights: tuple[float, ...] | None = None, echo: bool = False, plan: bool = False):
     rng = random.Random(f"sft:{seed}:{step}")
-    ex = [sft_example(rng, tok, mix, full_trace, weights) for _ in range(batch)]
+    ex = [sft_example(rng, tok, mix, full_trace, weights, echo, plan) for _ in range(batch)]
     return pad_batch([e[0] for e in ex], tok.pad_id), pad_batch([e[1] for e in ex], IGNORE)
 
 
@@ -145,7 +156,8 @@ def run_sft(cfg: SFTConfig, say=print) -> Path:
     while step < cfg.steps and time.time() - t0 < cfg.minutes * 60:
         for g in opt.param_groups:
             g["lr"] = cfg.lr * lr_factor(step, cfg.steps, warm)
-        ids, tg = sft_batch(cfg.seed, step, tok, cfg.mix, cfg.batch, stride_share(cfg, step), weights)
+        ids, tg = sft_batch(cfg.seed, step, tok, cfg.mix, cfg.batch, stride_share(cfg, step), weights, cfg.echo,
+                            cfg.plan)
         loss, total = sft_loss(model, ids, tg, cfg.indexer_loss)
         opt.zero_grad(set_to_none=True)
         total.backward()

@@ -124,9 +124,38 @@ def trace(p: Problem, stride: int) -> str:
     return " ".join(items)
 
 
-def response(p: Problem, stride: int) -> str:
-    """The full response text after the prompt's `<think>` (without the end-of-sentence token)."""
-    return trace(p, stride) + THINK_END + p.answer
+def response(p: Problem, stride: int, head: str = "") -> str:
+    """The full response text after the prompt's `<think>` (without the end-of-sentence token); `head`: the
+    reasoning's opening tokens (`plan_head`), written before the trace."""
+    return head + trace(p, stride) + THINK_END + p.answer
+
+
+# Optional opening of the reasoning (SFT's `--echo` / `--plan`; off by default): an echo of the effort level's
+# band, then a plan letter that fixes the trace's stride. The echo is a function of the prompt alone and the plan
+# is drawn independently of b in SFT, so the reasoning length still does not depend on b before RL; what they add
+# is (echo) a token whose embedding carries b into the position where the plan is chosen (the reading of b is
+# taught, its use is not) and (plan) one position that decides the whole length, the only place RL has to move.
+BANDS = "ABCDEFGHIJK"            # b // 10: 1-9 -> A, 10-19 -> B, ..., 90-99 -> J, 100 -> K
+PLANS = "SML"                    # short: the empty trace; medium: two chunks; long: the full trace (stride 1)
+
+
+def effort_band(b: int) -> str:
+    if not 1 <= b <= 100:
+        raise ValueError(f"effort {b} outside [1, 100]")
+    return BANDS[b // 10]
+
+
+def plan_stride(p: Problem, plan: str) -> int:
+    """The stride a plan letter fixes for this problem: S = n (empty), M = ceil(n / 2) (two chunks), L = 1."""
+    n = p.difficulty
+    return {"S": n, "M": max(1, (n + 1) // 2), "L": 1}[plan]
+
+
+def plan_head(b: int, plan: str | None, echo: bool) -> str:
+    """The reasoning's opening: the band letter of b (echo), then the plan letter (None: no plan)."""
+    if plan is not None and plan not in PLANS:
+        raise ValueError(f"unknown plan {plan!r}: one of {PLANS}")
+    return (effort_band(b) if echo else "") + (plan or "")
 
 
 def render_prompt(p: Problem, effort: int) -> str:
@@ -141,8 +170,8 @@ def prompt_ids(tokenizer, p: Problem, effort: int) -> list[int]:
     return [tokenizer.bos_id] + encode_prompt(tokenizer, render_prompt(p, effort))
 
 
-def response_ids(tokenizer, p: Problem, stride: int) -> list[int]:
-    return encode_prompt(tokenizer, response(p, stride)) + [tokenizer.eos_id]
+def response_ids(tokenizer, p: Problem, stride: int, head: str = "") -> list[int]:
+    return encode_prompt(tokenizer, response(p, stride, head)) + [tokenizer.eos_id]
 
 
 @dataclass(frozen=True)
