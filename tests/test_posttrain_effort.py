@@ -197,3 +197,21 @@ def test_sft_plan_is_drawn_independently_of_b_and_the_echo_names_b():
     a = sft_example(random.Random(9), tok, mix, 0.5)
     ids, tg = a
     assert tok.decode([t for t in tg if t != -100])[0] not in T.BANDS + T.PLANS
+
+
+def test_level_stats_count_the_plans_the_responses_opened_with(tmp_path):
+    from dsv41.posttrain.rl import level_stats
+    from dsv41.posttrain.rollout import Rollout
+    from dsv41.posttrain.tokenizer import load_post_tokenizer
+    tok = load_post_tokenizer(tmp_path)
+    p = T.make_sums(random.Random(2), 4)
+    rs = []
+    for b, plan in ((1, "S"), (1, "S"), (1, "L"), (1, "M"), (100, "L"), (100, "L")):
+        ids = T.response_ids(tok, p, T.plan_stride(p, plan), T.plan_head(b, plan, echo=True))
+        rs.append(Rollout(p, b, [0], ids, [0.0] * len(ids), T.check(tok, p, ids)))
+    lv = level_stats(rs, [0.0] * len(rs), tok)
+    assert lv[1]["plans"] == {"S": 0.5, "M": 0.25, "L": 0.25} and lv[100]["plans"] == {"S": 0, "M": 0, "L": 1.0}
+    assert lv[1]["length"] == sum(r.verdict.reasoning_tokens for r in rs[:4]) / 4
+    plain = T.response_ids(tok, p, 1)            # no head: no plan shares
+    assert "plans" not in level_stats([Rollout(p, 1, [0], plain, [0.0] * len(plain), T.check(tok, p, plain))],
+                                      [0.0], tok)[1]

@@ -231,13 +231,18 @@ def band_means(per_level: dict, bands: list[tuple[int, int]], key: str) -> list[
     return out
 
 
-def level_stats(rs: list[Rollout], rewards: list[float]) -> dict:
+def level_stats(rs: list[Rollout], rewards: list[float], tok=None) -> dict:
+    """Per level: mean reward, accuracy, reasoning length, count; with tok, and when any response opened with a
+    plan letter (tasks.opened_plan), the share of each plan."""
     out = {}
+    plans = [T.opened_plan(tok, r.output_ids) for r in rs] if tok is not None else [None] * len(rs)
     for b in sorted({r.effort for r in rs}):
         idx = [i for i, r in enumerate(rs) if r.effort == b]
         out[b] = {"reward": sum(rewards[i] for i in idx) / len(idx),
                   "accuracy": sum(rs[i].verdict.correct for i in idx) / len(idx),
                   "length": sum(rs[i].verdict.reasoning_tokens for i in idx) / len(idx), "n": len(idx)}
+        if any(plans):
+            out[b]["plans"] = {c: sum(plans[i] == c for i in idx) / len(idx) for c in T.PLANS}
     return out
 
 
@@ -283,7 +288,7 @@ class RLRun:
             from dsv41.posttrain.dspark import drafter_step
             stats.update(drafter_step(self.model, self.dopt, rs, self.tok.pad_id))
         self.step += 1
-        lv = level_stats(rs, rewards)
+        lv = level_stats(rs, rewards, self.tok)
         k0 = self.cfg.length.k0
         if self.cfg.k0_rate > 0:
             self.hold = hold_length(self.hold, sum(r.verdict.reasoning_tokens for r in rs) / max(1, len(rs)))

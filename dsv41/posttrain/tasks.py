@@ -151,6 +151,15 @@ def plan_stride(p: Problem, plan: str) -> int:
     return {"S": n, "M": max(1, (n + 1) // 2), "L": 1}[plan]
 
 
+def opened_plan(tokenizer, out_ids: list[int]) -> str | None:
+    """The plan letter a sampled response opened its reasoning with (among its first two tokens), or None."""
+    for t in out_ids[:2]:
+        c = tokenizer.decode([t])
+        if len(c) == 1 and c in PLANS:
+            return c
+    return None
+
+
 def plan_head(b: int, plan: str | None, echo: bool) -> str:
     """The reasoning's opening: the band letter of b (echo), then the plan letter (None: no plan)."""
     if plan is not None and plan not in PLANS:
