@@ -24,6 +24,7 @@ from dsv41.engine.sampling import SamplingParams
 from dsv41.kernels.invariant import deterministic
 from dsv41.kv import PackedKVPool
 from dsv41.model.attention import set_tie_break
+from dsv41.model.engram import DEAD
 from dsv41.model.init import random_model
 
 READS = ("item", "__int__", "__bool__", "__float__", "__index__", "tolist", "numpy", "cpu")
@@ -210,12 +211,52 @@ def test_engine_prefix_reuse_with_static_steps(tiny, tmp_path):
     set_tie_break(model, "recent")
 
 
-def test_static_step_reads_nothing_on_the_host(tiny, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_host_engram(tiny):
+    """The tiny model with its Engram tables packed and held in host memory (`PackedTable.host`)."""
+    import copy
+    cfg, model = tiny
+    model = copy.deepcopy(model)
+    for b in model.layers:
+        if b.engram is not None:
+            b.engram.pack()
+            b.engram.embed.host = True
+    return cfg, model
+
+
+def test_static_step_with_host_engram_tables(tiny_host_engram, monkeypatch):
+    """Engram tables in host memory: the static step hashes the step's ids on the host and stages only the named
+    rows into the bucket's buffers, which its lookups read; bit for bit the eager step (deterministic mode), the
+    whole store too. Staged from a wrong history (all DEAD), the logits differ: the staged rows are the ones read."""
+    from dsv41.model.engram import PackedTable
+    cfg, model = tiny_host_engram
+    staged = collections.Counter()
+    stage = PackedTable.stage
+    monkeypatch.setattr(PackedTable, "stage", lambda self, *a: (staged.update([id(self)]), stage(self, *a))[1])
+    (eager, static), pools, graphs = decode_both(model, cfg, 20, every_row_then_some, det=True)
+    assert len(graphs._host_engrams) == len(cfg.engram_layer_ids) > 0
+    assert sorted(staged.values()) == [20] * len(cfg.engram_layer_ids)
+    for a, b in zip(eager, static):
+        assert torch.equal(a, b)
+    assert_same_store(pools[0][0], pools[1][0], pools[0][1])
+
+    real = DecodeGraphs._engram_rows
+
+    def dead_history(self, bucket, ids):
+        bucket.store.history.fill_(DEAD)
+        real(self, bucket, ids)
+    monkeypatch.setattr(DecodeGraphs, "_engram_rows", dead_history)
+    (eager, static), _, _ = decode_both(model, cfg, 3, every_row_then_some, det=True)
+    assert not all(torch.equal(a, b) for a, b in zip(eager, static))
+
+
+@pytest.mark.parametrize("host_tables", [False, True])
+def test_static_step_reads_nothing_on_the_host(tiny, tiny_host_engram, host_tables, monkeypatch):
     """The sync guard around the model's forward: the eager step reads values on the host (the census below
-    pins the kinds), the static step none."""
+    pins the kinds), the static step none (with Engram tables in host memory too: their rows are staged before)."""
     from dsv41.model import moe
     monkeypatch.setattr(moe, "fused_moe", lambda x: True)         # the experts op, as on a GPU
-    cfg, model = tiny
+    cfg, model = tiny_host_engram if host_tables else tiny
     pool, sids = prefilled(model, cfg, (70, 5, 37))
     graphs = DecodeGraphs(model, pool, max_seq_len=256, capture=False)
     ids = torch.zeros(3, 1, dtype=torch.long)
@@ -308,3 +349,27 @@ def test_engine_cuda_graphs_long_run_equals_eager():
     same = sum(x == y for a, b in zip(*runs) for x, y in zip(a, b)) / sum(len(a) for a in runs[0])
     print(f"graph vs eager greedy tokens equal: {same:.4f}")
     assert same >= 0.95
+
+
+@pytest.mark.gpu
+def test_engine_cuda_graphs_with_host_engram_tables():
+    """The engine on the GPU, graphs on, Engram tables pinned in host memory (rows staged before each replay)
+    against the same model with its tables on the device: the same row bytes reach the same kernels, so the
+    greedy tokens are equal."""
+    import copy
+    from dsv41.model.packed_weights import engram_tables_on_host
+    cfg = load_config("tiny")
+    base = random_model(cfg, dtype=torch.bfloat16, seed=3)
+    for b in base.layers:
+        if b.engram is not None:
+            b.engram.pack()
+    models = [copy.deepcopy(base).cuda(), engram_tables_on_host(copy.deepcopy(base)).cuda()]
+    assert models[1].layers[cfg.engram_layer_ids[0]].engram.embed.weight.device.type == "cpu"
+    prompts = ["hello world", "def f(x):\n  return x" * 5, "the quick brown fox " * 10]
+    runs = []
+    for model in models:
+        set_tie_break(model, "recent")
+        eng = Engine(model, max_batch=4)
+        runs.append([c.output_ids for c in eng.generate(prompts, [SamplingParams(max_tokens=40, ignore_eos=True)] * 3)])
+        assert eng.graphs is not None and eng.graphs.failure is None and eng.graphs.captures
+    assert runs[0] == runs[1]

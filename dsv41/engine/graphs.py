@@ -12,7 +12,9 @@ What the host does around a replay (`DecodeGraphs.forward`): before it, the page
 allocated (`PagedLayer.ensure`) and the rows' positions, slots and page tables copied into the buffers; rows
 past the real batch point at a scratch sequence (its own ring slot, one page per layer), and a row that completes
 no compressed entry writes its (unused) record there too. After it, the bookkeeping the eager store does inside
-its writes: positions, entries held, the index-key publisher, the Engram history.
+its writes: positions, entries held, the index-key publisher, the Engram history. Engram tables held in host
+memory (`engram_tables_on_host`): the step's hash ids are computed on the host too, and only the rows they name
+are gathered and copied into the bucket's device buffers, which the captured lookups read.
 
 A bucket is (rows, context span): the span, a power of two of positions, sizes the page tables, so a short context
 never scores the entries a long one could hold. Capture is lazy, per bucket: a warm-up on a side stream, then the capture, all rows on the scratch sequence, into
@@ -27,6 +29,7 @@ Legend: B real rows, Bp rows of the bucket, MP page-table width, P page size, W 
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -167,12 +170,13 @@ class _Bucket:
     ids: torch.Tensor                        # [Bp, 1] long
     out: ForwardOut | None = None
     graph: "torch.cuda.CUDAGraph | None" = None
+    engram_rows: list | None = None          # per host Engram table: (codes [Bp*G, W], scales) on the device
 
 
 def supports(model, pool, capture: bool = True) -> str | None:
     """Why the static decode step cannot serve this model and pool (None: it can): it needs the packed store with
     quantization on (the packed decode path); captured, also no deterministic mode (its reference kernels read
-    counts on the host) and Engram tables on the device (host tables are fetched through the host)."""
+    counts on the host)."""
     from dsv41.kernels.choice import packed_decode
     from dsv41.kernels.invariant import is_deterministic
     if not isinstance(pool, PackedKVPool):
@@ -183,9 +187,13 @@ def supports(model, pool, capture: bool = True) -> str | None:
         return None
     if is_deterministic():
         return "the deterministic mode"
-    if any(getattr(getattr(b.engram, "embed", None), "host", False) for b in model.layers if b.engram is not None):
-        return "Engram tables in host memory"
     return None
+
+
+def host_engrams(model) -> list:
+    """The model's Engram modules whose packed tables stay in host memory."""
+    return [b.engram for b in model.layers
+            if b.engram is not None and b.engram.packed and b.engram.embed.host]
 
 
 class DecodeGraphs:
@@ -210,6 +218,8 @@ class DecodeGraphs:
         self._order = [b.attn for b in model.layers]
         self._scratch = self._scratch_sequence()
         self._rope_on_device()
+        self._host_engrams = host_engrams(model)
+        self._hasher = copy.deepcopy(model.engram_hasher).to("cpu") if self._host_engrams else None
 
     def _scratch_sequence(self) -> int:
         """A sequence the padding rows (and rows completing no entry) write into: one page per KV-source layer,
@@ -262,6 +272,8 @@ class DecodeGraphs:
         self._inputs(bucket.store, view.seqs)
         bucket.ids[:B].copy_(ids)
         bucket.ids[B:].zero_()
+        if self._host_engrams:
+            self._engram_rows(bucket, ids)
         if self.capture:
             bucket.graph.replay()
             out = bucket.out
@@ -271,13 +283,22 @@ class DecodeGraphs:
         return ForwardOut(*(None if t is None else t[:B].clone() for t in (out.logits, out.hidden, out.main_hidden)))
 
     def _run(self, bucket: _Bucket) -> ForwardOut:
-        return self.model(bucket.ids, bucket.store, last_only=True)
+        """The model's forward over the bucket's buffers (host Engram tables read the bucket's row buffers)."""
+        for e, rows in zip(self._host_engrams, bucket.engram_rows or ()):
+            e.embed.static = rows
+        try:
+            return self.model(bucket.ids, bucket.store, last_only=True)
+        finally:
+            for e in self._host_engrams:
+                e.embed.static = None
 
     def _bucket(self, rows: int, span: int) -> _Bucket:
         if (rows, span) not in self.buckets:
             store = StaticStore(self.pool, rows, self._capacity(span))
             ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
-            self.buckets[(rows, span)] = _Bucket(store, ids)
+            tables = [tuple(torch.zeros(rows * e.n_cols, t.size(1), dtype=torch.uint8, device=self.device)
+                            for t in (e.embed.weight, e.embed.scale)) for e in self._host_engrams]
+            self.buckets[(rows, span)] = _Bucket(store, ids, engram_rows=tables or None)
         return self.buckets[(rows, span)]
 
     # ------------------------------------------------------------------ host work before and after
@@ -305,6 +326,18 @@ class DecodeGraphs:
             dead = torch.full((st.history.size(1),), DEAD, dtype=torch.long, device=self.device)
             st.history.copy_(torch.stack([dead if s.engram_history is None or i >= len(seqs)
                                           else s.engram_history.to(self.device) for i, s in enumerate(rows)]))
+
+    def _engram_rows(self, bucket: _Bucket, ids: torch.Tensor) -> None:
+        """The rows the step's Engram lookups read from host tables, into the bucket's device buffers before the
+        replay: the step's hashes computed on the host (token ids and the rows' history, the bucket's buffers as
+        `_inputs` filled them: one small read back, while the device is idle between steps), each table's rows
+        gathered there and copied (only those bytes cross to the device; docs/model.md §9)."""
+        tok = torch.zeros(bucket.ids.shape, dtype=torch.long)
+        tok[:ids.size(0)] = ids.to("cpu")
+        hist = bucket.store.history.to("cpu")
+        hashes, _ = self._hasher(tok, hist)                                  # [Bp, 1, E, G]
+        for e, (codes, scale) in zip(self._host_engrams, bucket.engram_rows):
+            e.embed.stage(hashes[:, :, e.layer_index].reshape(-1), codes, scale)
 
     def _finish(self, bucket: _Bucket, seqs) -> None:
         """What the eager store records inside its writes: entries held, positions, the index-key publisher (the

@@ -240,9 +240,14 @@ class PackedTable(nn.Module):
     `prefetch` (called by the model right after hashing) gathers them on the host into pinned memory and copies
     only those bytes to the device on a side stream; the copy overlaps the blocks below this table's layer, and
     the lookup waits for it on the device (no host synchronisation at the layer). On the CPU the same code path
-    runs without the copy (docs/model.md §9)."""
+    runs without the copy (docs/model.md §9).
+
+    `static` (set by the graph-captured decode step, `dsv41.engine.graphs`): device buffers (codes [n, W], scales
+    [n, W/32]) the step's rows are copied into before each replay; a lookup then decodes them as they stand (the
+    ids' order, n = the ids' count) and `prefetch` leaves them alone."""
 
     host = False
+    static: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, rows: int, width: int, held_dtype: torch.dtype):
         super().__init__()
@@ -280,12 +285,26 @@ class PackedTable(nn.Module):
         if self._copied is not None:
             self._copied.synchronize()
         if self._staging is None or self._staging[0].size(0) < n:
-            self._staging = (torch.empty(n, W, dtype=torch.uint8).pin_memory(),
-                             torch.empty(n, Ws, dtype=torch.uint8).pin_memory())
+            pin = torch.cuda.is_available()
+            self._staging = tuple(torch.empty(n, w, dtype=torch.uint8, pin_memory=pin) for w in (W, Ws))
         codes, scale = self._staging[0][:n], self._staging[1][:n]
         torch.index_select(self.weight, 0, flat, out=codes)
         torch.index_select(self.scale, 0, flat, out=scale)
         return codes, scale
+
+    def stage(self, flat: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """The rows `flat` [n] (host ids) into the buffers codes [n, W] / scale [n, W/32] (the static step's, on the
+        device): gathered into pinned memory and copied on the current stream (the copy's event guards the staging
+        buffers' reuse); on the CPU gathered straight into them."""
+        if codes.device.type != "cuda":
+            torch.index_select(self.weight, 0, flat, out=codes)
+            torch.index_select(self.scale, 0, flat, out=scale)
+            return
+        codes_h, scale_h = self._gather_pinned(flat)
+        codes.copy_(codes_h, non_blocking=True)
+        scale.copy_(scale_h, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def prefetch(self, ids: torch.Tensor, ids_host: torch.Tensor) -> None:
         """Start fetching the rows of `ids` [...] (on the device the lookup will run on; `ids_host` the same ids
@@ -313,6 +332,9 @@ class PackedTable(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] int64 -> rows [..., W] in `held_dtype`, on the ids' device: the prefetched rows when
         `prefetch(ids)` started them, else gathered now (a host table: only these rows cross to the device)."""
+        if self.static is not None:
+            codes, scale = self.static
+            return rows_values(codes, scale).to(self.held_dtype).unflatten(0, ids.shape)
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.serves(ids):
             if ahead.event is not None:
@@ -353,7 +375,7 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
 def prefetch_host_rows(engrams: Sequence["Engram"], hashes: torch.Tensor) -> None:
     """Start fetching every host table's rows of this step (`hashes` [B,T,E,G] from `NgramHasher`): one copy of
     the ids to the host, then each table's gather and copy (`PackedTable.prefetch`). Device tables: nothing."""
-    hosts = [e for e in engrams if e.packed and e.embed.host]
+    hosts = [e for e in engrams if e.packed and e.embed.host and e.embed.static is None]
     if not hosts:
         return
     ids_host = hashes.to("cpu")
