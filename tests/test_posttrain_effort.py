@@ -215,3 +215,22 @@ def test_level_stats_count_the_plans_the_responses_opened_with(tmp_path):
     plain = T.response_ids(tok, p, 1)            # no head: no plan shares
     assert "plans" not in level_stats([Rollout(p, 1, [0], plain, [0.0] * len(plain), T.check(tok, p, plain))],
                                       [0.0], tok)[1]
+
+
+def test_families_option_restricts_the_mix_and_the_rl_prompts():
+    import argparse
+
+    from dsv41.posttrain.cli import parse_families, register
+    assert parse_families("sums") == ("sums",)
+    assert parse_families(" chase, sums ,chase") == ("chase", "sums")
+    with pytest.raises(ValueError):
+        parse_families(" , ")
+    ap = argparse.ArgumentParser()
+    register(ap.add_subparsers())
+    assert parse_families(ap.parse_args(["posttrain", "rl"]).families) == T.FAMILIES      # default: all
+    fams = parse_families(ap.parse_args(["posttrain", "rl", "--families", "sums"]).families)
+    with pytest.raises(ValueError):
+        TaskMix(families=parse_families("sums,nope")).check()
+    cfg = RLConfig(prompts=4, samples=2, mix=TaskMix(families=fams))
+    assert {p.family for p, _, _ in step_items(cfg, 3)} == {"sums"}
+    assert {p.family for p, _, _ in step_items(RLConfig(prompts=4, samples=2), 3)} == set(T.FAMILIES)

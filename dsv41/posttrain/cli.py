@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from dsv41.posttrain.sft import SFTConfig, TaskMix, run_sft
+from dsv41.posttrain.tasks import FAMILIES
 
 STAGES = ("sft", "rl", "opd", "dspark", "eval", "team", "all", "report")
 
@@ -45,6 +46,8 @@ def register(subparsers) -> None:
                    help="training effort levels, comma-separated, ranges allowed (1-100)")
     p.add_argument("--hold-out", default="",
                    help="effort levels removed from --levels (e.g. 12,37,62,87 with --levels 1-100)")
+    p.add_argument("--families", default=",".join(FAMILIES),
+                   help="task families the stage draws, comma-separated (default: all, " + ",".join(FAMILIES) + ")")
     p.add_argument("--full-trace", type=float, help="sft: the share of stride-1 (full trace) examples (default 0.8)")
     p.add_argument("--late-steps", type=int, help="sft: the last steps draw strides with --late-full-trace (default 0)")
     p.add_argument("--late-full-trace", type=float, help="sft: the stride-1 share of the late steps")
@@ -99,6 +102,14 @@ def parse_levels(text: str, hold_out: str = "") -> tuple[int, ...]:
     return tuple(sorted(got))
 
 
+def parse_families(text: str) -> tuple[str, ...]:
+    """`sums,chase` -> ("sums", "chase"), in the order given, without repeats; at least one."""
+    got = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if not got:
+        raise ValueError("no task family given")
+    return got
+
+
 def _budget(cfg, args):
     if args.minutes is not None:
         cfg.minutes = args.minutes
@@ -113,7 +124,7 @@ def main(args) -> int:
     import torch
     torch.set_num_threads(max(1, torch.get_num_threads()))
     levels = parse_levels(args.levels, args.hold_out)
-    mix = TaskMix(levels=levels).check()
+    mix = TaskMix(families=parse_families(args.families), levels=levels).check()
     runs = Path(args.runs)
     stages = ("sft", "rl", "opd", "dspark", "eval") if args.stage == "all" else (args.stage,)
     if args.drafter_lr < 0:

@@ -2,7 +2,8 @@
 forward of the prompt + the reasoning's opening gives (1) the first response token's distribution: the share of
 its mass on the right band letter (the echo), and (2) at the position after the echo (the right band letter fed
 in), the distribution over the plan letters S / M / L. Printed per level: mean P(echo right), P(S), P(M), P(L),
-and the expected reasoning length under the plan distribution (each plan's full-length response, + the head).
+and the expected reasoning length under the plan distribution (each plan's full-length response, + the head),
+and the (normalised) plan shares S/M/L per family.
 The total-variation distance of the plan distributions at b = 1 and b = 100 is the number to compare with the
 first-token TV of 2026-12-06b's b_sensitivity.py.
 
@@ -66,8 +67,12 @@ def main():
                       **{f"p_{k}": float(plan[:, j].mean()) for j, k in enumerate(T.PLANS)},
                       "expected_length": exp_len}
             plans[b] = plan / mass
+            fams = [q.family for q in problems]
+            per[b]["by_family"] = {f: {k: float(plans[b][[i for i, g in enumerate(fams) if g == f], j].mean())
+                                       for j, k in enumerate(T.PLANS)} for f in sorted(set(fams))}
             print(f"{c} b={b:3d} echo {per[b]['p_echo']:.3f} plan mass {per[b]['p_plan_mass']:.3f} "
-                  f"S {per[b]['p_S']:.3f} M {per[b]['p_M']:.3f} L {per[b]['p_L']:.3f} E[len] {exp_len:.2f}")
+                  f"S {per[b]['p_S']:.3f} M {per[b]['p_M']:.3f} L {per[b]['p_L']:.3f} E[len] {exp_len:.2f} | " + " ".join(
+                      f"{f} " + "/".join(f"{v:.2f}" for v in d.values()) for f, d in per[b]["by_family"].items()))
         lo, hi = min(levels), max(levels)
         tv = float((0.5 * (plans[lo] - plans[hi]).abs().sum(-1)).mean())
         res[c] = {"levels": per, "plan_tv_lo_hi": tv}
