@@ -214,6 +214,17 @@ def test_engram_tables_stay_in_host_memory():
         engram_tables_on_host(random_model(cfg, seed=1))
 
 
+def test_engram_table_packs_in_row_chunks(monkeypatch):
+    """A table packed a few rows at a time holds the same bytes as one packed whole (rows are independent), also
+    where the chunk does not divide the rows."""
+    from dsv41.model import engram
+    t = torch.randn(37, 64, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 37)[:, None]
+    codes, scale = pack_weight(t, "fp8_rows")
+    monkeypatch.setattr(engram, "PACK_CHUNK", 5 * 64)
+    chunked = engram.PackedTable.of(t)
+    assert torch.equal(chunked.weight, codes) and torch.equal(chunked.scale, scale)
+
+
 def _host_engram_model(seed: int = 1):
     cfg = load_config("debug")
     return cfg, engram_tables_on_host(pack_weights(random_model(cfg, seed=seed)))

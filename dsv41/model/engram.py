@@ -230,6 +230,9 @@ class NgramHasher(nn.Module):
 
 # ------------------------------------------------------------------------------------------------ 6.3 lookup, gate
 
+PACK_CHUNK = 1 << 26      # table elements packed per chunk by `PackedTable.of`
+
+
 class PackedTable(nn.Module):
     """An Engram hash table as the checkpoint stores it (docs/model.md §9): `weight` e4m3 codes [R, W] and `scale`
     one e8m0 per row and 32 values [R, W/32] (uint8 buffers under the checkpoint's names). A lookup gathers the
@@ -267,11 +270,15 @@ class PackedTable(nn.Module):
     @classmethod
     @torch.no_grad()
     def of(cls, table: torch.Tensor) -> "PackedTable":
-        """The packed storage of a dense table [R, W] (exact for checkpoint-representable rows)."""
+        """The packed storage of a dense table [R, W] (exact for checkpoint-representable rows). Rows are packed
+        independently, so a huge table is packed in chunks of rows: the float temporaries stay small (a whole
+        v41-geometry table's fp32 copies do not fit beside the model on an 80 GB GPU)."""
         out = cls(*table.shape, table.dtype).to(table.device)
-        codes, scale = pack_weight(table, "fp8_rows")
-        out.weight.copy_(codes)
-        out.scale.copy_(scale)
+        rows = max(1, PACK_CHUNK // max(1, table.size(1)))
+        for r0 in range(0, table.size(0), rows):
+            codes, scale = pack_weight(table[r0:r0 + rows], "fp8_rows")
+            out.weight[r0:r0 + rows].copy_(codes)
+            out.scale[r0:r0 + rows].copy_(scale)
         return out
 
     def dense(self) -> torch.Tensor:

@@ -3,12 +3,14 @@
 When a decode GEMM's N / BN output tiles leave SMs idle, K is split into S parts, one program each. Each part stores
 its fp32 partial of the tile and counts itself done on the tile's counter (a device int32, atomically, after a
 barrier: the partial is visible before the count); the part that finds S - 1 parts done adds the S partials (a
-few at a time, in a fixed order: the result does not depend on which part finishes last), adds the bias, casts,
+in a fixed order: the result does not depend on which part finishes last), adds the bias, casts,
 stores y, and resets the counter to 0 for the next call (so CUDA-graph replays need no memset). The earlier decode path summed the
 parts with torch (`out.sum(0)`, then the bias and the cast): two or three more launches per GEMM.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -17,6 +19,11 @@ import triton.language as tl
 __all__ = ["splitk_finish", "tile_counters"]
 
 _COUNTERS: dict = {}
+# fp32 values the finish may load at once (below). 0 = one partial at a time, the default: on the H100 loading 8
+# partials of a 16 x 64 tile at once (8192) made wq_b 1.7x and wkv 2.1x slower at M = 1 (the larger finish raised
+# the register use of the whole kernel it is inlined into), 2048 was even with 0 on wq_b and 8% slower on wkv
+# (benchmarks/results/packed_gemm_h100-2026-12-06b-finish*.log).
+FINISH_VALUES = int(os.environ.get("DSV41_SPLITK_FINISH", "0"))
 
 
 def tile_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -37,9 +44,8 @@ def splitk_finish(acc, part, ws_ptr, cnt_ptr, b_ptr, y_ptr, rm, rn, mm, nm, M, N
     counted on cnt_ptr (this tile's counter); the last part to finish sums ws[0..S-1] (+ bias), casts into y and
     resets the counter. With S == 1 it stores acc (+ bias) directly.
 
-    The sum loads CHUNK partials at once ([CHUNK, R, BN], as many as keep the tile within 8K fp32 values: 8 for a
-    16 x 64 tile) and adds each chunk's tree sum in chunk order: a fixed order, and one load latency per chunk
-    instead of one per part (a one-by-one sum of 40 parts, wkv's split, was bound by 40 dependent L2 reads)."""
+    The sum loads CHUNK partials at once ([CHUNK, R, BN], as many as keep CHUNK x R x BN within FINISH_VALUES;
+    1 by default) and adds each chunk's tree sum in chunk order: a fixed order either way."""
     mask = mm[:, None] & nm[None, :]
     off = rm[:, None].to(tl.int64) * N + rn[None, :]
     if S == 1:
@@ -66,8 +72,9 @@ def splitk_finish(acc, part, ws_ptr, cnt_ptr, b_ptr, y_ptr, rm, rn, mm, nm, M, N
 
 @triton.constexpr_function
 def _chunk(tile: int) -> int:
-    """Partials summed per load in the split-K finish: a power of two <= 8 keeping CHUNK x tile <= 8192 values."""
+    """Partials summed per load in the split-K finish: a power of two <= 8 keeping CHUNK x tile <= FINISH_VALUES
+    (1 where the tile alone exceeds it: one partial at a time)."""
     c = 8
-    while c > 1 and c * tile > 8192:
+    while c > 1 and c * tile > FINISH_VALUES:
         c //= 2
     return c
