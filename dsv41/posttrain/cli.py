@@ -80,6 +80,10 @@ def register(subparsers) -> None:
     p.add_argument("--paired-seeds", action="store_true",
                    help="rl: the same M sampling seeds at every level of a prompt (common random numbers)")
     p.add_argument("--adv-norm", action="store_true", help="rl: divide advantages by their (x, b) subgroup's std")
+    p.add_argument("--credit", default="all", choices=("all", "split"),
+                   help="rl: which tokens carry which advantage: all (default) every response token the full one "
+                   "(score + length term); split: the plan letter the full one, the trace and answer the score-only "
+                   "one, the echo (band letter) out of the loss")
     p.add_argument("--init", help="rl: the checkpoint RL starts from (default <runs>/post-sft)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="eval: 0 greedy (default); > 0 sampled at that temperature, one seed per (problem, level)")
@@ -144,7 +148,7 @@ def main(args) -> int:
             init = args.init if args.init and args.stage != "all" else str(runs / "post-sft")
             cfg = _budget(RLConfig(init=init, out=out, seed=args.seed, mix=mix, dispatch=args.dispatch,
                                    quiet=args.quiet, drafter_lr=args.drafter_lr, adv_norm=args.adv_norm,
-                                   paired_seeds=args.paired_seeds), args)
+                                   paired_seeds=args.paired_seeds, credit=args.credit), args)
             for name in ("samples", "prompts", "levels_per_prompt", "epochs", "k0_rate"):
                 if getattr(args, name) is not None:
                     setattr(cfg, name, getattr(args, name))

@@ -92,6 +92,11 @@ class RLConfig:
     # of (x, b) and (x, b') are the same responses, so the task score's part of the update is the same at every
     # level and what differs between the levels' pulls is the length term alone
     paired_seeds: bool = False
+    # who carries which advantage (CREDITS): "all" (the default, as before the option): every response token the
+    # full one (score + length term, minus the (x, b) subgroup's mean); "split": only the plan letter carries the
+    # full advantage, the trace and answer tokens the score-only one (score minus the subgroup's mean score), and
+    # the echo (b's band letter, its deterministic copy) is out of the loss (split_credit below)
+    credit: str = "all"
     mix: TaskMix = field(default_factory=TaskMix)
     length: LengthReward = field(default_factory=LengthReward)
 
@@ -107,6 +112,70 @@ def group_advantages(rewards: list[float], keys: list, norm: bool = False, eps: 
         return [r - mean[k] for r, k in zip(rewards, keys)]
     std = {k: math.sqrt(sum((x - mean[k]) ** 2 for x in v) / len(v)) for k, v in groups.items()}
     return [(r - mean[k]) / (std[k] + eps) for r, k in zip(rewards, keys)]
+
+
+CREDITS = ("all", "split")
+
+
+def head_positions(tok, out_ids: list[int]) -> tuple[int | None, list[int]]:
+    """(index of the plan letter among a response's first two tokens, or None; indices of the echo tokens: band
+    letters among the first two tokens before the plan letter, or token 0 when it is a band letter and no plan
+    letter follows)."""
+    first = [tok.decode([t]) for t in out_ids[:2]]
+    plan = next((i for i, c in enumerate(first) if len(c) == 1 and c in T.PLANS), None)
+    before = first[:plan] if plan is not None else first[:1]
+    return plan, [i for i, c in enumerate(before) if len(c) == 1 and c in T.BANDS]
+
+
+def split_credit(tok, rs: list[Rollout], full: list[float], score: list[float]
+                 ) -> tuple[list[list[float]], list[list[float]]]:
+    """Per-token advantages and loss masks of credit "split": the plan letter gets the full advantage (task score +
+    length term, minus its subgroup's mean), every other response token (trace, `</think>`, answer, EOS) the
+    score-only one (task score minus the subgroup's mean score), and the echo tokens are masked (advantage 0, mask
+    0). A response without a plan letter carries no length credit at all: every unmasked token gets its score-only
+    advantage."""
+    advs, masks = [], []
+    for r, a_full, a_score in zip(rs, full, score):
+        n = len(r.output_ids)
+        plan, echo = head_positions(tok, r.output_ids)
+        adv, mask = [a_score] * n, [1.0] * n
+        if plan is not None:
+            adv[plan] = a_full
+        for i in echo:
+            adv[i], mask[i] = 0.0, 0.0
+        advs.append(adv)
+        masks.append(mask)
+    return advs, masks
+
+
+def advantage_mass(tok, rs: list[Rollout], full: list[float], score: list[float], token_adv: list[list[float]],
+                   masks: list[list[float]], levels) -> dict:
+    """Where an update's advantage sits, per level band (level_bands) and plan letter (`-`: none): n samples;
+    `plan`: the sum of the full advantages (score + length term) of their samples, the plan letter's own under
+    both credits, and `abs` its absolute sum; `len`: the length term's part of `plan` (full minus score-only
+    advantage; with adv_norm the two are divided by different stds, so only roughly the length term's part); `trace`: the sum, over their tokens after the head that train, of each token's advantage (what
+    pushes on the trace tokens: the full advantage times the tokens under credit "all", the score-only one under
+    "split")."""
+    out: dict = {}
+    bands = level_bands(levels)
+    for r, a_f, a_s, adv, m in zip(rs, full, score, token_adv, masks):
+        band = next((f"b{lo}-{hi}" if lo != hi else f"b{lo}" for lo, hi in bands if lo <= r.effort <= hi), None)
+        if band is None:
+            continue
+        plan, echo = head_positions(tok, r.output_ids)
+        key = tok.decode([r.output_ids[plan]]) if plan is not None else "-"
+        start = (plan + 1) if plan is not None else (max(echo) + 1 if echo else 0)
+        cell = out.setdefault(band, {}).setdefault(key, {"n": 0, "plan": 0.0, "abs": 0.0, "len": 0.0, "trace": 0.0})
+        cell["n"] += 1
+        cell["plan"] += a_f
+        cell["abs"] += abs(a_f)
+        cell["len"] += a_f - a_s
+        cell["trace"] += sum(a * k for a, k in zip(adv[start:], m[start:]))
+    for cells in out.values():
+        for c in cells.values():
+            for k in ("plan", "abs", "len", "trace"):
+                c[k] = round(c[k], 4)
+    return out
 
 
 def level_seeds(rng: random.Random, levels: int, samples: int, paired: bool) -> list[list[int]]:
@@ -147,18 +216,30 @@ def rewards_of(rs: list[Rollout], length: LengthReward) -> list[float]:
     return [float(r.verdict.correct) + length(r.verdict.reasoning_tokens, r.effort) for r in rs]
 
 
-def batch_tensors(rs: list[Rollout], adv: list[float], pad: int, masks: list[list[float]] | None = None):
-    """(ids [B, T], behaviour lp [B, T-1], advantages [B, 1], mask [B, T-1]) with each response's log-prob at
-    the positions that predict its tokens."""
+def scores_of(rs: list[Rollout]) -> list[float]:
+    """The task score alone (the reward without its length term)."""
+    return [float(r.verdict.correct) for r in rs]
+
+
+def batch_tensors(rs: list[Rollout], adv: list, pad: int, masks: list[list[float]] | None = None):
+    """(ids [B, T], behaviour lp [B, T-1], advantages [B, 1] or [B, T-1], mask [B, T-1]) with each response's
+    log-prob at the positions that predict its tokens; adv: one number per response (broadcast over its tokens)
+    or a list per response, one per output token (credit "split")."""
     rows = [r.prompt_ids + r.output_ids for r in rs]
     T_ = max(map(len, rows))
     ids = torch.tensor([x + [pad] * (T_ - len(x)) for x in rows])
     mu, mask = torch.zeros(len(rs), T_ - 1), torch.zeros(len(rs), T_ - 1)
+    per_token = any(isinstance(a, (list, tuple)) for a in adv)
+    a_t = torch.zeros(len(rs), T_ - 1) if per_token else torch.tensor(adv, dtype=torch.float32)[:, None]
     for i, r in enumerate(rs):
         a = len(r.prompt_ids) - 1
         mu[i, a:a + len(r.output_ids)] = torch.tensor(r.behaviour_lp, dtype=torch.float32)
         mask[i, a:a + len(r.output_ids)] = torch.tensor(masks[i] if masks else [1.0] * len(r.output_ids))
-    return ids, mu, torch.tensor(adv, dtype=torch.float32)[:, None], mask
+        if per_token:
+            if len(adv[i]) != len(r.output_ids):
+                raise ValueError(f"{len(adv[i])} advantages for {len(r.output_ids)} output tokens")
+            a_t[i, a:a + len(r.output_ids)] = torch.tensor(adv[i], dtype=torch.float32)
+    return ids, mu, a_t, mask
 
 
 def train_step(model, opt, rs: list[Rollout], adv: list[float], cfg: RLConfig, pad: int,
@@ -252,6 +333,8 @@ class RLRun:
 
     def __init__(self, cfg: RLConfig, say=print):
         cfg.mix.check()
+        if cfg.credit not in CREDITS:
+            raise ValueError(f"unknown credit {cfg.credit!r}: one of {', '.join(CREDITS)}")
         cfg.length.levels = tuple(cfg.mix.levels)
         self.cfg, self.say, self.out = cfg, say, Path(cfg.out)
         resume = (self.out / "posttrain.json").is_file()
@@ -279,10 +362,25 @@ class RLRun:
     def running(self) -> bool:
         return self.step < self.cfg.steps and time.time() - self.t0 < self.cfg.minutes * 60
 
+    def advantages(self, rs: list[Rollout], rewards: list[float], masks: list[list[float]] | None):
+        """(advantages for train_step, masks, advantage_mass row) under cfg.credit."""
+        keys = [(r.problem.content, r.effort) for r in rs]
+        full = group_advantages(rewards, keys, self.cfg.adv_norm)
+        score = group_advantages(scores_of(rs), keys, self.cfg.adv_norm)
+        if self.cfg.credit == "split":
+            adv, head = split_credit(self.tok, rs, full, score)
+            masks = [[a * b for a, b in zip(m, h)] for m, h in zip(masks, head)] if masks else head
+            token_adv = adv
+        else:
+            adv = full
+            token_adv = [[a] * len(r.output_ids) for a, r in zip(full, rs)]
+        keep = masks if masks else [[1.0] * len(r.output_ids) for r in rs]
+        return adv, masks, advantage_mass(self.tok, rs, full, score, token_adv, keep, self.cfg.mix.levels)
+
     def update(self, rs: list[Rollout], masks: list[list[float]] | None = None, **extra) -> dict:
         """Score the rollouts, one policy-gradient step on them, a history row."""
         rewards = rewards_of(rs, self.cfg.length)
-        adv = group_advantages(rewards, [(r.problem.content, r.effort) for r in rs], self.cfg.adv_norm)
+        adv, masks, mass = self.advantages(rs, rewards, masks)
         stats = train_step(self.model, self.opt, rs, adv, self.cfg, self.tok.pad_id, masks)
         if self.dopt is not None:       # the drafter on the same rollouts, against the updated backbone
             from dsv41.posttrain.dspark import drafter_step
@@ -295,7 +393,7 @@ class RLRun:
             self.cfg.length.k0 = next_k0(k0, self.hold, self.cfg.k0_rate)
         self.history.append({"step": self.step, **stats, "levels": lv, "elapsed": time.time() - self.t0,
                              "sampled_tokens": sum(len(r.output_ids) for r in rs), "k0": k0,
-                             "hold": dict(self.hold) if self.hold else None, **extra})
+                             "hold": dict(self.hold) if self.hold else None, "adv_mass": mass, **extra})
         bands = level_bands(self.cfg.mix.levels)
         acc, ln = band_means(lv, bands, "accuracy"), band_means(lv, bands, "length")
         self.bar.update(" ".join(f"b{lo}{'' if lo == hi else f'-{hi}'} acc {a:.2f} len {l_:.1f}"
