@@ -62,11 +62,23 @@ def test_kernel_equals_reference(device, kind, M, N, K):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_kernel_bf16_output_and_leading_dims(device):
+def test_kernel_bf16_output_and_leading_dims(device, monkeypatch):
+    """bf16 output over leading dims. The exact kernel (bf16 tensor cores, every product exact) is within a bf16
+    rounding of the reference per element; on a GPU with FP8 tensor cores bf16 decode calls go to fp8_decode.py by
+    default, whose in-block accumulation keeps ~14 bits (an output near cancellation can move by more than its own
+    rounding): there the kernel's row bound (tests/test_kernels_fp8_gemm.py) applies, and the exact kernel is
+    checked with that route turned off."""
+    from dsv41.kernels.triton import fp8_decode
     from dsv41.kernels.triton.packed_gemm import packed_linear_triton
     w = packed(96, 256, "fp8", dtype=torch.bfloat16, device=device)
     x = qdq_fp8(torch.randn(2, 3, 256).bfloat16()).to(device)
-    got, want = packed_linear_triton(x, w), packed_linear_ref(x, w)
+    want = packed_linear_ref(x, w)
+    if fp8_decode.fp8_decode_fits(x, w):
+        got = packed_linear_triton(x, w)
+        assert got.shape == (2, 3, 96) and got.dtype == torch.bfloat16
+        assert rel_rows(got, want) < 5e-3
+        monkeypatch.setitem(fp8_decode.FP8_DECODE_FROM, "fp8", 65)
+    got = packed_linear_triton(x, w)
     assert got.shape == (2, 3, 96) and got.dtype == torch.bfloat16
     assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).all()
 
