@@ -153,13 +153,13 @@ def advantage_mass(tok, rs: list[Rollout], full: list[float], score: list[float]
     """Where an update's advantage sits, per level band (level_bands) and plan letter (`-`: none): n samples;
     `plan`: the sum of the full advantages (score + length term) of their samples, the plan letter's own under
     both credits, and `abs` its absolute sum; `len`: the length term's part of `plan` (full minus score-only
-    advantage; with adv_norm the two are divided by different stds, so only roughly the length term's part); `trace`: the sum, over their tokens after the head that train, of each token's advantage (what
-    pushes on the trace tokens: the full advantage times the tokens under credit "all", the score-only one under
-    "split")."""
+    advantage; with adv_norm the two are divided by different stds, so only roughly the length term's part);
+    `trace`: the sum, over their tokens after the head that train, of each token's advantage (what pushes on the
+    trace tokens: the full advantage times the tokens under credit "all", the score-only one under "split")."""
     out: dict = {}
     bands = level_bands(levels)
     for r, a_f, a_s, adv, m in zip(rs, full, score, token_adv, masks):
-        band = next((f"b{lo}-{hi}" if lo != hi else f"b{lo}" for lo, hi in bands if lo <= r.effort <= hi), None)
+        band = next((band_label(lo, hi) for lo, hi in bands if lo <= r.effort <= hi), None)
         if band is None:
             continue
         plan, echo = head_positions(tok, r.output_ids)
@@ -292,6 +292,11 @@ def next_k0(k0: float, state: dict, rate: float) -> float:
     return k0 * math.exp(rate * (state["ema"] - state["target"]) / max(state["target"], 1.0))
 
 
+def band_label(lo: int, hi: int) -> str:
+    """A band's name in logs and histories: b<lo>-<hi>, or b<lo> for a single level."""
+    return f"b{lo}" if lo == hi else f"b{lo}-{hi}"
+
+
 def level_bands(levels, n: int = 5) -> list[tuple[int, int]]:
     """(lo, hi) ranges of b that group the levels for a progress line / plot: each level alone when there are at
     most 9 of them, else n bands of equal width over 1..100."""
@@ -396,7 +401,7 @@ class RLRun:
                              "hold": dict(self.hold) if self.hold else None, "adv_mass": mass, **extra})
         bands = level_bands(self.cfg.mix.levels)
         acc, ln = band_means(lv, bands, "accuracy"), band_means(lv, bands, "length")
-        self.bar.update(" ".join(f"b{lo}{'' if lo == hi else f'-{hi}'} acc {a:.2f} len {l_:.1f}"
+        self.bar.update(" ".join(f"{band_label(lo, hi)} acc {a:.2f} len {l_:.1f}"
                                  for ((lo, hi), a), (_, l_) in zip(acc, ln)))
         return self.history[-1]
 

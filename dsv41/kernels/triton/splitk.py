@@ -2,10 +2,10 @@
 
 When a decode GEMM's N / BN output tiles leave SMs idle, K is split into S parts, one program each. Each part stores
 its fp32 partial of the tile and counts itself done on the tile's counter (a device int32, atomically, after a
-barrier: the partial is visible before the count); the part that finds S - 1 parts done adds the S partials (a
-in a fixed order: the result does not depend on which part finishes last), adds the bias, casts,
-stores y, and resets the counter to 0 for the next call (so CUDA-graph replays need no memset). The earlier decode path summed the
-parts with torch (`out.sum(0)`, then the bias and the cast): two or three more launches per GEMM.
+barrier: the partial is visible before the count); the part that finds S - 1 parts done adds the S partials (in a
+fixed order: the result does not depend on which part finishes last), adds the bias, casts, stores y, and resets the
+counter to 0 for the next call (so CUDA-graph replays need no memset). The earlier decode path summed the parts with
+torch (`out.sum(0)`, then the bias and the cast): two or three more launches per GEMM.
 """
 
 from __future__ import annotations
