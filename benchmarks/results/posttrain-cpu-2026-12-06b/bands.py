@@ -1,6 +1,8 @@
+import gzip
 import json, sys
 from dsv41.posttrain.rl import band_means, level_bands
-h=json.load(open(sys.argv[1]))['history']
+_open = lambda p: gzip.open(p, "rt") if str(p).endswith(".gz") else open(p)  # large results are gzipped
+h=json.load(_open(sys.argv[1]))['history']
 k=int(sys.argv[2]) if len(sys.argv)>2 else 11
 levels={int(b) for r in h for b in r['levels']}
 bands=level_bands(levels)

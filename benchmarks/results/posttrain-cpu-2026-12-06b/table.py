@@ -5,13 +5,15 @@ the intervals are apart; then the paired tests against the baseline when the rep
 python table.py EVAL.json [EVAL2.json ...]
 """
 
+import gzip
 import json
 import sys
+_open = lambda p: gzip.open(p, "rt") if str(p).endswith(".gz") else open(p)  # large results are gzipped
 
 HELD = {12, 37, 62, 87}
 
 for path in sys.argv[1:]:
-    r = json.load(open(path))
+    r = json.load(_open(path))
     lv = sorted(r["levels"], key=float)
     print(f"\n{path} ({r['checkpoint']}, T={r.get('temperature', 0)})")
     print("| b | accuracy | mean reasoning tokens | 95% bootstrap | n | vs previous level |")

@@ -10,6 +10,7 @@ grid ranked by how many adjacent evaluation levels the optimum's mean length str
 python plan_reward.py CKPT [--problems 24] [--k0 4 --lam 1.6 --cmax 1 --delta-b 24.75] [--scan] [--out x.json]
 """
 
+import gzip
 import argparse
 import itertools
 import json
@@ -22,6 +23,7 @@ from dsv41.posttrain.model import load
 from dsv41.posttrain.rl import LengthReward
 from dsv41.posttrain.rollout import make_engine, sampling
 from dsv41.posttrain.sft import TaskMix
+_open = lambda p: gzip.open(p, "rt") if str(p).endswith(".gz") else open(p)  # large results are gzipped
 
 EVAL_LEVELS = (1, 12, 25, 37, 50, 62, 75, 87, 100)
 
@@ -90,7 +92,7 @@ def main():
     torch.set_num_threads(1)
     if a.cells:
         cells = {tuple(k.split("|")[:1] + [int(k.split("|")[1]), k.split("|")[2]]): tuple(v)
-                 for k, v in json.load(open(a.cells))["cells"].items()}
+                 for k, v in json.load(_open(a.cells))["cells"].items()}
     else:
         cells = measure(a.ckpt, a.problems)
     print("accuracy / mean reasoning tokens per (family, n) and plan (forced head, T = 1):")

@@ -1,12 +1,14 @@
 """Per-band plan-letter shares, accuracy and length of an RL run's history (posttrain.json or a copied history
 json), over windows of updates: python plans.py runs/e8/rl1/posttrain.json [window]"""
 
+import gzip
 import json
 import sys
 
 from dsv41.posttrain.rl import level_bands
+_open = lambda p: gzip.open(p, "rt") if str(p).endswith(".gz") else open(p)  # large results are gzipped
 
-hist = json.load(open(sys.argv[1]))
+hist = json.load(_open(sys.argv[1]))
 hist = hist.get("history", hist) if isinstance(hist, dict) else hist
 w = int(sys.argv[2]) if len(sys.argv) > 2 else 10
 levels = sorted({int(b) for h in hist for b in h["levels"]})

@@ -6,11 +6,13 @@ per-token advantage on the trace/answer tokens (`trace`).
 python mass.py runs/e9/rl4/posttrain.json [window] [--json out.json]
 """
 
+import gzip
 import json
 import sys
+_open = lambda p: gzip.open(p, "rt") if str(p).endswith(".gz") else open(p)  # large results are gzipped
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
-hist = json.load(open(args[0]))
+hist = json.load(_open(args[0]))
 hist = hist.get("history", hist) if isinstance(hist, dict) else hist
 w = int(args[1]) if len(args) > 1 else 15
 out_json = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None

@@ -120,7 +120,7 @@ def _tile_scale(sa_ptr, sb_ptr, kb, mm, nm):
     return sa[:, None] * sb[None, :]
 
 
-# Prefill tiles: benchmarks/packed_gemm.py --sweep-prefill picks them on the H200 (results/packed_gemm_h200.json).
+# Prefill tiles: benchmarks/packed_gemm.py --sweep-prefill picks them on the H200 (results/packed_gemm_h200.json.gz).
 PREFILL_CONFIG = {"block_m": 128, "block_n": 128, "group_m": 8, "num_warps": 8, "num_stages": 4, "blocks": 1}
 
 

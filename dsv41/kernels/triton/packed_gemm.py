@@ -24,7 +24,7 @@ slower than this one at one row over fp8 weights (results/packed_gemm_h100-2026-
 Larger M (prefill) decodes the weight once into a scratch (`dequant_triton`, one pass over the bytes) and runs the
 library's GEMM: its cost is shared by the M rows. The FP8 tensor-core GEMM with the per-32 K-block promotion (`dsv41.kernels.triton.fp8_gemm`) serves
 fp8 weights of bf16 models instead when FP8_PREFILL is set: measured on an H100 it ran at 0.26-0.35 x the bf16
-GEMM's speed (benchmarks/results/packed_gemm_h100-2026-12-05.json), slower than decoding first, so it is off.
+GEMM's speed (benchmarks/results/packed_gemm_h100-2026-12-05.json.gz), slower than decoding first, so it is off.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _dequant_kernel(c_ptr, s_ptr, w_ptr, N, K, FP4: tl.constexpr, BN: tl.constex
 
 
 # Decode-size tiles per row bucket (calls of up to 16, 32, 64 rows): benchmarks/packed_gemm.py --sweep picks them
-# (results/packed_gemm_h200.json). block_m: the rows of x a program takes (a smaller one than the bucket's re-reads
+# (results/packed_gemm_h200.json.gz). block_m: the rows of x a program takes (a smaller one than the bucket's re-reads
 # the weight once per row tile, mostly from L2). DECODE_CONFIG is the 16-row bucket's.
 # On an H100 (results/packed_gemm_h100-2026-12-05b.log) 16-row tiles won in every bucket: at 64 rows 158 us
 # against 388 for one 64-row tile (wo_b + an expert's w1), at 32 rows 88 against 132.
