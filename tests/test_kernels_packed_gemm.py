@@ -163,39 +163,79 @@ def test_moe_packed_experts_on_fp8_tensor_cores(shape, split):
     assert torch.isfinite(fp8).all() and rel_err(fp8, ref) < 2e-2 and rel_err(fp8, bf16) < 2e-2
 
 
+def _golden_logits(device, dtype, storage, monkeypatch=None, on_gemm=None):
+    """The golden checkpoint's logits for 2 rows of 24 random ids: a prefill of 21 tokens, then 3 decode steps.
+    storage "packed" forbids dequantizing a whole weight; on_gemm(x, weight, bias, y) sees every packed GEMM call."""
+    import dsv41.model.common as common
+    from dsv41.model.cache import DenseCache
+    from dsv41.model.loading import load_model
+    from tests.conftest import GOLDEN
+    model, cfg = load_model(GOLDEN / "case-a", dtype=dtype, storage=storage)
+    model = model.to(device)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
+    with monkeypatch.context() as mp:
+        if storage == "packed":
+            mp.setattr(PackedWeight, "dequant", lambda self: pytest.fail("dequantized a whole weight"))
+        if on_gemm is not None:
+            inner = common.packed_linear
+
+            def seen(x, w, bias=None):
+                y = inner(x, w, bias)
+                on_gemm(x, w, bias, y)
+                return y
+            mp.setattr(common, "packed_linear", seen)
+        cache = DenseCache(cfg, 2, dtype, device=device)
+        with torch.no_grad():
+            pre = model(ids[:, :-3], cache).logits
+            dec = [model(ids[:, t:t + 1], cache).logits for t in range(ids.size(1) - 3, ids.size(1))]
+    return torch.cat([pre, *dec], dim=1).float().cpu()
+
+
 @pytest.mark.gpu
 def test_packed_model_on_gpu_follows_the_dense_model(monkeypatch):
     """The golden checkpoint in bf16 on the GPU, held packed (every fp8 / fp4 GEMM reads the bytes: the whole-weight
     dequantization is forbidden here) against held dense (cuBLAS over the dequantized weights), Triton backend:
-    prefill and decode logits. The two differ only in the GEMMs' summation order, which flips an FP8 rounding of a
-    later activation now and then; the flips cascade through the layers in a few rows (the GPU against the CPU in
-    bf16: benchmarks/results/gpu_parity_h200.json). Bounds: the median row's relative error below 1e-2, every row
-    below 0.3; the measured values are printed (pytest -s)."""
+    prefill and decode logits, both against the CPU's fp32 logits.
+
+    This random model is chaotic in bf16: an FP8 QDQ of a later activation flips with a last-bit change and the
+    flips cascade, so the CPU in bf16 is itself ~0.11 (median row) from the CPU in fp32, as is the GPU dense model
+    (benchmarks/packed_parity.py, results/packed_parity_h100-2026-12-06.json). Hence three checks:
+    - every packed GEMM call (FP8 tensor cores at decode sizes) within 1e-2 of the fp32 product of its own inputs
+      (rows' relative error; measured <= 2.2e-3, the same as the bf16-decode kernel's);
+    - with the FP8 routes off (the bf16-decode kernels sum in cuBLAS's order here) the logits match the dense model's
+      (median row below 1e-2; measured 0);
+    - with the defaults, the logits' error against fp32 at most 1.25 x the dense model's (median row), every row
+      below 0.3."""
     from dsv41.kernels import set_backend
     from dsv41.kernels.backend import get_backend
-    from dsv41.model.cache import DenseCache
-    from dsv41.model.loading import load_model
-    from tests.conftest import GOLDEN
+    from dsv41.kernels.triton import fp8_decode, moe_kernel
+    ref = _golden_logits("cpu", torch.float32, "dense", monkeypatch)
+    worst, dequant = [], PackedWeight.dequant          # the check's own fp32 product (the model may not dequantize)
+
+    def check(x, w, bias, y):
+        a = x.reshape(-1, w.shape[1]).float()
+        exact = torch.nn.functional.linear(a, dequant(w).float(), None if bias is None else bias.float())
+        worst.append(float(((y.reshape(exact.shape).float() - exact).norm(dim=-1)
+                            / exact.norm(dim=-1).clamp_min(1e-30)).max()))
+
     before = get_backend()
     set_backend("triton")
     try:
-        logits = {}
-        for storage in ("dense", "packed"):
-            model, cfg = load_model(GOLDEN / "case-a", dtype=torch.bfloat16, storage=storage)
-            model = model.cuda()
-            ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1)).cuda()
-            with monkeypatch.context() as mp:
-                if storage == "packed":
-                    mp.setattr(PackedWeight, "dequant", lambda self: pytest.fail("dequantized a whole weight"))
-                cache = DenseCache(cfg, 2, torch.bfloat16, device="cuda")
-                with torch.no_grad():
-                    pre = model(ids[:, :-3], cache).logits
-                    dec = [model(ids[:, t:t + 1], cache).logits for t in range(ids.size(1) - 3, ids.size(1))]
-            logits[storage] = torch.cat([pre, *dec], dim=1).float()
+        dense = _golden_logits("cuda", torch.bfloat16, "dense", monkeypatch)
+        with monkeypatch.context() as mp:
+            mp.setattr(fp8_decode, "FP8_DECODE_FROM", {k: 65 for k in fp8_decode.FP8_DECODE_FROM})
+            mp.setitem(moe_kernel.CONFIG, "packed_fp8_mma", 0)
+            plain = _golden_logits("cuda", torch.bfloat16, "packed", monkeypatch)
+        packed = _golden_logits("cuda", torch.bfloat16, "packed", monkeypatch, on_gemm=check)
     finally:
         set_backend(before)
-    a, b = logits["packed"], logits["dense"]
-    rel = (a - b).norm(dim=-1) / b.norm(dim=-1)
-    print(f"packed vs dense logits on the GPU (bf16): median row rel {rel.median():.2e}, max {rel.max():.2e}")
-    assert torch.isfinite(a).all()
-    assert float(rel.median()) < 1e-2 and float(rel.max()) < 0.3
+
+    def rel(a, b):
+        return (a - b).norm(dim=-1) / b.norm(dim=-1)
+    floor, err, same = rel(dense, ref), rel(packed, ref), rel(plain, dense)
+    print(f"GPU bf16 vs CPU fp32, median row: dense {floor.median():.3e}, packed {err.median():.3e} (max "
+          f"{err.max():.2e}); FP8 routes off vs dense {same.median():.2e}; packed GEMM calls {len(worst)}, worst row "
+          f"rel {max(worst):.2e}")
+    assert torch.isfinite(packed).all() and worst and max(worst) < 1e-2
+    assert float(same.median()) < 1e-2
+    assert float(err.median()) <= 1.25 * float(floor.median()) and float(err.max()) < 0.3
