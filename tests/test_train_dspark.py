@@ -1,6 +1,7 @@
 """Guards the DSpark drafter stage (docs/system.md §5): the all-anchor training forward equals the model's own
-drafter (`forward_spec`, decode path) anchor by anchor, acceptance is counted as greedy verification does, and a
-drafter-stage run trains `mtp.*` while leaving every backbone tensor bit-identical."""
+drafter (`forward_spec`, decode path) anchor by anchor, acceptance is counted as greedy verification does, the
+greedy pool holds the backbone's own greedy continuations and is what the stage trains on, and a drafter-stage
+run trains `mtp.*` while leaving every backbone tensor bit-identical."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from dsv41.model.cache import DenseCache
 from dsv41.model.common import set_quantization
 from dsv41.model.init import random_model
 from dsv41.train.config import TrainConfig
-from dsv41.train.dspark_stage import (acceptance_counts, acceptance_rates, anchor_ids, anchor_positions,
-                                      draft_forward)
+from dsv41.train.dspark_stage import (DSparkStage, DSparkTrainModule, acceptance_counts, acceptance_rates,
+                                      anchor_ids, anchor_positions, draft_forward, greedy_pool, greedy_prompts,
+                                      pool_rows)
+from dsv41.train.parallel import Dist
 from dsv41.train.trainer import train
 from tests.conftest import small_corpus
 
@@ -71,7 +74,7 @@ def test_dspark_stage_freezes_backbone(tmp_path):
                   quiet=True, sample_tokens=0, threads=1)
     train(TrainConfig(out=str(tmp_path / "base"), steps=2, **common))
     s = train(TrainConfig(out=str(tmp_path / "draft"), stage="dspark", init=str(tmp_path / "base"), steps=3,
-                          lr=1e-2, **common))
+                          lr=1e-2, dspark_pool=8, **common))
     from safetensors.torch import load_file
     a = load_file(str(tmp_path / "base" / "model.safetensors"))
     b = load_file(str(tmp_path / "draft" / "model.safetensors"))
@@ -83,3 +86,54 @@ def test_dspark_stage_freezes_backbone(tmp_path):
     assert any(k.endswith("gate.bias") for k in changed)          # the drafter's own balancing ran
     assert len(s["val_acceptance"]) == load_config("debug").dspark_block_size
     assert len(s["greedy_acceptance"]) == load_config("debug").dspark_block_size
+    assert s["dspark_data"] == "greedy" and s["dspark_pool"] == 8
+
+
+def test_greedy_pool_is_the_backbones_own_greedy_text():
+    torch.manual_seed(0)
+    cfg = load_config("debug")
+    m = random_model(cfg)
+    set_quantization(m, False)
+    prompts = torch.randint(3, cfg.vocab_size - 2, (3, 9))
+    seq = greedy_pool(m, prompts, 6, batch=2)                 # two batches: the pool is their concatenation
+    assert seq.shape == (3, 15) and torch.equal(seq[:, :9], prompts)
+    logits = m(seq, DenseCache(cfg, 3, torch.float32), 0).logits
+    assert torch.equal(logits[:, 8:-1].argmax(-1), seq[:, 9:])   # each new token is the argmax after its prefix
+
+
+def test_greedy_prompts_and_pool_order():
+    class Tok:                                                 # one token per character
+        def encode_batch(self, texts, add_special_tokens=False):
+            return [type("E", (), {"ids": [3 + ord(c) % 50 for c in t]})() for t in texts]
+    docs = [type("D", (), {"text": c * n})() for c, n in zip("abcde", (30, 2, 30, 30, 30))]
+    p = greedy_prompts(Tok(), docs, 6, 10, seed=0)
+    assert p.shape == (6, 10) and bool((p[:, 0] == 0).all())   # <|bos|> first
+    firsts = [int(x) for x in p[:4, 1]]
+    assert len(set(firsts)) == 4 and 3 + ord("b") % 50 not in firsts   # distinct documents, the short one skipped
+    with pytest.raises(ValueError, match="no document"):
+        greedy_prompts(Tok(), docs[1:2], 2, 10, seed=0)
+    rows = pool_rows(5, 0, 0, 10)
+    assert sorted(rows[:5].tolist()) == list(range(5)) and sorted(rows[5:].tolist()) == list(range(5))
+    assert torch.equal(pool_rows(5, 0, 3, 4), rows[3:7])      # a slice of the same order (ranks, resume)
+
+
+def test_greedy_rows_replace_the_corpus_window():
+    torch.manual_seed(0)
+    cfg = load_config("debug")
+    m = random_model(cfg)
+    set_quantization(m, False)
+    seq = torch.randint(3, cfg.vocab_size - 2, (2, 16))
+    mod = DSparkTrainModule(m, anchors=4, greedy_first=9)
+    with torch.no_grad():
+        loss = float(mod(torch.zeros(2, 16, dtype=torch.long), None, seq)[0])
+        assert float(mod(seq.clone(), None, seq)[0]) == pytest.approx(loss, rel=1e-6)   # ids are not read
+        assert float(mod(seq, None, None)[0]) != pytest.approx(loss, rel=1e-6)          # corpus anchors differ
+    with pytest.raises(ValueError, match="greedy_first"):
+        DSparkTrainModule(m, anchors=4)(seq, None, seq)
+
+
+def test_stage_micro_extras_cover_the_pool():
+    stage = DSparkStage(TrainConfig(stage="dspark", init="x", batch_size=3, grad_accum=2))
+    stage.pool = torch.arange(10).view(10, 1).expand(10, 4)
+    rows = [int(r) for step in range(5) for (x,) in stage.micro_extras(step, Dist()) for r in x[:, 0]]
+    assert len(rows) == 30 and sorted(rows[:10]) == list(range(10))    # one pass before any row repeats

@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from dsv41.train.config import DEFAULT_MINUTES, DEVICES, MUON_NS, OPTIMIZERS, REPLAY_MODES, STAGES, TrainConfig
+from dsv41.train.config import (DEFAULT_MINUTES, DEVICES, DSPARK_DATA, MUON_NS, OPTIMIZERS, REPLAY_MODES,
+                                STAGES, TrainConfig)
 from dsv41.train.trainer import train
 
 
@@ -27,6 +28,12 @@ def register(subparsers) -> None:
     p.add_argument("--preset", default=d.preset, help="model preset (tiny, debug, ...) or config.json")
     p.add_argument("--stage", choices=STAGES, default=d.stage)
     p.add_argument("--init", help="dspark stage: the pretrained checkpoint directory")
+    p.add_argument("--dspark-data", choices=DSPARK_DATA, default=d.dspark_data,
+                   help="dspark stage: train on the backbone's own greedy continuations of corpus prompts "
+                        "(greedy: what greedy speculative decoding feeds the drafter) or on corpus windows")
+    p.add_argument("--dspark-pool", type=int, default=d.dspark_pool,
+                   help="dspark stage, greedy data: prompts continued before training (their rows are reused "
+                        "over passes)")
     p.add_argument("--data", help="text file, directory or JSONL ('text' field); default: the Python standard library")
     p.add_argument("--out", help="output / checkpoint directory (default runs/train-<preset>[-dspark])")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction,

@@ -11,6 +11,7 @@ from dsv41.train.data import DEFAULT_VAL_FRACTION
 
 DEFAULT_MINUTES = 5.0
 STAGES = ("pretrain", "dspark")
+DSPARK_DATA = ("greedy", "corpus")
 OPTIMIZERS = ("muon", "adamw")
 REPLAY_MODES = ("off", "decoder", "encoder", "both")
 MUON_NS = ("auto", "fp32", "bf16")
@@ -24,6 +25,8 @@ class TrainConfig:
     data: str | None = None                # None: the Python standard library (data.py)
     out: str = "runs/train-tiny"
     init: str | None = None                # dspark stage: the pretrained checkpoint directory
+    dspark_data: str = "greedy"            # dspark stage: the backbone's own greedy continuations | corpus windows
+    dspark_pool: int = 384                 # dspark stage, greedy data: prompts in the pool (dspark_stage.py)
     steps: int | None = None               # in all (a resumed run trains up to it)
     minutes: float | None = None           # wall-time budget of this command (default when steps is None; a resumed
                                            # run adds the steps that fit to its saved step)
@@ -55,10 +58,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         for name, allowed in (("stage", STAGES), ("optimizer", OPTIMIZERS), ("muon_ns", MUON_NS),
-                              ("replay", REPLAY_MODES), ("device", DEVICES)):
+                              ("replay", REPLAY_MODES), ("device", DEVICES), ("dspark_data", DSPARK_DATA)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("seq_len", "batch_size", "grad_accum", "eval_windows", "steps"):
+        for name in ("seq_len", "batch_size", "grad_accum", "eval_windows", "steps", "dspark_pool"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.minutes is not None and self.minutes <= 0:
