@@ -21,6 +21,7 @@ expert) over packed and over dense bf16 experts.
                                               # kernels' packed tiles, and the prefill tiles of the FP8 tensor-core GEMM
                                               # (fp8_gemm.PREFILL_CONFIG; --no-prefill-sweep skips them)
     python benchmarks/packed_gemm.py --sweep-prefill  # only the FP8 tensor-core GEMM's prefill tiles
+    python benchmarks/packed_gemm.py --moe-only  # only the MoE op rows (fused vs torch routing, FP8 MMA vs bf16 decode)
 Env: RESULT (the result file). The result's decode_configs / moe_config are what `benchmarks/gpu_weights.py` applies
 with TUNING=that file.
 """
@@ -326,14 +327,17 @@ def moe_rows(dev: str, bw: float) -> list[dict]:
                                                    packed_fp8_mma=0))                  # the bf16-decode kernels
         t_b = cuda_time(lambda: moe_experts_triton(x, idx, wts, dense["w1"], dense["w3"], dense["w2"], 10.0, True,
                                                    True))
+        route_max, moe_kernel.ROUTE_MAX_PAIRS = moe_kernel.ROUTE_MAX_PAIRS, 0     # the torch routing (~14 kernels)
+        t_r = cuda_time(lambda: moe_experts_triton(x, idx, wts, ws["w1"], ws["w3"], ws["w2"], 10.0, True, True))
+        moe_kernel.ROUTE_MAX_PAIRS = route_max
         rows.append({"tokens": B, "experts_touched": len(touched), "packed_s": t_p, "packed_fp8_mma_s": t_8,
-                     "packed_bf16_decode_s": t_d,
+                     "packed_bf16_decode_s": t_d, "packed_torch_routing_s": t_r,
                      "bf16_s": t_b,
                      "speedup_vs_bf16": t_b / t_p, "bytes": nbytes, "bytes_per_s": nbytes / t_p,
                      "share_of_copy_bw": nbytes / t_p / bw})
         print(f"MoE B {B:3d}: {len(touched):2d} experts, packed {t_p * 1e6:7.1f} us, bf16 {t_b * 1e6:7.1f} us, "
               f"x {t_b / t_p:.2f}, {nbytes / t_p / 1e12:.2f} TB/s ({nbytes / t_p / bw * 100:.0f}% of copy); FP8 tensor "
-              f"cores {t_8 * 1e6:7.1f} us, bf16 decode {t_d * 1e6:7.1f} us",
+              f"cores {t_8 * 1e6:7.1f} us, bf16 decode {t_d * 1e6:7.1f} us, torch routing {t_r * 1e6:7.1f} us",
               flush=True)
     return rows
 
@@ -369,7 +373,7 @@ def main() -> None:
           f"{(rate8 or 0) / 1e12:.0f} TFLOP/s")
     print(f"{'weight':11s}{'kind':>5}{'M':>6}{'packed us':>11}{'bf16 us':>9}{'deq+mm us':>10}{'x bf16':>8}"
           f"{'TB/s':>7}{'%bw':>6}{'TFLOP/s':>9}{'%mma':>6}")
-    for name, kind, N, K in SHAPES:
+    for name, kind, N, K in ([] if "--moe-only" in sys.argv else SHAPES):
         w = torch.randn(N, K, device=dev) * K ** -0.5
         codes, scale = pack_weight(w, kind)
         pw = PackedWeight(codes, scale, kind, (N, K), torch.bfloat16)

@@ -5,11 +5,15 @@ and the model's fused decode path against its module loop."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
 from dsv41.config import load_config
 from dsv41.kernels import moe_experts, moe_experts_ref
+from dsv41.kernels.moe_ref import moe_route_ref
 from dsv41.kernels.choice import FUSED_MOE_MAX_TOKENS
 from dsv41.model.common import set_quantization
 from dsv41.model.moe import MoE
@@ -47,6 +51,50 @@ def test_moe_fused_weights_declines():
     moe = make_moe()
     moe.experts[2].register_forward_hook(lambda *a: None)
     assert moe.fused_weights() is None
+
+
+def routing(n, k, e, seed=0):
+    """Random top-k routing: [n, k] distinct expert ids of e per row, fp32 weights."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, e, generator=g).argsort(1)[:, :k], torch.rand(n, k, generator=g)
+
+
+@pytest.mark.parametrize("n,k,e", [(1, 6, 16), (5, 3, 6), (40, 2, 8)])
+def test_moe_route_ref_is_the_slot_order_by_definition(n, k, e):
+    """The fused op's slots, built here from their definition: token t's pairs are its experts ascending then the
+    shared expert (id e), pair p = t (k + 1) + r; slots list the pairs by expert, tokens ascending within one."""
+    indices, weights = routing(n, k, e, seed=n)
+    order, inv, pw, counts, offs = moe_route_ref(indices, weights, e)
+    pairs = []                                          # (expert, pair, weight)
+    for t in range(n):
+        row = sorted(zip(indices[t].tolist(), weights[t].tolist())) + [(e, 1.0)]
+        pairs += [(ex, t * (k + 1) + r, w) for r, (ex, w) in enumerate(row)]
+    by_slot = sorted(pairs)
+    assert order.tolist() == [p for _, p, _ in by_slot]
+    assert inv[order].tolist() == list(range(n * (k + 1)))
+    assert pw.tolist() == [w for _, _, w in sorted(pairs, key=lambda x: x[1])]
+    assert counts.tolist() == [sum(ex == x for ex, _, _ in pairs) for x in range(e + 1)]
+    assert offs.tolist() == [sum(ex < x for ex, _, _ in pairs) for x in range(e + 1)]
+
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)] + (["cpu"] if INTERPRETER else []))
+@pytest.mark.parametrize("n,k,e", [(1, 6, 16), (5, 3, 6), (64, 6, 16), (37, 8, 256), (146, 6, 256)])
+def test_moe_route_kernel_equals_its_reference(device, n, k, e):
+    """The one-program routing kernel (decode sizes, up to ROUTE_MAX_PAIRS pairs) gives `moe_route_ref`'s integer
+    slots and weights exactly; bf16 weights are read as the reference's fp32 cast."""
+    from dsv41.kernels.triton.moe_kernel import ROUTE_MAX_PAIRS, moe_route_triton
+    indices, weights = routing(n, k, e, seed=k)
+    assert n * (k + 1) <= ROUTE_MAX_PAIRS
+    for w in (weights, weights.bfloat16()):
+        want = moe_route_ref(indices, w, e)
+        got = moe_route_triton(indices.to(device), w.to(device), e)
+        for name, a, b in zip(("order", "inv", "pw", "counts", "offs"), got, want):
+            assert a.dtype == b.dtype and torch.equal(a.cpu(), b), name
+    with pytest.raises(ValueError, match="at most"):
+        moe_route_triton(*routing(ROUTE_MAX_PAIRS // (k + 1) + 1, k, e), e)
 
 
 # ------------------------------------------------------------------------------------------ GPU

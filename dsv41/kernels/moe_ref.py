@@ -22,7 +22,31 @@ from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.gemm_ref import block_scaled_linear_ref
 from dsv41.kernels.invariant import exact_block_linear, is_deterministic, linear, silu
 
-__all__ = ["moe_combine", "moe_experts_ref", "expert_act_ref"]
+__all__ = ["moe_combine", "moe_experts_ref", "expert_act_ref", "moe_route_ref"]
+
+
+def moe_route_ref(indices: torch.Tensor, weights: torch.Tensor, n_experts: int):
+    """The slots of the fused experts op (`dsv41.kernels.triton.moe_kernel`): each token's K routed experts sorted
+    ascending (stable), the shared expert (id E = n_experts) appended, so token t's pair r is p = t (K + 1) + r; then
+    the pairs sorted by expert, stable (within an expert, tokens ascending). indices [N, K] (distinct per row, as
+    the gate's top-k), weights [N, K] ->
+      order [P] int64   sorted slot -> pair
+      inv [P] int64     pair -> slot
+      pw [P] fp32       pair -> routing weight (1 for the shared expert)
+      counts [E+1]      pairs per expert
+      offs [E+1]        the expert's first slot (exclusive prefix sum of counts)
+    Equivalently slot(p) = #{pairs of a smaller expert} + #{pairs of the same expert with a smaller p}: the closed
+    form the one-program kernel `moe_route_triton` evaluates."""
+    N, dev = indices.size(0), indices.device
+    sidx, perm = indices.sort(dim=1, stable=True)
+    pe = torch.cat([sidx, torch.full((N, 1), n_experts, dtype=sidx.dtype, device=dev)], 1).flatten()
+    pw = torch.cat([weights.float().gather(1, perm), torch.ones(N, 1, device=dev)], 1).flatten()
+    order = torch.argsort(pe, stable=True)
+    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, pe, torch.ones_like(pe))
+    offs = torch.cumsum(counts, 0) - counts
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=dev)
+    return order, inv, pw, counts, offs
 
 
 def expert_act_ref(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, limit: float, quantize: bool,

@@ -57,6 +57,11 @@ def register(subparsers) -> None:
     p.add_argument("--plan", action="store_true",
                    help="sft: the reasoning opens with a plan letter S / M / L (empty / two chunks / full trace) "
                    "that fixes the stride, drawn independently of b (L with the stride-1 share)")
+    p.add_argument("--echo-size", action="store_true",
+                   help="sft: after the band letter the reasoning writes the chain length n as a digit (the plan "
+                   "letter's position then sees b's band and n)")
+    p.add_argument("--merge-top-band", action="store_true",
+                   help="sft: b = 100 echoes J like 90-99 (default: K, a letter of its own)")
     p.add_argument("--eval-levels", default="1,12,25,37,50,62,75,87,100",
                    help="eval: effort levels, the training ones and held-out ones between them")
     p.add_argument("--dispatch", default="sample", choices=("sync", "sample", "prompt", "batch"),
@@ -80,10 +85,11 @@ def register(subparsers) -> None:
     p.add_argument("--paired-seeds", action="store_true",
                    help="rl: the same M sampling seeds at every level of a prompt (common random numbers)")
     p.add_argument("--adv-norm", action="store_true", help="rl: divide advantages by their (x, b) subgroup's std")
-    p.add_argument("--credit", default="all", choices=("all", "split"),
+    p.add_argument("--credit", default="all", choices=("all", "split", "decision"),
                    help="rl: which tokens carry which advantage: all (default) every response token the full one "
                    "(score + length term); split: the plan letter the full one, the trace and answer the score-only "
-                   "one, the echo (band letter) out of the loss")
+                   "one, the echo (band letter, size digit) out of the loss; decision: as split, and a response "
+                   "without a plan letter gives the full one to the token in the plan letter's place")
     p.add_argument("--init", help="rl: the checkpoint RL starts from (default <runs>/post-sft)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="eval: 0 greedy (default); > 0 sampled at that temperature, one seed per (problem, level)")
@@ -142,6 +148,7 @@ def main(args) -> int:
                 if getattr(args, name) is not None:
                     setattr(cfg, name, getattr(args, name))
             cfg.echo, cfg.plan = args.echo, args.plan
+            cfg.echo_size, cfg.merge_top = args.echo_size, args.merge_top_band
             run_sft(cfg)
         elif st == "rl":
             from dsv41.posttrain.rl import RLConfig, run_rl

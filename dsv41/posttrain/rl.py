@@ -95,7 +95,8 @@ class RLConfig:
     # who carries which advantage (CREDITS): "all" (the default, as before the option): every response token the
     # full one (score + length term, minus the (x, b) subgroup's mean); "split": only the plan letter carries the
     # full advantage, the trace and answer tokens the score-only one (score minus the subgroup's mean score), and
-    # the echo (b's band letter, its deterministic copy) is out of the loss (split_credit below)
+    # the echo (b's band letter, its deterministic copy) is out of the loss (split_credit below); "decision": as
+    # "split", and a response without a plan letter gives the full advantage to the token in the plan's place
     credit: str = "all"
     mix: TaskMix = field(default_factory=TaskMix)
     length: LengthReward = field(default_factory=LengthReward)
@@ -114,33 +115,55 @@ def group_advantages(rewards: list[float], keys: list, norm: bool = False, eps: 
     return [(r - mean[k]) / (std[k] + eps) for r, k in zip(rewards, keys)]
 
 
-CREDITS = ("all", "split")
+CREDITS = ("all", "split", "decision")
 
 
 def head_positions(tok, out_ids: list[int]) -> tuple[int | None, list[int]]:
-    """(index of the plan letter among a response's first two tokens, or None; indices of the echo tokens: band
-    letters among the first two tokens before the plan letter, or token 0 when it is a band letter and no plan
-    letter follows)."""
-    first = [tok.decode([t]) for t in out_ids[:2]]
+    """(index of the plan letter among a response's first tasks.HEAD_TOKENS tokens, or None; indices of the echo
+    tokens before it: a band letter at token 0, and a digit at token 1 after it (SFT's --echo-size); without a
+    plan letter, the same leading echo tokens)."""
+    first = [tok.decode([t]) for t in out_ids[:T.HEAD_TOKENS]]
     plan = next((i for i, c in enumerate(first) if len(c) == 1 and c in T.PLANS), None)
-    before = first[:plan] if plan is not None else first[:1]
-    return plan, [i for i, c in enumerate(before) if len(c) == 1 and c in T.BANDS]
+    echo = []
+    if first and len(first[0]) == 1 and first[0] in T.BANDS and plan != 0:
+        echo.append(0)
+        if len(first) > 1 and first[1].isdigit() and (plan is None or plan > 1):
+            echo.append(1)
+    if plan is not None:
+        echo = [i for i in echo if i < plan]
+    return plan, echo
 
 
-def split_credit(tok, rs: list[Rollout], full: list[float], score: list[float]
+def decision_position(tok, out_ids: list[int]) -> int | None:
+    """Where a response decides its length: the plan letter, or, when it wrote none, the first token after its
+    echo tokens (the token it wrote where the plan letter belongs); None for an empty response."""
+    plan, echo = head_positions(tok, out_ids)
+    if plan is not None:
+        return plan
+    k = max(echo) + 1 if echo else 0
+    return k if k < len(out_ids) else None
+
+
+def split_credit(tok, rs: list[Rollout], full: list[float], score: list[float], decision: bool = False
                  ) -> tuple[list[list[float]], list[list[float]]]:
     """Per-token advantages and loss masks of credit "split": the plan letter gets the full advantage (task score +
     length term, minus its subgroup's mean), every other response token (trace, `</think>`, answer, EOS) the
     score-only one (task score minus the subgroup's mean score), and the echo tokens are masked (advantage 0, mask
     0). A response without a plan letter carries no length credit at all: every unmasked token gets its score-only
-    advantage."""
+    advantage.
+
+    decision=True (credit "decision"): a response without a plan letter gives the full advantage to the token it
+    wrote in the plan letter's place (decision_position). Why: under "split" leaving the plan letter out escaped
+    the length term entirely, and at b <= 20 rl5b's samples did so (37 "no plan" samples in updates 121-133, the
+    long traces that made b = 1 longer than b = 12 in its held-out evaluation, 2026-12-06d)."""
     advs, masks = [], []
     for r, a_full, a_score in zip(rs, full, score):
         n = len(r.output_ids)
         plan, echo = head_positions(tok, r.output_ids)
         adv, mask = [a_score] * n, [1.0] * n
-        if plan is not None:
-            adv[plan] = a_full
+        at = decision_position(tok, r.output_ids) if decision else plan
+        if at is not None:
+            adv[at] = a_full
         for i in echo:
             adv[i], mask[i] = 0.0, 0.0
         advs.append(adv)
@@ -372,8 +395,8 @@ class RLRun:
         keys = [(r.problem.content, r.effort) for r in rs]
         full = group_advantages(rewards, keys, self.cfg.adv_norm)
         score = group_advantages(scores_of(rs), keys, self.cfg.adv_norm)
-        if self.cfg.credit == "split":
-            adv, head = split_credit(self.tok, rs, full, score)
+        if self.cfg.credit in ("split", "decision"):
+            adv, head = split_credit(self.tok, rs, full, score, decision=self.cfg.credit == "decision")
             masks = [[a * b for a, b in zip(m, h)] for m, h in zip(masks, head)] if masks else head
             token_adv = adv
         else:

@@ -80,14 +80,18 @@ class SFTConfig:
     # letter that fixes the stride (L with the stride-1 share, else S or M evenly; drawn independently of b)
     echo: bool = False
     plan: bool = False
+    # echo_size: the chain length n as a digit after the band letter; merge_top: b = 100 writes J, not K
+    # (tasks.plan_head; both off by default)
+    echo_size: bool = False
+    merge_top: bool = False
     mix: TaskMix = field(default_factory=TaskMix)
 
 
 def sft_example(rng: random.Random, tok: PostTokenizer, mix: TaskMix, full_trace: float = 0.0,
                 weights: tuple[float, ...] | None = None, echo: bool = False,
-                plan: bool = False) -> tuple[list[int], list[int]]:
+                plan: bool = False, echo_size: bool = False, merge_top: bool = False) -> tuple[list[int], list[int]]:
     """(ids, targets): one rendered example, the prompt's targets masked; the family drawn with `weights` (one
-    per mix family; None: uniform); echo / plan: the reasoning's opening (SFTConfig)."""
+    per mix family; None: uniform); echo / plan / echo_size / merge_top: the reasoning's opening (SFTConfig)."""
     fam = rng.choices(mix.families, weights)[0] if weights else rng.choice(mix.families)
     p = T.sample_problem(rng, fam, mix.lo, mix.hi)
     b = rng.choice(mix.levels)
@@ -98,7 +102,8 @@ def sft_example(rng: random.Random, tok: PostTokenizer, mix: TaskMix, full_trace
     else:
         stride = 1 if rng.random() < full_trace else rng.randint(1, p.difficulty)
     prompt = T.prompt_ids(tok, p, b)
-    resp = T.response_ids(tok, p, stride, T.plan_head(b, letter, echo))
+    resp = T.response_ids(tok, p, stride, T.plan_head(b, letter, echo, p.difficulty if echo_size else None,
+                                                       merge_top))
     ids = prompt + resp
     return ids[:-1], [IGNORE] * (len(prompt) - 1) + resp
 
@@ -109,9 +114,10 @@ def pad_batch(rows: list[list[int]], fill: int) -> torch.Tensor:
 
 
 def sft_batch(seed: int, step: int, tok: PostTokenizer, mix: TaskMix, batch: int, full_trace: float = 0.0,
-              weights: tuple[float, ...] | None = None, echo: bool = False, plan: bool = False):
+              weights: tuple[float, ...] | None = None, echo: bool = False, plan: bool = False,
+              echo_size: bool = False, merge_top: bool = False):
     rng = random.Random(f"sft:{seed}:{step}")
-    ex = [sft_example(rng, tok, mix, full_trace, weights, echo, plan) for _ in range(batch)]
+    ex = [sft_example(rng, tok, mix, full_trace, weights, echo, plan, echo_size, merge_top) for _ in range(batch)]
     return pad_batch([e[0] for e in ex], tok.pad_id), pad_batch([e[1] for e in ex], IGNORE)
 
 
@@ -157,7 +163,7 @@ def run_sft(cfg: SFTConfig, say=print) -> Path:
         for g in opt.param_groups:
             g["lr"] = cfg.lr * lr_factor(step, cfg.steps, warm)
         ids, tg = sft_batch(cfg.seed, step, tok, cfg.mix, cfg.batch, stride_share(cfg, step), weights, cfg.echo,
-                            cfg.plan)
+                            cfg.plan, cfg.echo_size, cfg.merge_top)
         loss, total = sft_loss(model, ids, tg, cfg.indexer_loss)
         opt.zero_grad(set_to_none=True)
         total.backward()

@@ -139,10 +139,12 @@ BANDS = "ABCDEFGHIJK"            # b // 10: 1-9 -> A, 10-19 -> B, ..., 90-99 -> 
 PLANS = "SML"                    # short: the empty trace; medium: two chunks; long: the full trace (stride 1)
 
 
-def effort_band(b: int) -> str:
+def effort_band(b: int, merge_top: bool = False) -> str:
+    """b's band letter; merge_top: b = 100 shares J with 90-99 (ten bands of ten levels; with K, b = 100 alone
+    had a letter that 1 of 96 dense training levels wrote, and was rl5b's outlier, 2026-12-06d)."""
     if not 1 <= b <= 100:
         raise ValueError(f"effort {b} outside [1, 100]")
-    return BANDS[b // 10]
+    return BANDS[min(b // 10, 9) if merge_top else b // 10]
 
 
 def plan_stride(p: Problem, plan: str) -> int:
@@ -151,20 +153,32 @@ def plan_stride(p: Problem, plan: str) -> int:
     return {"S": n, "M": max(1, (n + 1) // 2), "L": 1}[plan]
 
 
+HEAD_TOKENS = 3                  # the longest head: band letter, size digit (echo_size), plan letter
+
+
 def opened_plan(tokenizer, out_ids: list[int]) -> str | None:
-    """The plan letter a sampled response opened its reasoning with (among its first two tokens), or None."""
-    for t in out_ids[:2]:
+    """The plan letter a sampled response opened its reasoning with (among its first HEAD_TOKENS tokens), or
+    None. (Trace tokens are lower-case letters, digits, `=` and spaces, so no trace opening reads as a plan.)"""
+    for t in out_ids[:HEAD_TOKENS]:
         c = tokenizer.decode([t])
         if len(c) == 1 and c in PLANS:
             return c
     return None
 
 
-def plan_head(b: int, plan: str | None, echo: bool) -> str:
-    """The reasoning's opening: the band letter of b (echo), then the plan letter (None: no plan)."""
+def plan_head(b: int, plan: str | None, echo: bool, size: int | None = None, merge_top: bool = False) -> str:
+    """The reasoning's opening: the band letter of b (echo; merge_top: effort_band's), then the problem's chain
+    length n as one digit (size, None: none), then the plan letter (None: no plan).
+
+    Why the size digit (SFT's --echo-size): the reward's best plan depends on n as much as on b (the L - S reward
+    difference of sums changes sign at a b that grows with n, 06c section 2), and rl5b learned one threshold for
+    every n (a step near b 40). With band and size as the two tokens before the plan letter, the plan position's
+    own input and its predecessor carry the (b, n) cell the plan should depend on."""
     if plan is not None and plan not in PLANS:
         raise ValueError(f"unknown plan {plan!r}: one of {PLANS}")
-    return (effort_band(b) if echo else "") + (plan or "")
+    if size is not None and not 1 <= size <= 9:
+        raise ValueError(f"size echo {size} is not one digit in [1, 9]")
+    return (effort_band(b, merge_top) if echo else "") + ("" if size is None else str(size)) + (plan or "")
 
 
 def render_prompt(p: Problem, effort: int) -> str:

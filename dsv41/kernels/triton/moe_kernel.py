@@ -5,8 +5,10 @@ experts, P = N * (K + 1) (token, expert) pairs, BM pairs per tile, BF / BD tile 
 
 The model's loop runs ~10 torch kernels per active expert and reads the expert counts on the host (a sync per
 layer). Here, with no host sync:
-  routing (torch, on the device): each token's experts sorted ascending, the shared expert appended; the pairs
-    sorted by expert (stable: tokens ascending), per-expert counts and offsets;
+  routing (`moe_route_ref`'s slots): each token's experts sorted ascending, the shared expert appended; the pairs
+    sorted by expert (stable: tokens ascending), per-expert counts and offsets. Decode sizes (up to
+    ROUTE_MAX_PAIRS pairs): one program, `_moe_route_kernel` (the torch routing is ~14 kernels, each a few us of a
+    graph-replayed decode step, per layer); larger calls: the torch routing;
   `_moe_up_kernel`, one program per (expert, F tile): for its expert's pairs, BM at a time, gate = x W1^T and
     up = x W3^T on the tensor cores (fp32 accumulation), each rounded to the weights' dtype as the Linear's
     output is, then `expert_act_ref`'s math in its order (clamp, silu as x / (1 + exp(-x)) with IEEE division,
@@ -36,9 +38,10 @@ from dsv41.kernels.triton.quant_kernel import _fp8_groups, qdq_fp8_triton
 from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.triton.common import ASM, DOT_BF16, INTERPRET, LAST, libdevice, sm_count
 from dsv41.kernels.triton.fp8_decode import fp8_rows_dot_t
+from dsv41.kernels.moe_ref import moe_route_ref
 from dsv41.kernels.triton.packed_gemm import check_offsets, packed_rows_dot
 
-__all__ = ["moe_experts_triton", "CONFIG"]
+__all__ = ["moe_experts_triton", "moe_route_triton", "CONFIG", "ROUTE_MAX_PAIRS"]
 
 # Picked by benchmarks/kernels.py on the H200 (figures: benchmarks/results/README.md); 64-wide F tiles spill.
 # Over packed weights (benchmarks/packed_gemm.py --sweep): packed_block_f / packed_down_block_d the up / down
@@ -391,14 +394,8 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
         return y
     xq = qdq_fp8_triton(x) if quant_in else x.contiguous()
     KP = indices.size(1) + 1                                                # pairs per token: K routed + shared
-    sidx, perm = indices.sort(dim=1)                                        # each token's experts ascending
-    pe = torch.cat([sidx, torch.full((N, 1), E, dtype=sidx.dtype, device=dev)], 1).flatten()
-    pw = torch.cat([weights.float().gather(1, perm), torch.ones(N, 1, device=dev)], 1).flatten()
-    order = torch.argsort(pe, stable=True)                                  # sorted slot -> pair (token * KP + j)
-    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, pe, torch.ones_like(pe))  # no sync
-    offs = torch.cumsum(counts, 0) - counts
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=dev)
+    route = moe_route_triton if N * KP <= ROUTE_MAX_PAIRS else moe_route_ref   # no host sync either way
+    order, inv, pw, counts, offs = route(indices, weights, E)
     h = torch.empty(N * KP, F, dtype=dt, device=dev)
     out = torch.empty(N * KP, D, dtype=dt, device=dev)
     BM = cfg["block_m"]
@@ -437,3 +434,73 @@ def moe_experts_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     BC = cfg["combine_block_d"]
     _moe_combine_kernel[(N, triton.cdiv(D, BC))](out, inv, y, D, KP, BD=BC, num_warps=4)
     return y
+
+
+# ------------------------------------------------------------------------------------------------ routing
+
+ROUTE_MAX_PAIRS = 1024          # N (K + 1) up to this: the one-program routing kernel (its tiles are [pairs, 32])
+
+
+@triton.jit
+def _route_entry(idx_ptr, q, N, K, E, BK: tl.constexpr):
+    """Entries q of the [N, K + 1] grid (column K: the shared expert) -> (valid, routed, expert id, pair): the pair
+    is t (K + 1) + the entry's stable rank in its token's row (smaller ids first, equal ids by column)."""
+    KP = K + 1
+    qm = q < N * KP
+    t = q // KP
+    j = q % KP
+    routed = qm & (j < K)
+    e = tl.where(routed, tl.load(idx_ptr + t * K + j, mask=routed, other=0).to(tl.int32), E)
+    k = tl.arange(0, BK)
+    km = qm[:, None] & (k[None, :] < K)
+    row = tl.load(idx_ptr + t[:, None] * K + k[None, :], mask=km, other=0).to(tl.int32)
+    before = km & ((row < e[:, None]) | ((row == e[:, None]) & (k[None, :] < j[:, None])))
+    return qm, routed, e, t * KP + tl.sum(before.to(tl.int32), axis=1)         # the shared entry's rank: K
+
+
+@triton.jit
+def _moe_route_kernel(idx_ptr, w_ptr, order_ptr, inv_ptr, pw_ptr, counts_ptr, offs_ptr, N, K, E,
+                      BP: tl.constexpr, BK: tl.constexpr, BQ: tl.constexpr, BE: tl.constexpr):
+    """One program: `moe_route_ref`'s outputs in closed form. Each entry's slot = #{entries of a smaller expert} +
+    #{entries of its expert with a smaller pair}, counted over the entries BQ at a time; counts and offsets per
+    expert BE at a time."""
+    q = tl.arange(0, BP)
+    qm, routed, e, pair = _route_entry(idx_ptr, q, N, K, E, BK)
+    w = tl.where(routed, tl.load(w_ptr + (q // (K + 1)) * K + q % (K + 1), mask=routed, other=0.0).to(tl.float32),
+                 1.0)
+    slot = tl.zeros([BP], tl.int32)
+    for q0 in range(0, N * (K + 1), BQ):
+        qm2, _, e2, pair2 = _route_entry(idx_ptr, q0 + tl.arange(0, BQ), N, K, E, BK)
+        less = (e2[None, :] < e[:, None]) | ((e2[None, :] == e[:, None]) & (pair2[None, :] < pair[:, None]))
+        slot += tl.sum((less & qm2[None, :]).to(tl.int32), axis=1)
+    tl.store(order_ptr + slot, pair.to(tl.int64), mask=qm)
+    tl.store(inv_ptr + pair, slot.to(tl.int64), mask=qm)
+    tl.store(pw_ptr + pair, w, mask=qm)
+    for e0 in range(0, E + 1, BE):
+        ev = e0 + tl.arange(0, BE)
+        cnt = tl.sum(((e[None, :] == ev[:, None]) & qm[None, :]).to(tl.int32), axis=1)
+        below = tl.sum(((e[None, :] < ev[:, None]) & qm[None, :]).to(tl.int32), axis=1)
+        tl.store(counts_ptr + ev, cnt.to(tl.int64), mask=ev <= E)
+        tl.store(offs_ptr + ev, below.to(tl.int64), mask=ev <= E)
+
+
+def moe_route_triton(indices: torch.Tensor, weights: torch.Tensor, n_experts: int):
+    """Triton twin of `moe_route_ref` (same arguments and outputs; exact: integer counts), one program, for at most
+    ROUTE_MAX_PAIRS pairs."""
+    N, K = indices.shape
+    P = N * (K + 1)
+    if P > ROUTE_MAX_PAIRS:
+        raise ValueError(f"moe_route: {P} pairs, the one-program kernel takes at most {ROUTE_MAX_PAIRS}")
+    dev = indices.device
+    order = torch.empty(P, dtype=torch.long, device=dev)
+    inv = torch.empty(P, dtype=torch.long, device=dev)
+    pw = torch.empty(P, dtype=torch.float32, device=dev)
+    counts = torch.empty(n_experts + 1, dtype=torch.long, device=dev)
+    offs = torch.empty(n_experts + 1, dtype=torch.long, device=dev)
+    if P == 0:
+        return order, inv, pw, counts.zero_(), offs.zero_()
+    BP = triton.next_power_of_2(P)
+    LAST["moe_route"] = _moe_route_kernel[(1,)](
+        indices.contiguous(), weights.contiguous(), order, inv, pw, counts, offs, N, K, n_experts, BP=BP,
+        BK=triton.next_power_of_2(K), BQ=min(BP, 32), BE=64, num_warps=8 if BP >= 512 else 4)
+    return order, inv, pw, counts, offs

@@ -1,0 +1,115 @@
+"""The graph-replayed decode step with a kernel choice on and off, side by side in one run (GPU), against the
+step's weight-read limit measured in the same run.
+
+v41-geometry, random bf16 weights held packed as the checkpoint stores them (`pack_weights`), a synthetic 4K
+context (`fill_random`), steps replayed from CUDA graphs (`dsv41.engine.graphs`, captured again for each variant).
+The variants alternate ROUNDS times; each row reports the median step and step / limit, where the limit is
+`dsv41.analysis.memory.decode_read_bytes` over the copy bandwidth (issue #21's decode target: at most 1.5 x at
+batch 1, 2 x at batch 32).
+
+Variants (VARIANTS, comma-separated; the first is the baseline of the ratios):
+  default        the shipped choices
+  torch-routing  the MoE op's routing as ~14 torch kernels (moe_kernel.ROUTE_MAX_PAIRS = 0), not the one-program
+                 kernel
+  bf16-decode    decode GEMMs and MoE experts on the bf16-decode kernels (no FP8 tensor-core routes)
+
+    python benchmarks/decode_step_ab.py      # writes benchmarks/results/decode_step_ab_<gpu>.json
+Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (8 per round), ROUNDS (3),
+VARIANTS (default,torch-routing), RESULT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsv41.analysis.memory import decode_read_bytes  # noqa: E402
+from dsv41.config import load_config  # noqa: E402
+from dsv41.engine.bench import synthetic_batch, timed  # noqa: E402
+from dsv41.engine.graphs import DecodeGraphs  # noqa: E402
+from dsv41.kernels import set_backend  # noqa: E402
+from dsv41.kernels.triton import fp8_decode, moe_kernel  # noqa: E402
+from dsv41.model.engram import Engram  # noqa: E402
+from dsv41.model.init import random_model  # noqa: E402
+from dsv41.model.packed_weights import pack_weights  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_weights import copy_bandwidth  # noqa: E402
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """The module settings of one variant, restored after."""
+    route, gemm, mma = moe_kernel.ROUTE_MAX_PAIRS, dict(fp8_decode.FP8_DECODE_FROM), moe_kernel.CONFIG["packed_fp8_mma"]
+    if name == "torch-routing":
+        moe_kernel.ROUTE_MAX_PAIRS = 0
+    elif name == "bf16-decode":
+        fp8_decode.FP8_DECODE_FROM.update({k: 65 for k in gemm})
+        moe_kernel.CONFIG["packed_fp8_mma"] = 0
+    elif name != "default":
+        raise ValueError(f"unknown variant {name!r}")
+    try:
+        yield
+    finally:
+        moe_kernel.ROUTE_MAX_PAIRS = route
+        fp8_decode.FP8_DECODE_FROM.update(gemm)
+        moe_kernel.CONFIG["packed_fp8_mma"] = mma
+
+
+def main() -> None:
+    dev = "cuda"
+    cfg = load_config(os.environ.get("CONFIG", "v41-geometry"))
+    context = int(os.environ.get("CONTEXT", "4096"))
+    batches = [int(b) for b in os.environ.get("BATCHES", "1,32").split(",")]
+    n_steps, rounds = int(os.environ.get("STEPS", "8")), int(os.environ.get("ROUNDS", "3"))
+    names = os.environ.get("VARIANTS", "default,torch-routing").split(",")
+    set_backend("triton")
+    bw = copy_bandwidth(dev)
+    model = random_model(cfg, dtype=torch.bfloat16, device=dev)
+    pack_weights(model)
+    for e in (m for m in model.modules() if isinstance(m, Engram)):
+        e.pack()                                      # the tables as the checkpoint stores them, on the device
+    res = {"config": os.environ.get("CONFIG", "v41-geometry"), "gpu": torch.cuda.get_device_name(),
+           "context": context, "copy_bandwidth": bw, "variants": names, "command": " ".join(["python"] + sys.argv),
+           "commit": os.environ.get("COMMIT", ""), "rows": []}
+    print(f"copy {bw / 1e12:.2f} TB/s", flush=True)
+    for B in batches:
+        pool, sids, tok = synthetic_batch(model, dev, B, context)
+        limit = decode_read_bytes(cfg, B, "packed")["bytes"] / bw
+        times = {n: [] for n in names}
+        with torch.no_grad():
+            for _ in range(rounds):
+                for n in names:
+                    with variant(n):
+                        g = DecodeGraphs(model, pool, context + rounds * len(names) * (n_steps + 2) + 8)
+                        for i in range(n_steps + 1):
+                            view = pool.bind(sids)
+                            t = timed(lambda: g.forward(tok, view), dev)
+                            if i:                                               # the first call captures
+                                times[n].append(t)
+                        del g
+        med = {n: statistics.median(v) for n, v in times.items()}
+        row = {"batch": B, "limit_s": limit, "step_s": med, "step_over_limit": {n: v / limit for n, v in med.items()},
+               "over_baseline": {n: v / med[names[0]] for n, v in med.items()}, "samples_s": times}
+        res["rows"].append(row)
+        print(f"batch {B}: limit {limit * 1e3:.2f} ms; " + "; ".join(
+            f"{n} {med[n] * 1e3:.2f} ms (x{med[n] / limit:.2f} limit, {med[n] / med[names[0]]:.3f} of {names[0]})"
+            for n in names), flush=True)
+        del pool
+    gpu = torch.cuda.get_device_name().lower()
+    name = "h200" if "h200" in gpu else "h100" if "h100" in gpu else "gpu"
+    out = Path(os.environ.get("RESULT") or Path(__file__).parent / "results" / f"decode_step_ab_{name}.json")
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
