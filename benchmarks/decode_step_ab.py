@@ -95,7 +95,7 @@ def main() -> None:
                             t = timed(lambda: g.forward(tok, view), dev)
                             if i:                                               # the first call captures
                                 times[n].append(t)
-                        del g
+                        g = None                            # its graphs freed before the next capture
         med = {n: statistics.median(v) for n, v in times.items()}
         row = {"batch": B, "limit_s": limit, "step_s": med, "step_over_limit": {n: v / limit for n, v in med.items()},
                "over_baseline": {n: v / med[names[0]] for n, v in med.items()}, "samples_s": times}
