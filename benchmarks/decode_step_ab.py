@@ -7,15 +7,16 @@ The variants alternate ROUNDS times; each row reports the median step and step /
 `dsv41.analysis.memory.decode_read_bytes` over the copy bandwidth (issue #21's decode target: at most 1.5 x at
 batch 1, 2 x at batch 32).
 
-Variants (VARIANTS, comma-separated; the first is the baseline of the ratios):
+Variants (VARIANTS, comma-separated, '+' joins settings; the first is the baseline of the ratios):
   default        the shipped choices
   torch-routing  the MoE op's routing as ~14 torch kernels (moe_kernel.ROUTE_MAX_PAIRS = 0), not the one-program
                  kernel
+  torch-row-ops  RMSNorm and RoPE as their torch references (5-9 kernels each), not one Triton launch each
   bf16-decode    decode GEMMs and MoE experts on the bf16-decode kernels (no FP8 tensor-core routes)
 
     python benchmarks/decode_step_ab.py      # writes benchmarks/results/decode_step_ab_<gpu>.json
 Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (8 per round), ROUNDS (3),
-VARIANTS (default,torch-routing), RESULT.
+VARIANTS (default,torch-routing,torch-row-ops,torch-routing+torch-row-ops), RESULT.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from dsv41.config import load_config  # noqa: E402
 from dsv41.engine.bench import synthetic_batch, timed  # noqa: E402
 from dsv41.engine.graphs import DecodeGraphs  # noqa: E402
 from dsv41.kernels import set_backend  # noqa: E402
+from dsv41.kernels.ref import apply_rope_ref, rms_norm_ref  # noqa: E402
 from dsv41.kernels.triton import fp8_decode, moe_kernel  # noqa: E402
+from dsv41.model import common  # noqa: E402
 from dsv41.model.engram import Engram  # noqa: E402
 from dsv41.model.init import random_model  # noqa: E402
 from dsv41.model.packed_weights import pack_weights  # noqa: E402
@@ -47,21 +50,26 @@ from gpu_weights import copy_bandwidth  # noqa: E402
 
 @contextlib.contextmanager
 def variant(name: str):
-    """The module settings of one variant, restored after."""
+    """The module settings of one variant ('+' joins several), restored after."""
     route, gemm, mma = moe_kernel.ROUTE_MAX_PAIRS, dict(fp8_decode.FP8_DECODE_FROM), moe_kernel.CONFIG["packed_fp8_mma"]
-    if name == "torch-routing":
-        moe_kernel.ROUTE_MAX_PAIRS = 0
-    elif name == "bf16-decode":
-        fp8_decode.FP8_DECODE_FROM.update({k: 65 for k in gemm})
-        moe_kernel.CONFIG["packed_fp8_mma"] = 0
-    elif name != "default":
-        raise ValueError(f"unknown variant {name!r}")
+    norm, rot = common.rms_norm, common.rope
+    for part in name.split("+"):
+        if part == "torch-routing":
+            moe_kernel.ROUTE_MAX_PAIRS = 0
+        elif part == "torch-row-ops":
+            common.rms_norm, common.rope = rms_norm_ref, apply_rope_ref
+        elif part == "bf16-decode":
+            fp8_decode.FP8_DECODE_FROM.update({k: 65 for k in gemm})
+            moe_kernel.CONFIG["packed_fp8_mma"] = 0
+        elif part != "default":
+            raise ValueError(f"unknown variant {part!r}")
     try:
         yield
     finally:
         moe_kernel.ROUTE_MAX_PAIRS = route
         fp8_decode.FP8_DECODE_FROM.update(gemm)
         moe_kernel.CONFIG["packed_fp8_mma"] = mma
+        common.rms_norm, common.rope = norm, rot
 
 
 def main() -> None:
@@ -70,7 +78,7 @@ def main() -> None:
     context = int(os.environ.get("CONTEXT", "4096"))
     batches = [int(b) for b in os.environ.get("BATCHES", "1,32").split(",")]
     n_steps, rounds = int(os.environ.get("STEPS", "8")), int(os.environ.get("ROUNDS", "3"))
-    names = os.environ.get("VARIANTS", "default,torch-routing").split(",")
+    names = os.environ.get("VARIANTS", "default,torch-routing,torch-row-ops,torch-routing+torch-row-ops").split(",")
     set_backend("triton")
     bw = copy_bandwidth(dev)
     model = random_model(cfg, dtype=torch.bfloat16, device=dev)

@@ -134,6 +134,7 @@ def main() -> None:
                          "so 'same tokens' checks speculation itself (with 'official' ties among exactly equal "
                          "indexer scores are broken by tensor shape)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--note", default=None, help="a note stored in the result (the machine's load, what changed)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -144,14 +145,18 @@ def main() -> None:
            "commit": os.environ.get("DSV41_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                                         text=True).stdout.strip()
            or None}
+    if args.note:
+        res["note"] = args.note
     model, cfg, tok, prompts_all = _model_and_prompts(args, res)
     G = cfg.dspark_block_size
     modes = args.modes or ["off", "fixed:1", f"fixed:{max(1, G // 2)}", f"fixed:{G}", "dspark"]
     modes = ["off"] + [m for m in modes if m != "off"]                 # the baseline runs first
     prof = _profile(args, model, tok, res)
     res["runs"] = []
+    res["loadavg"] = {"start": os.getloadavg()}       # 1/5/15-minute load of the machine (shared: other work)
     for B in args.batches:
         _run_batch(args, res, model, tok, prompts_all[:B], modes, prof, sync)
+        res["loadavg"][f"after batch {B}"] = os.getloadavg()
     res["table"] = _table(res, args.batches, modes)
     line = _json(res)
     if args.out:

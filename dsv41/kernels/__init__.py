@@ -1,6 +1,7 @@
 """Kernels: torch references (`*_ref`) and their Triton twins (same signatures), one backend switch.
 
-  ref.py         sparse_attn_ref: the model's sparse attention with sinks on dense KV (docs/model.md §3.8); rms_norm
+  ref.py         sparse_attn_ref: the model's sparse attention with sinks on dense KV (docs/model.md §3.8);
+                 rms_norm_ref, apply_rope_ref (the row ops every layer runs)
   packed_ref.py  references over the engine's packed store: sparse_attn_packed_ref (decode: FP8 ring + FP4 pages),
                  indexer_scores_packed_ref / indexer_topk_packed_ref (decode indexer, MXFP4 keys, candidate pool)
   mhc_ref.py     mhc_fused_ref: one mHC step between sub-layers (hc_post, next hc_mixes, lagged hc_pre + RMSNorm)
@@ -34,7 +35,7 @@ from dsv41.kernels.gemm_ref import block_scaled_linear_ref, packed_linear_ref
 from dsv41.kernels.invariant import deterministic, exact_block_linear, is_deterministic, set_deterministic
 from dsv41.kernels.mhc_ref import mhc_fused_ref
 from dsv41.kernels.moe_ref import expert_act_ref, moe_combine, moe_experts_ref
-from dsv41.kernels.ref import sparse_attn_ref
+from dsv41.kernels.ref import apply_rope_ref, rms_norm_ref, sparse_attn_ref
 
 __all__ = [
     "BACKENDS", "set_backend", "get_backend", "triton_available",
@@ -46,7 +47,7 @@ __all__ = [
     "mhc_fused", "mhc_fused_ref", "qdq_fp8", "qdq_fp8_ref",
     "pack_swa_kv", "pack_swa_kv_ref", "expert_act", "expert_act_ref",
     "moe_experts", "moe_experts_ref", "moe_combine", "quant_linear", "block_scaled_linear_ref",
-    "packed_linear", "packed_linear_ref",
+    "packed_linear", "packed_linear_ref", "rms_norm", "rms_norm_ref", "rope", "apply_rope_ref",
     "set_deterministic", "is_deterministic", "deterministic",
 ]
 
@@ -90,6 +91,19 @@ def packed_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> 
     the bytes decoded in registers, bf16 tensor cores, fp32 accumulation)."""
     return _dispatch("packed_linear", packed_linear_ref, (x, weight, bias), [x, weight.codes, weight.scale], x,
                      fits=x.size(-1) % 32 == 0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's RMSNorm; see `rms_norm_ref` (Triton twin: one program per row, bf16 activations)."""
+    return _dispatch("rms_norm", rms_norm_ref, (x, weight, eps), [x, weight], x,
+                     fits=x.size(-1) <= 16384 and weight.numel() == x.size(-1))
+
+
+def rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """RoPE on the last R dims of x; see `apply_rope_ref` (Triton twin: one launch, bf16 activations)."""
+    fits = (x.dim() in (3, 4) and freqs.dim() == 3 and freqs.dtype == torch.complex64 and freqs.size(1) == x.size(1)
+            and freqs.size(0) in (1, x.size(0)) and x.size(-1) <= 16384)
+    return _dispatch("rope", apply_rope_ref, (x, freqs, inverse), [x, freqs], x, fits=fits)
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,

@@ -1,5 +1,5 @@
 """Torch reference of the fused mHC step between two sub-layers (docs/model.md §2 items 3-6), built from the model's own
-functions (`mhc_math`, which `dsv41.model.block` uses, and `ref.rms_norm`, the model's RMSNorm), with the signature
+functions (`mhc_math`, which `dsv41.model.block` uses, and `ref.rms_norm_ref`, the model's RMSNorm), with the signature
 of its Triton twin (`dsv41.kernels.triton.mhc_fused_triton`).
 
 Legend: S streams (hc_mult), D width, M = (2 + S) * S coefficients, leading dims (B, T) or any.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.kernels.mhc_math import hc_mixes, hc_post, hc_pre
-from dsv41.kernels.ref import rms_norm
+from dsv41.kernels.ref import rms_norm_ref as rms_norm
 
 __all__ = ["mhc_fused_ref"]
 

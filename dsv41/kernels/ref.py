@@ -1,5 +1,5 @@
 """Torch reference kernels (the model's own math; every fast path is compared against these): the sparse attention
-with sinks, and the RMSNorm that the model's `RMSNorm` module and the fused mHC step's reference share.
+with sinks, the RMSNorm that the model's `RMSNorm` module and the fused mHC step's reference share, and RoPE.
 
 Legend: B batch, T queries, H heads, D head dim, N KV rows, K selected indices per query.
 """
@@ -13,11 +13,26 @@ from dsv41.kernels.invariant import is_deterministic, row_mean, row_sum
 SPARSE_ATTN_BLOCK = 64
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, cast back to x's dtype (docs/model.md §2)."""
     xf = x.float()
     xf = xf * torch.rsqrt(row_mean(xf.square(), keepdim=True) + eps)
     return (weight * xf).to(x.dtype)
+
+
+def apply_rope_ref(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the LAST R dims of x by adjacent (even, odd) pairs (docs/model.md §3.2). x [B, T, (H,) *], freqs
+    complex64 [B or 1, T, R/2]; inverse: by the conjugate angles.
+
+    fp32 arithmetic, result rounded to x's dtype; returns a new tensor (autograd friendly)."""
+    R = freqs.size(-1) * 2
+    head, tail = x[..., :-R], x[..., -R:]
+    z = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
+    f = freqs.conj() if inverse else freqs
+    if z.ndim == 4:  # [B, T, H, R/2]
+        f = f.unsqueeze(-2)
+    rot = torch.view_as_real(z * f).flatten(-2).to(x.dtype)
+    return torch.cat([head, rot], dim=-1)
 
 
 def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,

@@ -18,9 +18,8 @@ import torch
 from torch import nn
 
 from dsv41.codecs.weights import PackedWeight, pack_weight, stored_shapes
-from dsv41.kernels import packed_linear, qdq_fp8, quant_linear
+from dsv41.kernels import packed_linear, qdq_fp8, quant_linear, rms_norm, rope
 from dsv41.kernels.invariant import is_deterministic, linear
-from dsv41.kernels.ref import rms_norm
 
 # Checkpoint storage kinds of a Linear weight (docs/model.md §9). Quantized kinds quantize their activation to FP8
 # (per 32 along K, ue8m0 scales) before the matmul; the weight itself is held dequantized (exact in bf16, "dense",
@@ -207,17 +206,10 @@ class Rope:
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the LAST R dims of x by adjacent (even, odd) pairs. x [B, T, (H,) *], freqs [B or 1, T, R/2].
-
-    fp32 arithmetic, result rounded to x's dtype; returns a new tensor (autograd friendly)."""
-    R = freqs.size(-1) * 2
-    head, tail = x[..., :-R], x[..., -R:]
-    z = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
-    f = freqs.conj() if inverse else freqs
-    if z.ndim == 4:  # [B, T, H, R/2]
-        f = f.unsqueeze(-2)
-    rot = torch.view_as_real(z * f).flatten(-2).to(x.dtype)
-    return torch.cat([head, rot], dim=-1)
+    """Rotate the LAST R dims of x by adjacent (even, odd) pairs. x [B, T, (H,) *], freqs [B or 1, T, R/2]:
+    `dsv41.kernels.ref.apply_rope_ref` (fp32 arithmetic, rounded to x's dtype, a new tensor), one Triton launch on
+    a GPU."""
+    return rope(x, freqs, inverse)
 
 
 @cache

@@ -13,12 +13,14 @@ once the backend switch (`dsv41.kernels.backend`) has chosen Triton for a call.
   moe_kernel.py          moe_experts_triton (a MoE layer's routed + shared experts: grouped GEMMs, no host sync)
   quant_kernel.py        qdq_fp8_triton (the FP8 activation QDQ in front of every quantized Linear),
                          pack_swa_kv_triton (the packed sliding-window KV row), expert_act_triton (SwiGLU + QDQ)
+  norm_rope.py           rms_norm_triton, rope_triton (the per-layer row ops in one launch each)
   decoders.py            the E4M3 / UE8M0 / E2M1 decoders (arithmetic and PTX) of the packed-store kernels
   common.py              the interpreter switches, the last compiled kernel per launcher, the SM count
 """
 
 from dsv41.kernels.triton.indexer_kernel import indexer_scores_packed_triton, indexer_topk_packed_triton
 from dsv41.kernels.triton.mhc_kernel import mhc_fused_triton
+from dsv41.kernels.triton.norm_rope import rms_norm_triton, rope_triton
 from dsv41.kernels.triton.moe_kernel import moe_experts_triton
 from dsv41.kernels.triton.packed_gemm import packed_linear_triton
 from dsv41.kernels.triton.packed_staged import sparse_attn_packed_triton
@@ -27,4 +29,5 @@ from dsv41.kernels.triton.sparse_attn_kernel import sparse_attn_triton
 
 __all__ = ["sparse_attn_packed_triton", "sparse_attn_triton", "indexer_scores_packed_triton",
            "indexer_topk_packed_triton", "mhc_fused_triton", "qdq_fp8_triton",
-           "pack_swa_kv_triton", "expert_act_triton", "moe_experts_triton", "packed_linear_triton"]
+           "pack_swa_kv_triton", "expert_act_triton", "moe_experts_triton", "packed_linear_triton",
+           "rms_norm_triton", "rope_triton"]
