@@ -5,6 +5,9 @@ the split path for few tokens and the tiled path for many, each run twice with t
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -131,3 +134,25 @@ def test_mhc_fn_cache_is_per_tensor():
         pytest.skip("the allocator did not reuse the address")
     out, ref = mhc_fused_triton(*args), mhc_fused_ref(*args)
     assert rel(out[4], ref[4]) < 1e-4 and rel(out[2], ref[2]) < 1e-4
+
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)] + (["cpu"] if INTERPRETER else []))
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 3, 200), (1, 1, 5120)])
+def test_hc_mixes_kernel(device, shape):
+    """`hc_mixes_triton` (the mixes alone, a program per token) against `mhc_math.hc_mixes`: the same coefficients
+    up to the fp32 projection's summation order; the reference's shapes; one call equals the next."""
+    from dsv41.kernels.mhc_math import hc_mixes as hc_mixes_ref
+    from dsv41.kernels.triton import hc_mixes_triton
+    B, T, D = shape
+    _, x, _, _, _, fn, scale, base, _, iters, eps, norm_eps, _ = mhc_case(B=B, T=T, D=D, device=device, seed=D)
+    ref = hc_mixes_ref(x, fn, scale, base, 4, iters, eps, norm_eps)
+    out = hc_mixes_triton(x, fn, scale, base, 4, iters, eps, norm_eps)
+    again = hc_mixes_triton(x, fn, scale, base, 4, iters, eps, norm_eps)
+    for n, o, r, a in zip(("pre", "post", "comb"), out, ref, again):
+        assert o.shape == r.shape and o.dtype == r.dtype and torch.equal(o, a), n
+        assert rel(o, r) < 1e-5, (n, rel(o, r))
+    with pytest.raises(ValueError, match="4 streams"):
+        hc_mixes_triton(x[..., :3, :], fn, scale, base, 3, iters, eps, norm_eps)

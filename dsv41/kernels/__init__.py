@@ -33,6 +33,7 @@ from dsv41.kernels.packed_ref import (candidate_pool, decode_window_rows, indexe
                                       indexer_topk_packed_ref, pool_entries, sparse_attn_packed_ref)
 from dsv41.kernels.gemm_ref import block_scaled_linear_ref, packed_linear_ref
 from dsv41.kernels.invariant import deterministic, exact_block_linear, is_deterministic, set_deterministic
+from dsv41.kernels.mhc_math import hc_mixes as hc_mixes_ref
 from dsv41.kernels.mhc_ref import mhc_fused_ref
 from dsv41.kernels.moe_ref import expert_act_ref, moe_combine, moe_experts_ref
 from dsv41.kernels.ref import apply_rope_ref, rms_norm_ref, sparse_attn_ref
@@ -44,7 +45,7 @@ __all__ = [
     "indexer_scores_packed", "indexer_scores_packed_ref",
     "indexer_topk_packed", "indexer_topk_packed_ref",
     "decode_window_rows", "pool_entries", "candidate_pool", "indexer_select",
-    "mhc_fused", "mhc_fused_ref", "qdq_fp8", "qdq_fp8_ref",
+    "mhc_fused", "mhc_fused_ref", "hc_mixes", "hc_mixes_ref", "qdq_fp8", "qdq_fp8_ref",
     "pack_swa_kv", "pack_swa_kv_ref", "expert_act", "expert_act_ref",
     "moe_experts", "moe_experts_ref", "moe_combine", "quant_linear", "block_scaled_linear_ref",
     "packed_linear", "packed_linear_ref", "rms_norm", "rms_norm_ref", "rope", "apply_rope_ref",
@@ -130,6 +131,14 @@ def indexer_topk_packed(q, w, index_pages, page_table, n_vis, topk, cand_blocks=
     """Decode indexer top-k (and candidate pool) over packed keys; see `indexer_topk_packed_ref`."""
     args = (q, w, index_pages, page_table, n_vis, topk, cand_blocks, pool_blocks, block_size, ties, n_max)
     return _dispatch("indexer_topk_packed", indexer_topk_packed_ref, args, [q, w, index_pages], q)
+
+
+def hc_mixes(x, fn, scale, base, S, iters, eps, norm_eps):
+    """A sub-layer's mHC mixes (pre, post, comb) from its input stream; see `mhc_math.hc_mixes`. The Triton kernel
+    takes 4 streams and decode sizes (a program per token)."""
+    args = (x, fn, scale, base, S, iters, eps, norm_eps)
+    return _dispatch("hc_mixes", hc_mixes_ref, args, [x, fn, scale, base], x,
+                     fits=S == 4 and x.size(-2) == 4 and x[..., 0, 0].numel() <= 256)
 
 
 def mhc_fused(f, residual, post, comb, pre_lag, fn, scale, base, norm_weight, iters, eps, norm_eps, rms_eps):

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from dsv41.config import LayerRole, ModelConfig
-from dsv41.kernels import mhc_fused
-from dsv41.kernels.mhc_math import hc_mixes, hc_post, hc_pre
+from dsv41.kernels import hc_mixes, mhc_fused
+from dsv41.kernels.mhc_math import hc_post, hc_pre
 from dsv41.model.attention import Attention
 from dsv41.model.common import RMSNorm
 from dsv41.model.engram import Engram
@@ -48,10 +48,12 @@ class Block(nn.Module):
                 setattr(self, f"hc_{which}_{k}", nn.Parameter(torch.full(shape, fill, dtype=torch.float32)))
         self.engram = Engram(cfg, role.layer, dtype) if role.has_engram else None
 
-    def mixes(self, x: torch.Tensor, which: str, compute=hc_mixes):
+    def mixes(self, x: torch.Tensor, which: str, compute=None):
         """(pre, post, comb) of the sub-layer `which` ("attn" or "ffn") from the stream x [B,T,S,D], by `compute`
-        (`hc_mixes`, or a function of its signature: the training fast path's)."""
+        (default `dsv41.kernels.hc_mixes`: the model's function, one Triton launch on a GPU; or a function of its
+        signature: the training fast path's)."""
         cfg = self.cfg
+        compute = compute or hc_mixes
         fn, scale, base = (getattr(self, f"hc_{which}_{k}") for k in ("fn", "scale", "base"))
         return compute(x, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 

@@ -22,6 +22,9 @@ same bits whatever the scheduling), computes the coefficients and applies the RM
      one warpgroup's M): y's 4 streams interleaved along K against fn with its columns permuted likewise, fn read
      in fp32 and split into bf16 terms hi + mid + lo in registers (y is exact in bf16 and every product exact in
      fp32: the fp32 projection up to summation order).
+`hc_mixes_triton` is the mixes alone (`mhc_math.hc_mixes`, where no fused step precedes a sub-layer: block 0 and
+the blocks after an Engram layer): a program per token, the fp32 projection and sum of squares BK values at a time,
+then `_coefs` (the reference is ~130 torch kernels, the Sinkhorn loop's).
 HBM traffic of the tiled path: the lower bound (x and f read once, y and h written once, (2S + 2) * D bf16 values
 per token, plus 48 fp32 coefficients) plus a second pass over h (~20%) and the fp32 partials (32 per token and
 chunk). It is bound by issue and latency rather than bytes: y's arithmetic (7 unfused operations per stream and
@@ -38,7 +41,7 @@ import triton.language as tl
 
 from dsv41.kernels.triton.common import DOT_BF16, LAST
 
-__all__ = ["mhc_fused_triton", "CONFIG"]
+__all__ = ["mhc_fused_triton", "hc_mixes_triton", "CONFIG"]
 
 # Picked by benchmarks/kernels.py on the H200 (tuning history: benchmarks/results/README.md). split_*: the few-token
 # path's chunk; tiles_*: the tiled path's token block, tile width, warps, channels per program and pipeline depth;
@@ -335,3 +338,42 @@ def mhc_fused_triton(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor
             float(eps), float(norm_eps), float(rms_eps), M=M, ITERS=int(iters), NC=NC, BLOCK_T=BT,
             BLOCK_D=CONFIG["finish_block_d"], num_warps=4, enable_fp_fusion=False)
     return y, h, coef[..., :S], coef[..., S:2 * S], coef[..., 2 * S:].unflatten(-1, (S, S))
+
+
+@triton.jit
+def _hc_mixes_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, coef_ptr, SD, eps, norm_eps, M: tl.constexpr,
+                     ITERS: tl.constexpr, BK: tl.constexpr):
+    """Token t: mix = x_t @ fn^T and sum x_t^2 over the S*D stream values (fp32, BK at a time), then `_coefs`."""
+    t = tl.program_id(0).to(tl.int64)
+    mc = tl.arange(0, MP)
+    k = tl.arange(0, BK)
+    mix = tl.zeros([MP], tl.float32)
+    sq = tl.zeros([BK], tl.float32)
+    for k0 in range(0, SD, BK):
+        km = k0 + k < SD
+        xv = tl.load(x_ptr + t * SD + k0 + k, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + mc[:, None] * SD + k0 + k[None, :], mask=(mc < M)[:, None] & km[None, :], other=0.0)
+        mix += tl.sum(w * xv[None, :], 1)
+        sq += xv * xv
+    coef = _coefs(mix[None, :], tl.sum(sq, 0)[None], SD, norm_eps, scale_ptr, base_ptr, eps, M, ITERS, 1)
+    tl.store(coef_ptr + t * M + mc[None, :], coef, mask=(mc < M)[None, :])
+
+
+def hc_mixes_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, S: int, iters: int,
+                    eps: float, norm_eps: float):
+    """Twin of `mhc_math.hc_mixes` (same arguments; S = 4): x [B, T, S, D] -> (pre [B,T,S], post [B,T,S],
+    comb [B,T,S,S]) fp32."""
+    M = (2 + S) * S
+    if S != 4 or x.size(-2) != S or fn.shape != (M, S * x.size(-1)):
+        raise ValueError(f"hc_mixes (triton): 4 streams and fn [{M}, S*D], got x {tuple(x.shape)}, fn {tuple(fn.shape)}")
+    lead = x.shape[:-2]
+    a = x.reshape(-1, S * x.size(-1)).contiguous()
+    coef = torch.empty(a.size(0), M, dtype=torch.float32, device=x.device)
+    if a.size(0):
+        LAST["hc_mixes"] = _hc_mixes_kernel[(a.size(0),)](
+            a, fn.detach().float().contiguous(), scale.detach().float().contiguous(), base.detach().float().contiguous(),
+            coef, a.size(1), float(eps), float(norm_eps), M=M, ITERS=int(iters), BK=256, num_warps=4,
+            enable_fp_fusion=False)
+    coef = coef.view(*lead, M)
+    return coef[..., :S], coef[..., S:2 * S], coef[..., 2 * S:].unflatten(-1, (S, S))
+
