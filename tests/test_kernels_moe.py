@@ -136,3 +136,27 @@ def test_moe_decode_uses_the_op_on_cuda():
     with torch.no_grad():                                                      # above the cut: the module loop
         weights, indices, _ = moe.gate(big.view(-1, 256))
         assert torch.equal(moe(big).view(-1, 256), moe.module_loop(big.view(-1, 256), indices, weights))
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)] + (["cpu"] if INTERPRETER else []))
+@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("n,e,k,temp,norm", [(1, 16, 6, 1.0, True), (5, 256, 8, 0.7, True), (3, 12, 1, 1.0, False),
+                                             (2, 16, 6, 1.0, False)])
+def test_moe_gate_kernel(device, score_func, n, e, k, temp, norm):
+    """The gate in one program per token against `moe_gate_ref`: the same experts in the same order, the scores
+    and weights up to the fp32 projection's summation order; bf16 and fp32 gate weights."""
+    from dsv41.kernels.moe_ref import moe_gate_ref
+    from dsv41.kernels.triton import moe_gate_triton
+    g = torch.Generator().manual_seed(e + k)
+    D = 320
+    x = (torch.randn(n, D, generator=g) * 3).bfloat16().to(device)
+    bias = (torch.randn(e, generator=g) * 0.1).to(device)
+    for w in (torch.randn(e, D, generator=g) / D ** 0.5, (torch.randn(e, D, generator=g) / D ** 0.5).bfloat16()):
+        w = w.to(device)
+        args = (x, w, bias, k, score_func, temp, norm, 1.5)
+        (rw, ri, rs), (gw, gi, gs) = moe_gate_ref(*args), moe_gate_triton(*args)
+        assert gi.dtype == ri.dtype and torch.equal(gi.cpu(), ri.cpu())
+        assert gw.shape == rw.shape and gs.shape == rs.shape
+        assert rel_err(gw, rw) < 1e-5 and rel_err(gs, rs) < 1e-5
+    with pytest.raises(ValueError, match="score_func"):
+        moe_gate_triton(x, w, bias, k, "relu", temp, norm, 1.5)

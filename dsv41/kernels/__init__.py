@@ -35,7 +35,7 @@ from dsv41.kernels.gemm_ref import block_scaled_linear_ref, packed_linear_ref
 from dsv41.kernels.invariant import deterministic, exact_block_linear, is_deterministic, set_deterministic
 from dsv41.kernels.mhc_math import hc_mixes as hc_mixes_ref
 from dsv41.kernels.mhc_ref import mhc_fused_ref
-from dsv41.kernels.moe_ref import expert_act_ref, moe_combine, moe_experts_ref
+from dsv41.kernels.moe_ref import expert_act_ref, moe_combine, moe_experts_ref, moe_gate_ref
 from dsv41.kernels.ref import apply_rope_ref, rms_norm_ref, sparse_attn_ref
 
 __all__ = [
@@ -47,7 +47,7 @@ __all__ = [
     "decode_window_rows", "pool_entries", "candidate_pool", "indexer_select",
     "mhc_fused", "mhc_fused_ref", "hc_mixes", "hc_mixes_ref", "qdq_fp8", "qdq_fp8_ref",
     "pack_swa_kv", "pack_swa_kv_ref", "expert_act", "expert_act_ref",
-    "moe_experts", "moe_experts_ref", "moe_combine", "quant_linear", "block_scaled_linear_ref",
+    "moe_experts", "moe_experts_ref", "moe_combine", "moe_gate", "moe_gate_ref", "quant_linear", "block_scaled_linear_ref",
     "packed_linear", "packed_linear_ref", "rms_norm", "rms_norm_ref", "rope", "apply_rope_ref",
     "set_deterministic", "is_deterministic", "deterministic",
 ]
@@ -139,6 +139,13 @@ def hc_mixes(x, fn, scale, base, S, iters, eps, norm_eps):
     args = (x, fn, scale, base, S, iters, eps, norm_eps)
     return _dispatch("hc_mixes", hc_mixes_ref, args, [x, fn, scale, base], x,
                      fits=S == 4 and x.size(-2) == 4 and x[..., 0, 0].numel() <= 256)
+
+
+def moe_gate(x, weight, bias, topk, score_func, gate_temp, norm_topk_prob, route_scale):
+    """The MoE gate's routing; see `moe_gate_ref`. The Triton kernel: a program per token, decode sizes."""
+    args = (x, weight, bias, topk, score_func, gate_temp, norm_topk_prob, route_scale)
+    return _dispatch("moe_gate", moe_gate_ref, args, [x, weight, bias], x,
+                     fits=x.dim() == 2 and x.size(0) <= 256 and weight.size(0) <= 1024)
 
 
 def mhc_fused(f, residual, post, comb, pre_lag, fn, scale, base, norm_weight, iters, eps, norm_eps, rms_eps):

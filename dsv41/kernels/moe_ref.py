@@ -20,9 +20,34 @@ import torch
 from dsv41.codecs import qdq_fp8 as qdq_fp8_ref
 from dsv41.codecs.weights import PackedWeight
 from dsv41.kernels.gemm_ref import block_scaled_linear_ref
-from dsv41.kernels.invariant import exact_block_linear, is_deterministic, linear, silu
+from dsv41.kernels.invariant import exact_block_linear, is_deterministic, linear, sigmoid, silu, small_sum, softplus
 
-__all__ = ["moe_combine", "moe_experts_ref", "expert_act_ref", "moe_route_ref"]
+__all__ = ["moe_combine", "moe_experts_ref", "expert_act_ref", "moe_route_ref", "gate_scores", "moe_gate_ref"]
+
+
+def gate_scores(x: torch.Tensor, weight: torch.Tensor, score_func: str, gate_temp: float) -> torch.Tensor:
+    """The gate's scores: score_func(x W_g^T / gate_temp) in fp32 (docs/model.md §5). x [N, D], weight [E, D]."""
+    z = linear(x.float(), weight.float())
+    if gate_temp != 1.0:                                       # x / 1.0 is x: one launch less per layer
+        z = z / gate_temp
+    if score_func == "softmax":
+        return z.softmax(dim=-1)
+    if score_func == "sigmoid":
+        return sigmoid(z)
+    return softplus(z).sqrt()
+
+
+def moe_gate_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str,
+                 gate_temp: float, norm_topk_prob: bool, route_scale: float):
+    """The gate's routing (docs/model.md §5): experts by top-K of scores + bias (selection only), weights the
+    unbiased scores at them, normalised (+ 1e-20) when norm_topk_prob and K > 1, times route_scale ->
+    (weights [N, K] fp32, indices [N, K] long, scores [N, E] fp32)."""
+    scores = gate_scores(x, weight, score_func, gate_temp)
+    indices = (scores + bias).detach().topk(topk, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if norm_topk_prob and topk > 1:
+        weights = weights / (small_sum(weights, -1, keepdim=True) + 1e-20)    # literal 1e-20, not norm_eps
+    return weights * route_scale, indices, scores
 
 
 def moe_route_ref(indices: torch.Tensor, weights: torch.Tensor, n_experts: int):

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv41.kernels import expert_act, moe_combine, moe_experts, qdq_fp8
+from dsv41.kernels import expert_act, moe_combine, moe_experts, moe_gate, qdq_fp8
 from dsv41.kernels.choice import fused_moe
-from dsv41.kernels.invariant import linear, sigmoid, small_sum, softplus
+from dsv41.kernels.invariant import small_sum
+from dsv41.kernels.moe_ref import gate_scores
 from dsv41.model.common import Linear, lin_kind
 
 
@@ -29,19 +30,15 @@ class Gate(nn.Module):
         self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32)) if cfg.vision_enabled else None
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        z = linear(x.float(), self.weight.float())
-        if self.gate_temp != 1.0:                                  # x / 1.0 is x: one launch less per layer
-            z = z / self.gate_temp
-        if self.score_func == "softmax":
-            return z.softmax(dim=-1)
-        if self.score_func == "sigmoid":
-            return sigmoid(z)
-        return softplus(z).sqrt()
+        return gate_scores(x, self.weight, self.score_func, self.gate_temp)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, indices: torch.Tensor | None = None):
         """x [N,D], image_mask [N] bool -> (weights [N,K] fp32, indices [N,K] long, scores [N,E]).
         indices: the experts to use (a replayed routing) instead of the top-K selection; the weights are still the
         current scores at them (so the gate trains)."""
+        if indices is None and (image_mask is None or self.bias_vl is None):     # one Triton launch on a GPU
+            return moe_gate(x, self.weight, self.bias, self.topk, self.score_func, self.gate_temp,
+                            self.norm_topk_prob, self.route_scale)
         scores = self.scores(x)
         if indices is None:
             bias = self.bias

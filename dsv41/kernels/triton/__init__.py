@@ -11,7 +11,8 @@ once the backend switch (`dsv41.kernels.backend`) has chosen Triton for a call.
   fp8_decode.py          fp8_decode_triton (decode sizes of bf16 models on the FP8 tensor cores, swap AB)
   fp8_gemm.py            fp8_linear_triton (prefill sizes on the FP8 tensor cores, per-32 promotion; opt in)
   splitk.py              the split-K sum inside the decode kernels (last part to finish adds the parts in order)
-  moe_kernel.py          moe_experts_triton (a MoE layer's routed + shared experts: grouped GEMMs, no host sync)
+  moe_kernel.py          moe_experts_triton (a MoE layer's routed + shared experts: grouped GEMMs, no host sync),
+                         moe_gate_triton (the gate's scores, top-K and weights: a program per token)
   quant_kernel.py        qdq_fp8_triton (the FP8 activation QDQ in front of every quantized Linear),
                          pack_swa_kv_triton (the packed sliding-window KV row), expert_act_triton (SwiGLU + QDQ)
   norm_rope.py           rms_norm_triton, rope_triton (the per-layer row ops in one launch each)
@@ -22,7 +23,7 @@ once the backend switch (`dsv41.kernels.backend`) has chosen Triton for a call.
 from dsv41.kernels.triton.indexer_kernel import indexer_scores_packed_triton, indexer_topk_packed_triton
 from dsv41.kernels.triton.mhc_kernel import hc_mixes_triton, mhc_fused_triton
 from dsv41.kernels.triton.norm_rope import rms_norm_triton, rope_triton
-from dsv41.kernels.triton.moe_kernel import moe_experts_triton
+from dsv41.kernels.triton.moe_kernel import moe_experts_triton, moe_gate_triton
 from dsv41.kernels.triton.packed_gemm import packed_linear_triton
 from dsv41.kernels.triton.packed_staged import sparse_attn_packed_triton
 from dsv41.kernels.triton.quant_kernel import expert_act_triton, pack_swa_kv_triton, qdq_fp8_triton
@@ -31,4 +32,4 @@ from dsv41.kernels.triton.sparse_attn_kernel import sparse_attn_triton
 __all__ = ["sparse_attn_packed_triton", "sparse_attn_triton", "indexer_scores_packed_triton",
            "indexer_topk_packed_triton", "mhc_fused_triton", "qdq_fp8_triton",
            "pack_swa_kv_triton", "expert_act_triton", "moe_experts_triton", "packed_linear_triton",
-           "rms_norm_triton", "rope_triton", "hc_mixes_triton"]
+           "rms_norm_triton", "rope_triton", "hc_mixes_triton", "moe_gate_triton"]

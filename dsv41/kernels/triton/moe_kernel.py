@@ -41,7 +41,7 @@ from dsv41.kernels.triton.fp8_decode import fp8_rows_dot_t
 from dsv41.kernels.moe_ref import moe_route_ref
 from dsv41.kernels.triton.packed_gemm import check_offsets, packed_rows_dot
 
-__all__ = ["moe_experts_triton", "moe_route_triton", "CONFIG", "ROUTE_MAX_PAIRS"]
+__all__ = ["moe_experts_triton", "moe_route_triton", "moe_gate_triton", "CONFIG", "ROUTE_MAX_PAIRS"]
 
 # Picked by benchmarks/kernels.py on the H200 (figures: benchmarks/results/README.md); 64-wide F tiles spill.
 # Over packed weights (benchmarks/packed_gemm.py --sweep): packed_block_f / packed_down_block_d the up / down
@@ -504,3 +504,77 @@ def moe_route_triton(indices: torch.Tensor, weights: torch.Tensor, n_experts: in
         indices.contiguous(), weights.contiguous(), order, inv, pw, counts, offs, N, K, n_experts, BP=BP,
         BK=triton.next_power_of_2(K), BQ=min(BP, 32), BE=64, num_warps=8 if BP >= 512 else 4)
     return order, inv, pw, counts, offs
+
+
+# ------------------------------------------------------------------------------------------------ gate
+
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+@triton.jit
+def _moe_gate_kernel(x_ptr, w_ptr, b_ptr, wout_ptr, iout_ptr, s_ptr, E, D, temp, route_scale, K: tl.constexpr,
+                     KP: tl.constexpr, SCORE: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                     LIBDEVICE: tl.constexpr):
+    """Token t: z = x_t W^T in fp32 (BK of D at a time) / temp, the scores, top-K of scores + bias by repeated
+    argmax (the lowest id among equal values), the weights at them (normalised, x route_scale)."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BE)
+    em = e < E
+    k = tl.arange(0, BK)
+    z = tl.zeros([BE], tl.float32)
+    for k0 in range(0, D, BK):
+        km = k0 + k < D
+        xv = tl.load(x_ptr + t * D + k0 + k, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e[:, None] * D + k0 + k[None, :], mask=em[:, None] & km[None, :], other=0.0)
+        z += tl.sum(w.to(tl.float32) * xv[None, :], 1)
+    z = z / temp
+    if SCORE == 0:                                                   # softmax
+        ex = tl.exp(tl.where(em, z, float("-inf")) - tl.max(tl.where(em, z, float("-inf")), 0))
+        sc = ex / tl.sum(ex, 0)
+    elif SCORE == 1:                                                 # sigmoid
+        sc = 1.0 / (1.0 + tl.exp(-z))
+    else:                                                            # sqrt(softplus), softplus = z above 20
+        if LIBDEVICE:
+            sp = libdevice.log1p(libdevice.exp(z))
+        else:
+            sp = tl.log(1.0 + tl.exp(z))
+        sc = tl.sqrt(tl.where(z > 20.0, z, sp))
+    tl.store(s_ptr + t * E + e, sc, mask=em)
+    sel = tl.where(em, sc + tl.load(b_ptr + e, mask=em, other=0.0), float("-inf"))
+    kk = tl.arange(0, KP)                                            # K padded to a power of two
+    idx = tl.zeros([KP], tl.int32)
+    wts = tl.zeros([KP], tl.float32)
+    for i in tl.static_range(K):
+        top = tl.max(sel, 0)
+        j = tl.min(tl.where(sel == top, e, BE), 0)
+        idx = tl.where(kk == i, j, idx)
+        wts = tl.where(kk == i, tl.sum(tl.where(e == j, sc, 0.0), 0), wts)
+        sel = tl.where(e == j, float("-inf"), sel)
+    if NORM:
+        wts = wts / (tl.sum(wts, 0) + 1e-20)
+    tl.store(wout_ptr + t * K + kk, wts * route_scale, mask=kk < K)
+    tl.store(iout_ptr + t * K + kk, idx.to(tl.int64), mask=kk < K)
+
+
+def moe_gate_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str,
+                    gate_temp: float, norm_topk_prob: bool, route_scale: float):
+    """Twin of `moe_gate_ref` (same arguments and outputs), a program per token."""
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"moe_gate (triton): score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    N, D = x.shape
+    E = weight.size(0)
+    if not 0 < topk <= E:
+        raise ValueError(f"moe_gate (triton): top-{topk} of {E} experts")
+    dev = x.device
+    wout = torch.empty(N, topk, dtype=torch.float32, device=dev)
+    iout = torch.empty(N, topk, dtype=torch.long, device=dev)
+    scores = torch.empty(N, E, dtype=torch.float32, device=dev)
+    if N:
+        BE = triton.next_power_of_2(E)
+        LAST["moe_gate"] = _moe_gate_kernel[(N,)](
+            x.contiguous(), weight.contiguous(), bias.float().contiguous(), wout, iout, scores, E, D,
+            float(gate_temp), float(route_scale), K=topk, KP=triton.next_power_of_2(topk), SCORE=SCORE_FUNCS.index(score_func),
+            NORM=bool(norm_topk_prob) and topk > 1, BE=BE, BK=max(16, min(256, 4096 // BE)),
+            LIBDEVICE=not INTERPRET, num_warps=4, enable_fp_fusion=False)
+    return wout, iout, scores
+
