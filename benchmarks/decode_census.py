@@ -31,7 +31,7 @@ VIEW_OPS = {"view", "_unsafe_view", "as_strided", "reshape", "unsqueeze", "squee
             "view_as_complex", "_reshape_alias", "split", "chunk", "unbind", "narrow", "diagonal", "_conj",
             "resolve_conj", "resolve_neg", "lift_fresh"}
 # the kernel ops as the model's modules import them: module -> names
-KERNEL_OPS = {"dsv41.model.common": ["qdq_fp8", "rms_norm", "rope"], "dsv41.model.attention": ["qdq_fp8", "sparse_attn"],
+KERNEL_OPS = {"dsv41.model.common": ["qdq_fp8", "rms_norm", "rope"], "dsv41.model.attention": ["qdq_fp8", "qdq_index_k", "sparse_attn"],
               "dsv41.model.moe": ["qdq_fp8", "expert_act", "moe_experts", "moe_gate"],
               "dsv41.model.packed_decode": ["sparse_attn_packed", "indexer_topk_packed"],
               "dsv41.model.block": ["mhc_fused", "hc_mixes"], "dsv41.model.dspark": ["sparse_attn"],

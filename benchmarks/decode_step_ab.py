@@ -12,13 +12,14 @@ Variants (VARIANTS, comma-separated, '+' joins settings; the first is the baseli
   torch-routing  the MoE op's routing as ~14 torch kernels (moe_kernel.ROUTE_MAX_PAIRS = 0), not the one-program
                  kernel
   torch-row-ops  RMSNorm and RoPE as their torch references (5-9 kernels each), not one Triton launch each
+  torch-index-qdq  the indexer's MXFP4 QDQ as the codec's torch ops (~19 kernels), not one launch
   torch-gate     the MoE gate as torch ops (~11 kernels: fp32 GEMM, scores, top-k, gather, normalisation)
   torch-mixes    the unfused mHC mixes (blocks no fused step precedes) as the torch functions (~130 kernels)
   bf16-decode    decode GEMMs and MoE experts on the bf16-decode kernels (no FP8 tensor-core routes)
 
     python benchmarks/decode_step_ab.py      # writes benchmarks/results/decode_step_ab_<gpu>.json
 Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (8 per round), ROUNDS (3),
-VARIANTS (default,torch-routing+torch-row-ops+torch-mixes+torch-gate), RESULT.
+VARIANTS (default,torch-routing+torch-row-ops+torch-mixes+torch-gate+torch-index-qdq), RESULT.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from dsv41.kernels.ref import apply_rope_ref, rms_norm_ref  # noqa: E402
 from dsv41.kernels.triton import fp8_decode, moe_kernel  # noqa: E402
 from dsv41.kernels.mhc_math import hc_mixes as hc_mixes_ref  # noqa: E402
 from dsv41.kernels.moe_ref import moe_gate_ref  # noqa: E402
-from dsv41.model import block, common, moe  # noqa: E402
+from dsv41.codecs import qdq_index_k as qdq_index_k_ref  # noqa: E402
+from dsv41.model import attention, block, common, moe  # noqa: E402
 from dsv41.model.engram import Engram  # noqa: E402
 from dsv41.model.init import random_model  # noqa: E402
 from dsv41.model.packed_weights import pack_weights  # noqa: E402
@@ -56,12 +58,14 @@ from gpu_weights import copy_bandwidth  # noqa: E402
 def variant(name: str):
     """The module settings of one variant ('+' joins several), restored after."""
     route, gemm, mma = moe_kernel.ROUTE_MAX_PAIRS, dict(fp8_decode.FP8_DECODE_FROM), moe_kernel.CONFIG["packed_fp8_mma"]
-    norm, rot, mixes, gate = common.rms_norm, common.rope, block.hc_mixes, moe.moe_gate
+    norm, rot, mixes, gate, iq = common.rms_norm, common.rope, block.hc_mixes, moe.moe_gate, attention.qdq_index_k
     for part in name.split("+"):
         if part == "torch-routing":
             moe_kernel.ROUTE_MAX_PAIRS = 0
         elif part == "torch-row-ops":
             common.rms_norm, common.rope = rms_norm_ref, apply_rope_ref
+        elif part == "torch-index-qdq":
+            attention.qdq_index_k = qdq_index_k_ref
         elif part == "torch-gate":
             moe.moe_gate = moe_gate_ref
         elif part == "torch-mixes":
@@ -77,7 +81,7 @@ def variant(name: str):
         moe_kernel.ROUTE_MAX_PAIRS = route
         fp8_decode.FP8_DECODE_FROM.update(gemm)
         moe_kernel.CONFIG["packed_fp8_mma"] = mma
-        common.rms_norm, common.rope, block.hc_mixes, moe.moe_gate = norm, rot, mixes, gate
+        common.rms_norm, common.rope, block.hc_mixes, moe.moe_gate, attention.qdq_index_k = norm, rot, mixes, gate, iq
 
 
 def main() -> None:
@@ -86,7 +90,7 @@ def main() -> None:
     context = int(os.environ.get("CONTEXT", "4096"))
     batches = [int(b) for b in os.environ.get("BATCHES", "1,32").split(",")]
     n_steps, rounds = int(os.environ.get("STEPS", "8")), int(os.environ.get("ROUNDS", "3"))
-    names = os.environ.get("VARIANTS", "default,torch-routing+torch-row-ops+torch-mixes+torch-gate").split(",")
+    names = os.environ.get("VARIANTS", "default,torch-routing+torch-row-ops+torch-mixes+torch-gate+torch-index-qdq").split(",")
     set_backend("triton")
     bw = copy_bandwidth(dev)
     model = random_model(cfg, dtype=torch.bfloat16, device=dev)

@@ -5,6 +5,9 @@ ties, values past 448 * scale, zeros, NaN and inf."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -140,3 +143,28 @@ def test_expert_act_triton_is_bit_identical(n, F):
             out = expert_act_triton(gate, up, dtype=torch.bfloat16, **kw)
             what = {k: (v is not None if k == "weights" else v) for k, v in kw.items()}
             assert same_bits(out, ref), f"{n}x{F} seed {seed} {what}: {int((out != ref).sum())} of {out.numel()} differ"
+
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)] + (["cpu"] if INTERPRETER else []))
+@pytest.mark.parametrize("shape", [(1, 1, 32), (1, 64, 128), (3, 7, 2304)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qdq_index_k_triton_is_bit_identical(device, shape, dtype):
+    """The indexer's MXFP4 QDQ kernel equals the codec bit for bit (signed zeros included) on magnitudes across
+    the fp32 range, halfway values of the E2M1 grid, values past 6 * scale and zero groups; a NaN group is NaN."""
+    from dsv41.codecs import qdq_index_k as codec_qdq_index_k
+    from dsv41.kernels.triton import qdq_index_k_triton
+    for seed in range(3):
+        x = quant_case(shape, dtype, seed)
+        flat = x.view(-1)
+        flat[1::37] = -0.0
+        flat[2::41] = flat[2::41].sign() * 0.75 * flat[2::41].abs().amax()            # E2M1 halfway points
+        x = x.to(device)
+        out, ref = qdq_index_k_triton(x), codec_qdq_index_k(x)
+        assert out.dtype == x.dtype and out.shape == x.shape
+        assert same_bits(out.cpu(), ref.cpu()), f"{shape} {dtype} seed {seed}: {int((out != ref).sum())} differ"
+    x = quant_case(shape, dtype, 0).to(device)
+    x.view(-1)[3] = float("nan")
+    assert torch.isnan(qdq_index_k_triton(x).view(-1)[:32]).all()

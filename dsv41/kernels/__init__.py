@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from dsv41.codecs import pack_swa_kv as _pack_swa_kv_codec
 from dsv41.codecs import qdq_fp8 as qdq_fp8_ref
+from dsv41.codecs import qdq_index_k as qdq_index_k_ref
 from dsv41.kernels.backend import BACKENDS, get_backend, resolve, set_backend, triton_available
 from dsv41.kernels.packed_ref import (candidate_pool, decode_window_rows, indexer_scores_packed_ref, indexer_select,
                                       indexer_topk_packed_ref, pool_entries, sparse_attn_packed_ref)
@@ -46,6 +47,7 @@ __all__ = [
     "indexer_topk_packed", "indexer_topk_packed_ref",
     "decode_window_rows", "pool_entries", "candidate_pool", "indexer_select",
     "mhc_fused", "mhc_fused_ref", "hc_mixes", "hc_mixes_ref", "qdq_fp8", "qdq_fp8_ref",
+    "qdq_index_k", "qdq_index_k_ref",
     "pack_swa_kv", "pack_swa_kv_ref", "expert_act", "expert_act_ref",
     "moe_experts", "moe_experts_ref", "moe_combine", "moe_gate", "moe_gate_ref", "quant_linear", "block_scaled_linear_ref",
     "packed_linear", "packed_linear_ref", "rms_norm", "rms_norm_ref", "rope", "apply_rope_ref",
@@ -157,6 +159,12 @@ def mhc_fused(f, residual, post, comb, pre_lag, fn, scale, base, norm_weight, it
 def qdq_fp8(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """FP8 activation quantize-dequantize; see `dsv41.codecs.qdq_fp8` (bit-identical Triton twin)."""
     return _dispatch("qdq_fp8", qdq_fp8_ref, (x, group), [x], fp8=True)
+
+
+def qdq_index_k(x: torch.Tensor) -> torch.Tensor:
+    """The indexer's MXFP4 QDQ of keys and queries; see `dsv41.codecs.qdq_index_k` (bit-identical Triton twin on
+    finite inputs)."""
+    return _dispatch("qdq_index_k", qdq_index_k_ref, (x,), [x], fits=x.dim() > 0 and x.shape[-1] % 32 == 0)
 
 
 def pack_swa_kv_ref(x: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv41.codecs import qdq_index_k, qdq_main_kv
+from dsv41.codecs import qdq_main_kv
 from dsv41.config import LayerRole, ModelConfig
 from dsv41.devices import h2d
-from dsv41.kernels import qdq_fp8, sparse_attn
+from dsv41.kernels import qdq_fp8, qdq_index_k, sparse_attn
 from dsv41.kernels.invariant import (canonical_lists, index_scores, is_deterministic, set_deterministic,
                                      small_sum, tiled_linear)
 from dsv41.kernels.packed_ref import TIE_RULES, top_blocks, topk_indices

@@ -13,7 +13,8 @@ once the backend switch (`dsv41.kernels.backend`) has chosen Triton for a call.
   splitk.py              the split-K sum inside the decode kernels (last part to finish adds the parts in order)
   moe_kernel.py          moe_experts_triton (a MoE layer's routed + shared experts: grouped GEMMs, no host sync),
                          moe_gate_triton (the gate's scores, top-K and weights: a program per token)
-  quant_kernel.py        qdq_fp8_triton (the FP8 activation QDQ in front of every quantized Linear),
+  quant_kernel.py        qdq_fp8_triton (the FP8 activation QDQ in front of every quantized Linear), qdq_index_k_triton
+                         (the indexer's MXFP4 QDQ),
                          pack_swa_kv_triton (the packed sliding-window KV row), expert_act_triton (SwiGLU + QDQ)
   norm_rope.py           rms_norm_triton, rope_triton (the per-layer row ops in one launch each)
   decoders.py            the E4M3 / UE8M0 / E2M1 decoders (arithmetic and PTX) of the packed-store kernels
@@ -26,10 +27,11 @@ from dsv41.kernels.triton.norm_rope import rms_norm_triton, rope_triton
 from dsv41.kernels.triton.moe_kernel import moe_experts_triton, moe_gate_triton
 from dsv41.kernels.triton.packed_gemm import packed_linear_triton
 from dsv41.kernels.triton.packed_staged import sparse_attn_packed_triton
-from dsv41.kernels.triton.quant_kernel import expert_act_triton, pack_swa_kv_triton, qdq_fp8_triton
+from dsv41.kernels.triton.quant_kernel import expert_act_triton, pack_swa_kv_triton, qdq_fp8_triton, qdq_index_k_triton
 from dsv41.kernels.triton.sparse_attn_kernel import sparse_attn_triton
 
 __all__ = ["sparse_attn_packed_triton", "sparse_attn_triton", "indexer_scores_packed_triton",
            "indexer_topk_packed_triton", "mhc_fused_triton", "qdq_fp8_triton",
            "pack_swa_kv_triton", "expert_act_triton", "moe_experts_triton", "packed_linear_triton",
-           "rms_norm_triton", "rope_triton", "hc_mixes_triton", "moe_gate_triton"]
+           "rms_norm_triton", "rope_triton", "hc_mixes_triton", "moe_gate_triton",
+           "qdq_index_k_triton"]

@@ -23,10 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv41.codecs.fp4 import FP4_MAX_INV, INDEX_K_AMAX_FLOOR, INDEX_K_GROUP
 from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
 from dsv41.kernels.triton.common import libdevice
 
-__all__ = ["qdq_fp8_triton", "pack_swa_kv_triton", "expert_act_triton"]
+__all__ = ["qdq_fp8_triton", "pack_swa_kv_triton", "expert_act_triton", "qdq_index_k_triton"]
 
 
 @triton.jit
@@ -108,6 +109,45 @@ def qdq_fp8_triton(x: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:
         block = max(1, min(64, 2048 // group))
         _qdq_fp8_kernel[(triton.cdiv(n_groups, block),)](xc, y, n_groups, FP8_AMAX_FLOOR, FP8_MAX_INV, GROUP=group,
                                                          BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return y
+
+
+@triton.jit
+def _qdq_index_k_kernel(x_ptr, y_ptr, n_groups, floor, max_inv, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """`qdq_index_k` per group: scale = 2^ceil(log2(max(amax, floor) * fp32(1/6))) from the bits, q = x / scale
+    clamped to +-6 (NaN kept), rounded to the E2M1 grid half to even (steps 0.5 / 1 / 2 below 2 / 4 / 6: the
+    1.5 * 2^23 addition rounds to an integer in fp32's own mode), the sign bit of q put back (-0 stays -0), times
+    the scale. A group holding a NaN is NaN (tl.max drops NaN; the reference's amax propagates it)."""
+    g, offs, gm = _group_tile(n_groups, GROUP, BLOCK)
+    x = tl.load(x_ptr + offs, mask=gm, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), 1), floor)
+    bad = tl.max((x != x).to(tl.int32), 1) > 0
+    y = amax * max_inv
+    scale = ((y.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    q = x / scale[:, None]
+    q = tl.where(q != q, q, tl.minimum(tl.maximum(q, -6.0), 6.0))
+    a = tl.abs(q)
+    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    r = ((a / step + 12582912.0) - 12582912.0) * step                 # RNE of a / step (exact: step is 2^k)
+    r = (r.to(tl.int32, bitcast=True) | (q.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+    out = tl.where(bad[:, None], float("nan"), r * scale[:, None])
+    tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=gm)
+
+
+def qdq_index_k_triton(x: torch.Tensor, group: int = INDEX_K_GROUP) -> torch.Tensor:
+    """Triton twin of `dsv41.codecs.qdq_index_k` (the indexer's MXFP4 QDQ of keys and queries) for CUDA tensors,
+    bit-identical on finite inputs -> x's dtype and shape."""
+    if x.dim() == 0 or x.shape[-1] % group or group & (group - 1) or group > 256:
+        raise ValueError(f"qdq_index_k (triton): last dim a multiple of a power-of-two group (<= 256), got shape "
+                         f"{tuple(x.shape)} and group {group}")
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    n_groups = xc.numel() // group
+    if n_groups:
+        block = max(1, min(64, 2048 // group))
+        _qdq_index_k_kernel[(triton.cdiv(n_groups, block),)](xc, y, n_groups, INDEX_K_AMAX_FLOOR, FP4_MAX_INV,
+                                                             GROUP=group, BLOCK=block, num_warps=4,
+                                                             enable_fp_fusion=False)
     return y
 
 
