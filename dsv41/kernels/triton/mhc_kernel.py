@@ -345,9 +345,10 @@ def _hc_mixes_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, coef_ptr, SD, eps, norm
                      ITERS: tl.constexpr, BK: tl.constexpr):
     """Token t: mix = x_t @ fn^T and sum x_t^2 over the S*D stream values (fp32, BK at a time), then `_coefs`."""
     t = tl.program_id(0).to(tl.int64)
-    mc = tl.arange(0, MP)
+    MPAD: tl.constexpr = 32                                           # M padded (as `_coefs`)
+    mc = tl.arange(0, MPAD)
     k = tl.arange(0, BK)
-    mix = tl.zeros([MP], tl.float32)
+    mix = tl.zeros([MPAD], tl.float32)
     sq = tl.zeros([BK], tl.float32)
     for k0 in range(0, SD, BK):
         km = k0 + k < SD
