@@ -407,21 +407,24 @@ def test_step_profile_and_parse(tmp_path):
 
 
 def test_acceptance_calibration():
-    """Identity without data; an over-confident head is scaled to the measured rate (n0 pseudo-drafts shrink the
-    correction while there are few); a right one is left alone; results stay probabilities."""
-    cal = AcceptanceCalibration(3, n0=8.0)
+    """Identity without data; an over-confident head is pulled to the measured rate of its confidence bin, a head
+    that calls drafts hopeless is pulled up to theirs, a bin without data takes the position's measured rate;
+    pseudo-counts shrink the correction while there are few drafts; results stay probabilities."""
+    cal = AcceptanceCalibration(3, n0=8.0, m=8.0, bins=10)
     a = torch.tensor([[0.9, 0.8, 0.7]])
     assert torch.equal(cal.apply(a), a)
-    for i in range(200):                          # position 0: predicted 0.9, accepted 30%; position 1: calibrated
-        cal.update(0, 0.9, i % 10 < 3)
-        cal.update(1, 0.5, i % 2 == 0)
-    r = cal.ratios()
-    assert abs(float(r[0]) - (60 + 8) / (180 + 8)) < 1e-6 and abs(float(r[1]) - 1.0) < 1e-6 and float(r[2]) == 1.0
-    out = cal.apply(torch.tensor([[0.9, 0.5, 1.0], [1.0, 1.0, 1.0]]))
-    assert abs(float(out[0, 0]) - 0.9 * 68 / 188) < 1e-6 and float(out.max()) <= 1.0
-    few = AcceptanceCalibration(1, n0=8.0)
+    for i in range(200):                          # position 0: confidence 0.95 accepted 30 %, 0.05 accepted 60 %
+        cal.update(0, 0.95, i % 10 < 3)
+        cal.update(0, 0.05, i % 10 < 6)
+        cal.update(1, 0.5, i % 2 == 0)            # position 1: right
+    out = cal.apply(torch.tensor([[0.95, 0.5, 0.7], [0.05, 0.5, 1.0], [0.55, 0.5, 0.7]]))
+    assert abs(float(out[0, 0]) - 0.3) < 0.02 and abs(float(out[1, 0]) - 0.6) < 0.02   # each bin its own rate
+    assert abs(float(out[2, 0]) - 0.45) < 0.01    # an empty bin: the position's rate (180 of 400)
+    assert abs(float(out[0, 1]) - 0.5) < 1e-6 and torch.equal(out[:, 2], torch.tensor([0.7, 1.0, 0.7]))
+    assert float(out.max()) <= 1.0 and cal.rates()[:2] == [0.45, 0.5] and cal.rates()[2] is None
+    few = AcceptanceCalibration(1)
     few.update(0, 0.9, False)
-    assert 0.85 < float(few.ratios()[0]) < 1.0                   # one rejection barely moves it
+    assert 0.75 < float(few.apply(torch.tensor([[0.9]]))) < 0.9                  # one rejection barely moves it
 
 
 def test_measured_cost_corrects_the_profile(debug_model, one_thread):
