@@ -215,6 +215,7 @@ class DecodeGraphs:
         self.signature = None
         self.captures = 0                           # graphs captured so far (tests, benchmarks)
         self.failure: str | None = None             # why capture failed (then the static step runs eagerly)
+        self._stream = None                         # the warm-up and capture stream (made at the first capture)
         self._order = [b.attn for b in model.layers]
         self._scratch = self._scratch_sequence()
         self._rope_on_device()
@@ -384,18 +385,23 @@ class DecodeGraphs:
             self._capture(bucket)
 
     def _capture(self, bucket: _Bucket) -> None:
-        """Warm up on a side stream, then capture, with every row on the scratch sequence (the warm-up runs the
-        step: its writes must land nowhere that matters); the caller loads the real rows afterwards."""
+        """Warm up on a side stream, then capture on that same stream, with every row on the scratch sequence (the
+        warm-up runs the step: its writes must land nowhere that matters); the caller loads the real rows
+        afterwards. The same stream for both: per-stream state that a library creates on first use (cuBLAS's
+        workspace) is then made by the warm-up, not inside the capture, where it broke the process's first capture
+        (torch 2.11, H100: "use_count > 0 INTERNAL ASSERT" in the caching allocator; later captures worked)."""
         self._inputs(bucket.store, [])
         bucket.ids.zero_()
-        side = torch.cuda.Stream(device=self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        side = self._stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._run(bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        with torch.cuda.graph(graph, pool=self.mempool, stream=side):
             bucket.out = self._run(bucket)
         bucket.graph = graph
         self.captures += 1

@@ -18,7 +18,7 @@ try:                                                     # the accurate expf (Tr
 except ImportError:  # pragma: no cover
     from triton.language import math as libdevice
 
-__all__ = ["INTERPRET", "DOT_BF16", "ASM", "LAST", "sm_count", "libdevice"]
+__all__ = ["INTERPRET", "DOT_BF16", "ASM", "LAST", "sm_count", "libdevice", "aligned_rows"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DOT_BF16 = not INTERPRET
@@ -35,3 +35,15 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     return _properties(device.index if device.index is not None else torch.cuda.current_device()).multi_processor_count
+
+
+def aligned_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x as contiguous rows of `width`, at a 16-byte-aligned address (a copy only when x is not already). Triton
+    compiles a kernel per pointer alignment, and a reduction's order follows the layout the alignment selects: the
+    same row summed from an aligned and from an offset address gave other fp32 bits (H100: the mHC mixes of an eager
+    step against its CUDA-graph replay, whose buffers are aligned), enough to part the two paths' greedy tokens."""
+    a = x.reshape(-1, width)
+    if not a.is_contiguous() or a.data_ptr() % 16:
+        a = a.clone(memory_format=torch.contiguous_format)
+    return a
+

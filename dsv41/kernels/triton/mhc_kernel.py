@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.triton.common import DOT_BF16, LAST
+from dsv41.kernels.triton.common import DOT_BF16, LAST, aligned_rows
 
 __all__ = ["mhc_fused_triton", "hc_mixes_triton", "CONFIG"]
 
@@ -368,7 +368,7 @@ def hc_mixes_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
     if S != 4 or x.size(-2) != S or fn.shape != (M, S * x.size(-1)):
         raise ValueError(f"hc_mixes (triton): 4 streams and fn [{M}, S*D], got x {tuple(x.shape)}, fn {tuple(fn.shape)}")
     lead = x.shape[:-2]
-    a = x.reshape(-1, S * x.size(-1)).contiguous()
+    a = aligned_rows(x, S * x.size(-1))                     # one compiled variant: one summation order
     coef = torch.empty(a.size(0), M, dtype=torch.float32, device=x.device)
     if a.size(0):
         LAST["hc_mixes"] = _hc_mixes_kernel[(a.size(0),)](

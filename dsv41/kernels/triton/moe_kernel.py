@@ -36,7 +36,7 @@ import triton.language as tl
 from dsv41.codecs.fp8 import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV
 from dsv41.kernels.triton.quant_kernel import _fp8_groups, qdq_fp8_triton
 from dsv41.codecs.weights import PackedWeight
-from dsv41.kernels.triton.common import ASM, DOT_BF16, INTERPRET, LAST, libdevice, sm_count
+from dsv41.kernels.triton.common import ASM, DOT_BF16, INTERPRET, LAST, aligned_rows, libdevice, sm_count
 from dsv41.kernels.triton.fp8_decode import fp8_rows_dot_t
 from dsv41.kernels.moe_ref import moe_route_ref
 from dsv41.kernels.triton.packed_gemm import check_offsets, packed_rows_dot
@@ -572,7 +572,7 @@ def moe_gate_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, t
     if N:
         BE = triton.next_power_of_2(E)
         LAST["moe_gate"] = _moe_gate_kernel[(N,)](
-            x.contiguous(), weight.contiguous(), bias.float().contiguous(), wout, iout, scores, E, D,
+            aligned_rows(x, D), aligned_rows(weight, D), bias.float().contiguous(), wout, iout, scores, E, D,
             float(gate_temp), float(route_scale), K=topk, KP=triton.next_power_of_2(topk), SCORE=SCORE_FUNCS.index(score_func),
             NORM=bool(norm_topk_prob) and topk > 1, BE=BE, BK=max(16, min(256, 4096 // BE)),
             LIBDEVICE=not INTERPRET, num_warps=4, enable_fp_fusion=False)

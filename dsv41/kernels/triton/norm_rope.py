@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.triton.common import LAST
+from dsv41.kernels.triton.common import LAST, aligned_rows
 
 __all__ = ["rms_norm_triton", "rope_triton"]
 
@@ -41,7 +41,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if D > MAX_WIDTH or weight.numel() != D:
         raise ValueError(f"rms_norm (triton): rows of at most {MAX_WIDTH} with a weight of {D}, got {D} and "
                          f"{weight.numel()}")
-    a = x.reshape(-1, D).contiguous()
+    a = aligned_rows(x, D)                                  # one compiled variant: one summation order
     y = torch.empty_like(a)
     if a.size(0):
         LAST["rms_norm"] = _rms_norm_kernel[(a.size(0),)](a, weight.contiguous(), y, D, float(eps),
