@@ -362,7 +362,7 @@ class Engine:
         view = self.pool.bind(sids)
         spec_step = self.drafter is not None and self._drafting_pays(live, drafts)
         if not spec_step:
-            n_tokens = len(rows)
+            n_tokens, vmax = len(rows), None
             ids = torch.tensor([[(s.prompt_ids + s.output_ids)[s.fed]] for s in rows], device=self.device)
             pos = view.pos.clone()
             g = self.graphs
@@ -383,19 +383,20 @@ class Engine:
                 if s.pending is None:
                     self._first_token(s, logits[b], outs)
         else:
-            n_tokens = self._verify(view, live, outs, drafts)
+            n_tokens, vmax = self._verify(view, live, outs, drafts)
         self.pool.release(view, sids)
         dt = time.perf_counter() - t0
         if self.step_cost is not None and live and not join:     # the cost model's prediction vs this step
             B = len(live)
-            pred = spec_cost(self.step_cost, B)(n_tokens) if spec_step else plain_cost(self.step_cost, B)
+            pred = spec_cost(self.step_cost, B)(n_tokens, vmax) if spec_step else plain_cost(self.step_cost, B)
             sc = self.spec_counts
             sc["timed_steps"] += 1
             sc["predicted_s"] += pred
             sc["realised_s"] += dt
             self.last_step_cost = (pred, dt)
         if isinstance(self.step_cost, MeasuredCost) and live and not join:
-            self.step_cost.record(n_tokens, dt, batch=len(live), plain=not spec_step)
+            self.step_cost.record(n_tokens, dt, batch=len(live), plain=not spec_step,
+                                  vmax=vmax if spec_step else None)
         for s in live:
             s.fed = target(s)
             s.decode_s += dt
@@ -420,34 +421,38 @@ class Engine:
         caps = [max(0, min(drafts, s.params.max_tokens - len(s.output_ids) - 1)) for s in live]
         cost, plain = spec_cost(self.step_cost, B), plain_cost(self.step_cost, B)
         G = self.cfg.dspark_block_size
-        if max(choose_verify_lengths(torch.ones(B, G), cost, caps, ragged=True, plain=plain)) == 0:
+        if max(choose_verify_lengths(torch.ones(B, G), cost, caps, ragged=True, plain=plain, by_longest=True)) == 0:
             return False                                   # no acceptance could make a verify pay here
         sc = self.spec_counts
         if sc["reached"][0] < MIN_EVIDENCE:
             return True
         rates = [a / r if r else 0.0 for a, r in zip(sc["accepted"], sc["reached"])]
         S = torch.tensor(rates).cumprod(0).expand(B, -1)
-        if max(choose_verify_lengths(S, cost, caps, ragged=True, plain=plain)) > 0:
+        if max(choose_verify_lengths(S, cost, caps, ragged=True, plain=plain, by_longest=True)) > 0:
             self._skipped = 0
             return True
         self._skipped += 1
         return self._skipped % PROBE_EVERY == 0
 
-    def _verify(self, view, live: list[Sequence], outs: list[StepOutput], drafts: int) -> int:
+    def _verify_lengths(self, S: torch.Tensor, live: list[Sequence], caps: list[int]) -> list[int]:
+        """Each row's verify length: fixed:N's N (fewer where its cap allows fewer), or the confidence scheduler's
+        per-row lengths on the prefix survivals S, priced by the step's tokens and its longest row (`profile_step`
+        sets this on an engine to force a shape)."""
+        if self.speculation.mode == "fixed":
+            return [min(self.speculation.n, c) for c in caps]
+        return choose_verify_lengths(S, spec_cost(self.step_cost, len(live)), caps, ragged=True, by_longest=True)
+
+    def _verify(self, view, live: list[Sequence], outs: list[StepOutput], drafts: int) -> tuple[int, int]:
         """One draft-verify step for every row of `view` (`dsv41.engine.speculative`): each row r verifies its own
-        v_r drafts (fixed: N, or fewer where the request's remaining tokens allow fewer; dspark: the confidence
-        scheduler's per-row lengths) in ONE ragged forward over the rows' 1 + v_r tokens, no row padded to the
-        longest (`ForwardOptions.lengths`); -> tokens the forward ran."""
+        v_r drafts (`_verify_lengths`) in ONE ragged forward over the rows' 1 + v_r tokens, no row padded to the
+        longest (`ForwardOptions.lengths`); -> (tokens the forward ran, the longest row's drafts)."""
         pos = view.pos.clone()
         prop = self.drafter.propose(view, live, pos)
         G = prop.tokens.size(1)
         # drafts that could be emitted: the step's budget, the proposal, the request's remaining tokens
         caps = [max(0, min(drafts, G, s.params.max_tokens - len(s.output_ids) - 1)) for s in live]
         S = prop.survival(self.calibration)
-        if self.speculation.mode == "fixed":
-            vs = [min(self.speculation.n, c) for c in caps]
-        else:
-            vs = choose_verify_lengths(S, spec_cost(self.step_cost, len(live)), caps, ragged=True)
+        vs = self._verify_lengths(S, live, caps)
         V = max(vs)
         lengths = torch.tensor([1 + v for v in vs])
         ids = torch.cat([torch.tensor([[s.pending] for s in live]), prop.tokens[:, :V]], dim=1)
@@ -479,7 +484,7 @@ class Engine:
         journal.rollback(self.model, view, ids, keep_t)
         if out.main_hidden is not None:
             self.drafter.seed(view, out.main_hidden, pos, keep_t)
-        return int(lengths.sum())
+        return int(lengths.sum()), V
 
     def _emit(self, seq: Sequence, new_ids: list[int], logits: torch.Tensor) -> StepOutput:
         """Account the tokens of this step in order, applying stop conditions (tokens after a stop are dropped),

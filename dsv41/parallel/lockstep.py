@@ -75,9 +75,10 @@ class RankZeroCost(MeasuredCost):
         super().__init__(profile)
         self.unsent: list[tuple] = []
 
-    def record(self, n: int, seconds: float, batch: int | None = None, plain: bool = False) -> None:
-        super().record(n, seconds, batch=batch, plain=plain)
-        self.unsent.append((n, seconds, batch, plain))
+    def record(self, n: int, seconds: float, batch: int | None = None, plain: bool = False,
+               vmax: int | None = None) -> None:
+        super().record(n, seconds, batch=batch, plain=plain, vmax=vmax)
+        self.unsent.append((n, seconds, batch, plain, vmax))
 
     def take(self) -> list[tuple]:
         out, self.unsent = self.unsent, []
@@ -87,11 +88,12 @@ class RankZeroCost(MeasuredCost):
 class FollowerCost(MeasuredCost):
     """A worker's step-cost model: its own step times are ignored; rank 0's arrive with its commands."""
 
-    def record(self, n: int, seconds: float, batch: int | None = None, plain: bool = False) -> None:
+    def record(self, n: int, seconds: float, batch: int | None = None, plain: bool = False,
+               vmax: int | None = None) -> None:
         pass
 
     def replay(self, records: list[tuple]) -> None:
-        """Rank 0's (tokens, seconds[, batch, plain]) records, in order."""
+        """Rank 0's (tokens, seconds[, batch, plain[, vmax]]) records, in order."""
         for n, seconds, *rest in records:
             MeasuredCost.record(self, n, seconds, *rest)
 

@@ -48,15 +48,26 @@ class StepProfile:
         self._by_batch, self._plain = _batch_curves(list(self.meta.get("points") or []) +
                                                     list(self.meta.get("plain") or []),
                                                     linear=self.meta.get("fit") == "linear")
+        self._padded = padded_share(self._by_batch, list(self.meta.get("ragged") or []))
 
     def __call__(self, n: int) -> float:
         return _interp(self.n, self.t, n)
 
-    def spec(self, B: int, n: int) -> float:
-        """A speculative step of B rows (drafter proposal, verify forward over n tokens, acceptance, rollback)."""
+    def spec(self, B: int, n: int, vmax: int | None = None) -> float:
+        """A speculative step of B rows (drafter proposal, verify forward over n tokens, acceptance, rollback);
+        vmax: its longest row's drafts. The curves are measured on uniform shapes (every row V drafts, n = B (1 +
+        V)); a ragged step (rows verifying different lengths) runs its token-wise work on its n tokens but lays the
+        store part out [B, 1 + vmax], so it costs more than a uniform step of n tokens: T(n) + c_B (B (1 + vmax) -
+        n), c_B the price of a padded token slot at batch B (`padded_share`: from the ragged point `profile_step`
+        measures; 0 without one)."""
         if not self._by_batch:
             return self(n)
-        return _over_batches(self._by_batch, B, lambda b, xs, ys: _interp(xs, ys, n * b / B))
+
+        def at(b, xs, ys):
+            m = n * b / B
+            pad = 0.0 if vmax is None else self._padded.get(b, 0.0) * max(0.0, b * (1 + vmax) - m)
+            return _interp(xs, ys, m) + pad
+        return _over_batches(self._by_batch, B, at)
 
     def plain(self, B: int) -> float:
         """A decode step of B rows without drafts (no proposal, one token a row)."""
@@ -135,6 +146,26 @@ def _batch_curves(points: list, linear: bool = False) -> tuple[dict, dict]:
     return curves, pl
 
 
+def padded_share(curves: dict, ragged: list) -> dict:
+    """{B: c_B}: the seconds a padded token slot of a ragged verify costs at batch B, from the ragged point ({batch,
+    tokens: B + G, vmax: G, seconds}: the first row verifying G drafts, the others none) and the batch's uniform
+    curve T: c = (T_ragged - T(B + G)) / (B (1 + G) - (B + G)), between 0 (the store part costs by real tokens
+    only, as the token-wise work does) and the curve's slope per token (it costs as if every row verified G).
+    On the CPU (deterministic mode, trained tiny, batch 8) a step with rows verifying 0..4 drafts took about
+    what every row verifying 4 takes (issue 28)."""
+    out = {}
+    for p in ragged:
+        B, G = int(p["batch"]), int(p["vmax"])
+        if B not in curves or B < 2 or G < 1:
+            continue
+        xs, ys = curves[B]
+        n = B + G
+        slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0]) if len(xs) > 1 and xs[-1] > xs[0] else 0.0
+        c = (float(p["seconds"]) - _interp(xs, ys, n)) / (B * (1 + G) - n)
+        out[B] = min(max(c, 0.0), slope)
+    return out
+
+
 def line_fit(xs: Sequence[float], ys: Sequence[float]) -> list[float]:
     """The least-squares line a + b x through (xs, ys), with b >= 0 (a decreasing trend is noise: the mean), at xs.
 
@@ -169,7 +200,8 @@ def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), context: int = 25
     """Measure the engine's decode steps through the engine's own step path (`Engine.step`), for each batch size B:
     B greedy requests with random prompts of `context` tokens are prefilled into an engine, then each timed sample
     is one whole `Engine.step()` of a forced shape: the plain decode step (no drafts: what `off` and a skipped step
-    run) and the speculative step with every row verifying V = 0..G drafts (the drafter's block). So T holds
+    run), the speculative step with every row verifying V = 0..G drafts (the drafter's block) and, at B > 1, a
+    ragged one (the first row verifies G drafts, the others none: n = B + G tokens, longest row G). So T holds
     everything the engine really runs per step, not only the forward: the scheduler's planning, the drafter's
     proposal, the ragged verify forward, each row's acceptance and `_emit` (stop conditions, detokenizing,
     streaming text), the rollback, the drafter's seeding (issue 28: a profile of the forward alone said V = 3
@@ -189,9 +221,9 @@ def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), context: int = 25
     G = cfg.dspark_block_size
     gen = torch.Generator().manual_seed(0)
     rows = []
-    shapes = [None] + list(range(G + 1))                 # None: plain decode
-    grow = (warmup + repeats) * len(shapes) * (1 + G) + 4
+    grow = (warmup + repeats) * (G + 3) * (1 + G) + 4
     for B in batches:
+        shapes = [None] + list(range(G + 1)) + (["ragged"] if B > 1 else [])    # None: plain decode
         eng = Engine(model, tokenizer, prefill_mode="full", max_batch=B, max_seq_len=context + grow + 8,
                      device=device, speculative=f"fixed:{G}", max_step_tokens=max(2048, B * (1 + G)))
         params = SamplingParams(max_tokens=grow, ignore_eos=True)
@@ -209,25 +241,33 @@ def profile_step(model, batches: Sequence[int] = (1, 2, 4, 8), context: int = 25
                     times[V].append(t)
         for V, ts in times.items():
             t = _median(ts)
-            n = B * (1 + (V or 0))
-            rows.append({"batch": B, "verify": V, "tokens": n, "seconds": t, "samples": ts})
-            what = "plain   " if V is None else f"verify {V}"
+            n = B + G if V == "ragged" else B * (1 + (V or 0))
+            rows.append({"batch": B, "verify": V, "tokens": n, "seconds": t, "samples": ts,
+                         **({"vmax": G} if V == "ragged" else {})})
+            what = "plain   " if V is None else "ragged  " if V == "ragged" else f"verify {V}"
             log(f"profile-step  batch {B:3d}  {what}  tokens {n:4d}  {t * 1e3:9.2f} ms")
         for s in list(eng.running):
             eng.abort(s.request_id)
-    spec = [r for r in rows if r["verify"] is not None]
+    spec = [r for r in rows if isinstance(r["verify"], int)]
     return StepProfile([r["tokens"] for r in spec], [r["seconds"] for r in spec],
                        {"context": context, "device": str(device), "points": spec,
-                        "plain": [r for r in rows if r["verify"] is None], "warmup": warmup,
+                        "plain": [r for r in rows if r["verify"] is None],
+                        "ragged": [r for r in rows if r["verify"] == "ragged"], "warmup": warmup,
                         "repeats": repeats, "dtype": str(model.dtype).replace("torch.", ""), "path": "engine.step",
                         "fit": "linear" if torch.device(device).type == "cpu" else "isotonic"})
 
 
-def _force_shape(eng, V: int | None, Speculation) -> None:
-    """Make the engine's next decode step a plain one (V None) or a verify of exactly V drafts a row (as `fixed:V`,
-    V = 0 included: a proposal and a verify forward of the pending tokens only)."""
-    eng.speculation = Speculation("fixed", V or 0)
+def _force_shape(eng, V, Speculation) -> None:
+    """Make the engine's next decode step a plain one (V None), a verify of exactly V drafts a row (as `fixed:V`,
+    V = 0 included: a proposal and a verify forward of the pending tokens only) or the ragged one (V "ragged": the
+    first row verifies G drafts, the others none)."""
+    G = eng.cfg.dspark_block_size
+    eng.speculation = Speculation("fixed", G if V == "ragged" else V or 0)
     eng._drafting_pays = (lambda live, drafts: False) if V is None else (lambda live, drafts: True)
+    if V == "ragged":
+        eng._verify_lengths = lambda S, live, caps: [caps[0]] + [0] * (len(caps) - 1)
+    else:
+        eng.__dict__.pop("_verify_lengths", None)              # the engine's own method again
 
 
 def _median(ts: Sequence[float]) -> float:

@@ -76,8 +76,11 @@ class MeasuredCost:
         self._keys: set = set()
         self.times: dict = {}                                   # (B, n) or ("plain", B) -> seconds after warm-up
 
-    def record(self, n: int, seconds: float, batch: int | None = None, plain: bool = False) -> None:
-        key = ("plain", n if batch is None else batch) if plain else (batch, n)
+    def record(self, n: int, seconds: float, batch: int | None = None, plain: bool = False,
+               vmax: int | None = None) -> None:
+        """vmax: the longest row's drafts of a speculative step (its ragged verify lays the store part out [B, 1 +
+        vmax]); None: a shape known by its tokens only."""
+        key = ("plain", n if batch is None else batch) if plain else (batch, n, vmax)
         if key in self._keys:
             self.times.setdefault(key, []).append(seconds)
         self._keys.add(key)
@@ -90,8 +93,8 @@ class MeasuredCost:
     def _prior(self, key) -> float:
         if key[0] == "plain":
             return plain_cost(self.profile, key[1])
-        B, n = key
-        return self.profile(n) if B is None else spec_cost(self.profile, B)(n)
+        B, n, vmax = key
+        return self.profile(n) if B is None else spec_cost(self.profile, B)(n, vmax)
 
     def _scale(self, plain: bool) -> float:
         for kind in (plain, not plain):
@@ -106,20 +109,21 @@ class MeasuredCost:
         return self._prior(key) * self._scale(key[0] == "plain")
 
     def __call__(self, n: int) -> float:
-        return self._cost((None, n))
+        return self._cost((None, n, None))
 
-    def spec(self, B: int, n: int) -> float:
-        return self._cost((B, n))
+    def spec(self, B: int, n: int, vmax: int | None = None) -> float:
+        return self._cost((B, n, vmax))
 
     def plain(self, B: int) -> float:
         return self._cost(("plain", B))
 
 
-def spec_cost(cost, B: int) -> Callable[[int], float]:
-    """n -> the cost of a speculative step of B rows over n tokens: cost.spec(B, n) when the cost model knows the
-    batch (`StepProfile`, `MeasuredCost`), else cost(n)."""
+def spec_cost(cost, B: int) -> Callable[..., float]:
+    """(n, vmax=None) -> the cost of a speculative step of B rows over n tokens, the longest row verifying vmax
+    drafts: cost.spec(B, n, vmax) when the cost model knows the batch (`StepProfile`, `MeasuredCost`), else cost(n)
+    (a model of token counts only)."""
     f = getattr(cost, "spec", None)
-    return (lambda n: f(B, n)) if f is not None else cost
+    return (lambda n, vmax=None: f(B, n, vmax)) if f is not None else (lambda n, vmax=None: cost(n))
 
 
 def plain_cost(cost, B: int) -> float:
@@ -133,14 +137,20 @@ def expected_tokens(S: torch.Tensor, v: Sequence[int]) -> float:
     return sum(1.0 + float(S[r, :v[r]].sum()) for r in range(S.size(0)))
 
 
-def choose_verify_lengths(S: torch.Tensor, cost: Callable[[int], float], max_v: int | Sequence[int],
-                          ragged: bool = True, plain: float | None = None) -> list[int]:
+def choose_verify_lengths(S: torch.Tensor, cost: Callable[..., float], max_v: int | Sequence[int],
+                          ragged: bool = True, plain: float | None = None, by_longest: bool = False) -> list[int]:
     """The {v_r} maximising expected_tokens(S, v) / cost(tokens in the batch) (module docstring).
     S [B,G] prefix survivals (non-increasing along k); max_v: the most drafts per row (int or per row).
     ragged: tokens = sum_r (1 + v_r); otherwise (a padded forward) tokens = B (1 + max v) and every row gets
     the same v. plain: the cost of the step with no drafts at all when it differs from cost(B) (plain decode: no
     proposal, no verify bookkeeping); all zeros are chosen when nothing beats B / plain, so the objective never
-    prefers a verify that is slower than not speculating."""
+    prefers a verify that is slower than not speculating.
+
+    by_longest (ragged): cost is cost(n, vmax), the step's price depending on its longest row too (the ragged
+    forward runs the token-wise work on the n real tokens but lays what reads and writes each row's store out [B,
+    1 + vmax]; on the CPU that part made a step with rows verifying 0..4 drafts cost nearly what every row
+    verifying 4 costs, issue 28). Then each vmax = 1..G is tried with the rows capped at it (the budget search
+    below within each), and the best ratio wins."""
     S = torch.as_tensor(S, dtype=torch.float64).cpu()
     B, G = S.shape
     caps = [max(0, min(G, int(c))) for c in (max_v if isinstance(max_v, Sequence) else [max_v] * B)]
@@ -152,14 +162,20 @@ def choose_verify_lengths(S: torch.Tensor, cost: Callable[[int], float], max_v: 
             if ratio > best + 1e-12 * abs(best):
                 best, best_v = ratio, V
         return [best_v] * B
-    gains = sorted(((float(S[r, k]), k, r) for r in range(B) for k in range(caps[r])), key=lambda g: (-g[0], g[1]))
-    num, best, best_b = float(B), base, 0
-    for b, (s, _, _) in enumerate(gains, start=1):
-        num += s
-        ratio = num / cost(B + b)
-        if ratio > best + 1e-12 * abs(best):
-            best, best_b = ratio, b
-    v = [0] * B
-    for _, _, r in gains[:best_b]:
-        v[r] += 1
-    return v
+    best, best_v = base, [0] * B
+    for vmax in (range(1, max(caps, default=0) + 1) if by_longest else [None]):
+        capped = caps if vmax is None else [min(c, vmax) for c in caps]
+        at = (lambda n: cost(n)) if vmax is None else (lambda n, V=vmax: cost(n, V))
+        gains = sorted(((float(S[r, k]), k, r) for r in range(B) for k in range(capped[r])),
+                       key=lambda g: (-g[0], g[1]))
+        num, best_b = float(B), 0
+        for b, (s, _, _) in enumerate(gains, start=1):
+            num += s
+            ratio = num / at(B + b)
+            if ratio > best + 1e-12 * abs(best):
+                best, best_b = ratio, b
+        if best_b:
+            best_v = [0] * B
+            for _, _, r in gains[:best_b]:
+                best_v[r] += 1
+    return best_v
