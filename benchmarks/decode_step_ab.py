@@ -14,7 +14,8 @@ Variants (VARIANTS, comma-separated, '+' joins settings; the first is the baseli
   torch-row-ops  RMSNorm and RoPE as their torch references (5-9 kernels each), not one Triton launch each
   torch-index-qdq  the indexer's MXFP4 QDQ as the codec's torch ops (~19 kernels), not one launch
   torch-gate     the MoE gate as torch ops (~11 kernels: fp32 GEMM, scores, top-k, gather, normalisation)
-  torch-mixes    the unfused mHC mixes (blocks no fused step precedes) as the torch functions (~130 kernels)
+  torch-mixes    the unfused mHC mixes (blocks no fused step precedes) as the torch functions (~130 kernels; the
+                 default unless DSV41_HC_MIXES_KERNEL=1)
   bf16-decode    decode GEMMs and MoE experts on the bf16-decode kernels (no FP8 tensor-core routes)
 
     python benchmarks/decode_step_ab.py      # writes benchmarks/results/decode_step_ab_<gpu>.json

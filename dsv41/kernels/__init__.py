@@ -22,6 +22,7 @@ The public ops below dispatch through the switch; the model imports them from he
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -135,12 +136,18 @@ def indexer_topk_packed(q, w, index_pages, page_table, n_vis, topk, cand_blocks=
     return _dispatch("indexer_topk_packed", indexer_topk_packed_ref, args, [q, w, index_pages], q)
 
 
+# The mixes kernel is opt-in (DSV41_HC_MIXES_KERNEL=1): on an H100 it alone parted the engine's greedy tokens between
+# eager steps and CUDA-graph replays (share 0.82 against 1.00 with the torch mixes, tests/test_graph_decode.py), a
+# cause not yet found (aligned_rows is the candidate fix, unverified); it saves 3 x ~130 small kernels per step.
+HC_MIXES_KERNEL = os.environ.get("DSV41_HC_MIXES_KERNEL") == "1"
+
+
 def hc_mixes(x, fn, scale, base, S, iters, eps, norm_eps):
     """A sub-layer's mHC mixes (pre, post, comb) from its input stream; see `mhc_math.hc_mixes`. The Triton kernel
-    takes 4 streams and decode sizes (a program per token)."""
+    (opt-in, HC_MIXES_KERNEL) takes 4 streams and decode sizes (a program per token)."""
     args = (x, fn, scale, base, S, iters, eps, norm_eps)
     return _dispatch("hc_mixes", hc_mixes_ref, args, [x, fn, scale, base], x,
-                     fits=S == 4 and x.size(-2) == 4 and x[..., 0, 0].numel() <= 256)
+                     fits=HC_MIXES_KERNEL and S == 4 and x.size(-2) == 4 and x[..., 0, 0].numel() <= 256)
 
 
 def moe_gate(x, weight, bias, topk, score_func, gate_temp, norm_topk_prob, route_scale):
