@@ -94,3 +94,17 @@ def test_decision_credit_charges_the_missing_plan_letter(tok):
         assert masks[i][:2] == [0.0, 0.0] and dec[i][:2] == [0.0, 0.0]     # band and size digit out of the loss
     for i in (0, 2):                    # with a plan letter both credits are the same
         assert dec[i] == split[i] and dec[i][2] == pytest.approx(full[i])
+
+
+def test_eval_batch_changes_no_response(tok):
+    """`posttrain eval --eval-batch`: the engine's deterministic mode makes each response independent of which
+    requests share its batch, greedy and sampled (a random-init post model: its responses are long and varied)."""
+    from dsv41.posttrain.model import build_model
+    from dsv41.posttrain.rollout import evaluate
+    model = build_model(tok, 0)
+    model.eval()
+    problems = [T.make_sums(random.Random(i), 2 + i % 5) for i in range(4)]
+    for temperature in (0.0, 1.0):
+        small = evaluate(model, tok, problems, (50,), 10, temperature, batch=2)
+        large = evaluate(model, tok, problems, (50,), 10, temperature, batch=16)
+        assert small == large

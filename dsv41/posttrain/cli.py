@@ -64,6 +64,8 @@ def register(subparsers) -> None:
                    help="sft: b = 100 echoes J like 90-99 (default: K, a letter of its own)")
     p.add_argument("--eval-levels", default="1,12,25,37,50,62,75,87,100",
                    help="eval: effort levels, the training ones and held-out ones between them")
+    p.add_argument("--eval-batch", type=int, default=32,
+                   help="eval: the engine's slots (default 32; deterministic mode: the responses do not depend on it)")
     p.add_argument("--dispatch", default="sample", choices=("sync", "sample", "prompt", "batch"),
                    help="rl: synchronous steps or the dispatcher's granularity (default sample)")
     p.add_argument("--drafter-lr", type=float, default=0.0,
@@ -191,7 +193,7 @@ def main(args) -> int:
         else:
             eval_mix = TaskMix(mix.families, mix.lo, mix.hi, tuple(int(x) for x in args.eval_levels.split(",")))
             report = run_eval(args.checkpoint or str(runs / "post-rl"), args.baseline or str(runs / "post-sft"),
-                              args.problems, eval_mix.check(), args.temperature)
+                              args.problems, eval_mix.check(), args.temperature, args.eval_batch)
             print(json.dumps(report, indent=2))
         print(f"posttrain {st}: {time.time() - t0:.0f}s wall")
     return 0
@@ -208,7 +210,7 @@ def run_team(checkpoint: str, n: int, workers: int = 2) -> dict:
     return {plan: score_team(problems, agent, plan, workers) for plan in ("solo", "split")}
 
 
-def _evaluate_cached(checkpoint: str, problems, mix: TaskMix, temperature: float = 0.0) -> dict:
+def _evaluate_cached(checkpoint: str, problems, mix: TaskMix, temperature: float = 0.0, batch: int = 32) -> dict:
     """evaluate() of the checkpoint, reusing <checkpoint>/eval_raw.json when it holds the same problems and levels
     and the checkpoint's weights are not newer (a checkpoint is then evaluated once, whatever it is paired with)."""
     from dsv41.posttrain.model import load
@@ -223,21 +225,22 @@ def _evaluate_cached(checkpoint: str, problems, mix: TaskMix, temperature: float
         if got.get("key") == key:
             return {int(b): v for b, v in got["res"].items()}
     model, tok, _ = load(checkpoint)
-    res = evaluate(model, tok, problems, mix.levels, max_tokens=T.MAX_TOKENS, temperature=temperature)
+    res = evaluate(model, tok, problems, mix.levels, max_tokens=T.MAX_TOKENS, temperature=temperature, batch=batch)
     raw.write_text(json.dumps({"key": key, "res": res}) + "\n")
     return res
 
 
-def run_eval(checkpoint: str, baseline: str | None, n: int, mix: TaskMix, temperature: float = 0.0) -> dict:
+def run_eval(checkpoint: str, baseline: str | None, n: int, mix: TaskMix, temperature: float = 0.0,
+             batch: int = 32) -> dict:
     """Greedy (or, temperature > 0, sampled) accuracy and reasoning length per level on n held-out problems, the
     affine fit per difficulty, and, against the baseline, the paired sign test of accuracy (written to
     <checkpoint>/eval.json; a sampled evaluation to eval_t<T>.json)."""
     from dsv41.posttrain.rollout import held_out_problems, sign_test, summarize
     problems = held_out_problems(mix, n)
-    res = _evaluate_cached(checkpoint, problems, mix, temperature)
+    res = _evaluate_cached(checkpoint, problems, mix, temperature, batch)
     report = {"checkpoint": checkpoint, "temperature": temperature, **summarize(res)}
     if baseline and Path(baseline).is_dir():
-        bres = _evaluate_cached(baseline, problems, mix, temperature)
+        bres = _evaluate_cached(baseline, problems, mix, temperature, batch)
         flat = lambda r: [c for b in mix.levels for c in r[b]["correct"]]   # noqa: E731
         report["baseline"] = {"checkpoint": baseline, **summarize(bres)}
         report["paired"] = sign_test(flat(bres), flat(res))

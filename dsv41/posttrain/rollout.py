@@ -101,11 +101,14 @@ def held_out_problems(mix, n: int, seed: int = 1) -> list[T.Problem]:
 
 
 @torch.no_grad()
-def evaluate(model, tok, problems: list[T.Problem], levels, max_tokens: int, temperature: float = 0.0) -> dict:
+def evaluate(model, tok, problems: list[T.Problem], levels, max_tokens: int, temperature: float = 0.0,
+             batch: int = 32) -> dict:
     """Responses to every problem at every level: {b: {"correct": [0/1...], "length": [...]}}; greedy at
     temperature 0, else sampled from the full softmax at that temperature with a seed per (problem, level), so a
-    sampled evaluation is reproducible (greedy hides a change of the policy that has not moved its mode)."""
-    eng = make_engine(model, tok)
+    sampled evaluation is reproducible (greedy hides a change of the policy that has not moved its mode).
+    batch: the engine's slots; in its deterministic mode a response does not depend on which requests share a
+    batch, so only the time changes."""
+    eng = make_engine(model, tok, max_batch=batch)
     res = {}
     for b in levels:
         seeds = [None if temperature == 0 else 7919 * i + b for i in range(len(problems))]

@@ -11,6 +11,7 @@ python head_reward.py CKPT [--problems 24] [--k0 .. --lam .. --cmax ..] [--scan]
 """
 
 import argparse
+import gzip
 import itertools
 import json
 import random
@@ -93,7 +94,8 @@ def main():
     fams = tuple(a.families.split(","))
     if a.cells:
         cells = {(k.split("|")[0], int(k.split("|")[1]), k.split("|")[2]): tuple(v)
-                 for k, v in json.load(open(a.cells))["cells"].items()}
+                 for k, v in json.load(gzip.open(a.cells, "rt") if a.cells.endswith(".gz") else open(a.cells))
+                 ["cells"].items()}
     else:
         cells = measure(a.ckpt, a.problems)
     print("accuracy / mean reasoning tokens per (family, n) and plan (forced head, T = 1):")
