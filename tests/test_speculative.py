@@ -540,7 +540,7 @@ def test_auto_speculation_follows_the_checkpoint(tmp_path, debug_model):
     (tmp_path / "summary.json").write_text(json.dumps({"stage": "dspark"}))
     StepProfile([1, 4], [0.1, 0.2]).save(tmp_path / "step_profile.json")
     spec, prof = resolve_speculation(m, tmp_path, "auto", log=lambda *a: None)
-    assert spec.mode == "dspark" and prof(4) == 0.2
+    assert spec.mode == "dspark" and spec.online and prof(4) == 0.2          # the calibrated scheduler
     assert resolve_speculation(m, tmp_path, "fixed:2", log=lambda *a: None) == (Speculation("fixed", 2), None)
 
 

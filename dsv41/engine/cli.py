@@ -51,8 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser, checkpoint_required: bool = True
     p.add_argument("--speculative", default="auto",
                    help="speculative decoding with the DSpark drafter: off | fixed:N (verify N drafts per step) | "
                         "dspark (the confidence scheduler) | dspark:online (its acceptance estimates and T(n) "
-                        "corrected by the engine's measurements) | auto (dspark when the checkpoint has a trained "
-                        "drafter, else off); outputs keep the target distribution exactly")
+                        "corrected by the engine's measurements) | auto (dspark:online when the checkpoint has a "
+                        "trained drafter, else off); outputs keep the target distribution exactly")
     p.add_argument("--step-profile", default=None,
                    help="T(n) profile for the dspark scheduler (default: CHECKPOINT/step_profile.json)")
     p.add_argument("--tie-break", choices=["official", "official-cpu", "recent"], default="official",

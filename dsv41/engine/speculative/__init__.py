@@ -35,15 +35,25 @@ Confidence scheduler (docs/system.md §5). Prefix survival S_r,k = prod_{i<=k} a
 the measured step latency at n tokens in the batch (`StepProfile`, written by `dsv41 profile-step`).
 `choose_verify_lengths(..., ragged=True)` is that objective with n = sum_r (1 + v_r): for a fixed budget the
 optimum takes drafts in decreasing S order across rows (S is non-increasing in k, so each row takes a prefix),
-then the budget with the best ratio wins; the engine's ragged forward runs exactly those n tokens.
-`ragged=False` is the same objective for a padded forward (n = B (1 + V), every row the same V).
+then the budget with the best ratio wins; the engine's ragged forward runs exactly those n tokens. The engine
+prices a ragged step by its longest row too (`by_longest=True`: T(n, vmax), every vmax tried with the rows capped
+at it): its token-wise work runs on the n tokens, but what reads and writes each row's store is laid out [B, 1 +
+vmax], and on the CPU that part is most of a token's price (issue 28: a step with one row verifying 4 drafts and
+seven none cost 195 ms at batch 8, every row verifying 4 224 ms, what 12 tokens cost uniformly 159 ms), so a
+scheduler priced by n alone verified long for a few rows and paid for every row. `ragged=False` is the same
+objective for a padded forward (n = B (1 + V), every row the same V).
+
+The acceptance inputs: the confidence head's a_r,k, used raw by `dspark`; `dspark:online` calibrates them per
+draft position and confidence bin on the drafts the engine verified (`AcceptanceCalibration`) and corrects T with
+the engine's own step times (`MeasuredCost`).
 
 V = 0 is not a verify of 0 drafts but a plain decode step (no proposal): `choose_verify_lengths(..., plain=T_plain)`
 compares every verify length with B / T_plain(B), and before drafting the engine asks whether any length could win
 (at acceptance 1, then at the measured acceptance); when none can it decodes plainly, skipping the drafter's cost
 (`Engine._drafting_pays`). T comes from `StepProfile.spec(B, n)` / `plain(B)`: per-batch curves of whole engine
 steps (the drafter, each row's accept and emit work included) measured warm, median of repeats, non-decreasing
-(a line per batch on a CPU; `profile.py`).
+(a line per batch on a CPU; `profile.py`), plus, at B > 1, a ragged step that gives the price of a padded slot
+(`padded_share`).
 
     policy.py     the `--speculative` flag (`Speculation`) and what `auto` resolves to for a checkpoint
     drafter.py    the DSpark drafter: propose (1) and seed (6)
