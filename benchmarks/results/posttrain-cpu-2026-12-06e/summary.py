@@ -37,8 +37,11 @@ def table(name: str, rep: dict) -> None:
     print(f"  adjacent: {sum(a['increasing'] for a in adj)}/8 up, {sum(a['ci_apart'] for a in adj)}/8 apart "
           + " ".join(f"{a['from']:.0f}->{a['to']:.0f}:{'A' if a['ci_apart'] else ('u' if a['increasing'] else '-')}"
                      for a in adj))
-    print("  fit per n: " + "; ".join(f"n={d} slope {f['slope']:+.3f} R2 {f['r2']:.2f}"
+    print("  fit per n: " + "; ".join(f"n={d} slope {f['slope']:+.3f} " + ("flat" if f.get("flat") else
+                                                                            f"R2 {f['r2']:.2f}")
                                       for d, f in rep["fit_by_difficulty"].items()))
+    print(f"  mean accuracy over the levels {sum(rep['levels'][b]['accuracy'] for b in lv) / len(lv):.3f}, "
+          f"mean length {sum(rep['levels'][b]['mean_length'] for b in lv) / len(lv):.2f}")
 
 
 def main():
