@@ -20,7 +20,9 @@ Variants (VARIANTS, comma-separated, '+' joins settings; the first is the baseli
 
     python benchmarks/decode_step_ab.py      # writes benchmarks/results/decode_step_ab_<gpu>.json
 Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (8 per round), ROUNDS (3),
-VARIANTS (default,torch-routing+torch-row-ops+torch-mixes+torch-gate+torch-index-qdq), RESULT.
+VARIANTS (default,torch-routing+torch-row-ops+torch-mixes+torch-gate+torch-index-qdq), RESULT,
+PROFILE (1: after the timing, one replayed step of the first variant under the torch profiler: its kernels grouped
+by name, GPU time and launches, the largest first, in the JSON under "profile").
 """
 
 from __future__ import annotations
@@ -85,6 +87,29 @@ def variant(name: str):
         common.rms_norm, common.rope, block.hc_mixes, moe.moe_gate, attention.qdq_index_k = norm, rot, mixes, gate, iq
 
 
+def profile_step(model, pool, sids, tok, context: int, name: str) -> dict:
+    """One graph-replayed step under the torch profiler: kernels grouped by name (GPU time, launches)."""
+    from torch.profiler import ProfilerActivity, profile
+    with variant(name):
+        g = DecodeGraphs(model, pool, context + 64)
+        for _ in range(3):                                   # capture, then warm replays
+            g.forward(tok, pool.bind(sids))
+        torch.cuda.synchronize()
+        view = pool.bind(sids)
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            g.forward(tok, view)
+            torch.cuda.synchronize()
+        g = None
+    kernels: dict[str, list] = {}
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0.0, 0])
+            k[0] += e.device_time_total * 1e-6 if hasattr(e, "device_time_total") else e.cuda_time_total * 1e-6
+            k[1] += 1
+    top = sorted(({"name": n, "gpu_s": v[0], "launches": v[1]} for n, v in kernels.items()), key=lambda r: -r["gpu_s"])
+    return {"kernels": sum(v[1] for v in kernels.values()), "gpu_s": sum(v[0] for v in kernels.values()), "top": top}
+
+
 def main() -> None:
     dev = "cuda"
     cfg = load_config(os.environ.get("CONFIG", "v41-geometry"))
@@ -117,9 +142,15 @@ def main() -> None:
                             if i:                                               # the first call captures
                                 times[n].append(t)
                         g = None                            # its graphs freed before the next capture
+            prof = profile_step(model, pool, sids, tok, context, names[0]) if os.environ.get("PROFILE") == "1" else None
         med = {n: statistics.median(v) for n, v in times.items()}
         row = {"batch": B, "limit_s": limit, "step_s": med, "step_over_limit": {n: v / limit for n, v in med.items()},
                "over_baseline": {n: v / med[names[0]] for n, v in med.items()}, "samples_s": times}
+        if prof is not None:
+            row["profile"] = prof
+            print(f"batch {B}, {names[0]}: {prof['kernels']} kernels, {prof['gpu_s'] * 1e3:.2f} ms GPU time")
+            for k in prof["top"][:30]:
+                print(f"    {k['gpu_s'] * 1e6:9.1f} us  {k['launches']:5d} x  {k['name'][:110]}")
         res["rows"].append(row)
         print(f"batch {B}: limit {limit * 1e3:.2f} ms; " + "; ".join(
             f"{n} {med[n] * 1e3:.2f} ms (x{med[n] / limit:.2f} limit, {med[n] / med[names[0]]:.3f} of {names[0]})"
