@@ -19,7 +19,8 @@ Variants (VARIANTS, comma-separated, '+' joins settings; the first is the baseli
   bf16-decode    decode GEMMs and MoE experts on the bf16-decode kernels (no FP8 tensor-core routes)
 
     python benchmarks/decode_step_ab.py      # writes benchmarks/results/decode_step_ab_<gpu>.json
-Env: CONFIG (v41-geometry), CONTEXT (4096), BATCHES (1,32), STEPS (8 per round), ROUNDS (3),
+Env: CONFIG (v41-geometry), CONTEXT (4096; a comma list runs each), BATCHES (1,32), CASES (overrides both:
+"4096:1,4096:32,1048576:1" = context:batch pairs, e.g. issue #21's 1M / 4K step ratio), STEPS (8 per round), ROUNDS (3),
 VARIANTS (default,torch-routing+torch-row-ops+torch-mixes+torch-gate+torch-index-qdq), RESULT,
 PROFILE (1: after the timing, one replayed step of the first variant under the torch profiler: its kernels grouped
 by name, GPU time and launches, the largest first, in the JSON under "profile").
@@ -113,8 +114,10 @@ def profile_step(model, pool, sids, tok, context: int, name: str) -> dict:
 def main() -> None:
     dev = "cuda"
     cfg = load_config(os.environ.get("CONFIG", "v41-geometry"))
-    context = int(os.environ.get("CONTEXT", "4096"))
+    contexts = [int(c) for c in os.environ.get("CONTEXT", "4096").split(",")]
     batches = [int(b) for b in os.environ.get("BATCHES", "1,32").split(",")]
+    cases = ([tuple(int(v) for v in c.split(":")) for c in os.environ["CASES"].split(",")] if os.environ.get("CASES")
+             else [(c, b) for c in contexts for b in batches])
     n_steps, rounds = int(os.environ.get("STEPS", "8")), int(os.environ.get("ROUNDS", "3"))
     names = os.environ.get("VARIANTS", "default,torch-routing+torch-row-ops+torch-mixes+torch-gate+torch-index-qdq").split(",")
     set_backend("triton")
@@ -124,10 +127,10 @@ def main() -> None:
     for e in (m for m in model.modules() if isinstance(m, Engram)):
         e.pack()                                      # the tables as the checkpoint stores them, on the device
     res = {"config": os.environ.get("CONFIG", "v41-geometry"), "gpu": torch.cuda.get_device_name(),
-           "context": context, "copy_bandwidth": bw, "variants": names, "command": " ".join(["python"] + sys.argv),
+           "cases": cases, "copy_bandwidth": bw, "variants": names, "command": " ".join(["python"] + sys.argv),
            "commit": os.environ.get("COMMIT", ""), "rows": []}
     print(f"copy {bw / 1e12:.2f} TB/s", flush=True)
-    for B in batches:
+    for context, B in cases:
         pool, sids, tok = synthetic_batch(model, dev, B, context)
         limit = decode_read_bytes(cfg, B, "packed")["bytes"] / bw
         times = {n: [] for n in names}
@@ -144,15 +147,16 @@ def main() -> None:
                         g = None                            # its graphs freed before the next capture
             prof = profile_step(model, pool, sids, tok, context, names[0]) if os.environ.get("PROFILE") == "1" else None
         med = {n: statistics.median(v) for n, v in times.items()}
-        row = {"batch": B, "limit_s": limit, "step_s": med, "step_over_limit": {n: v / limit for n, v in med.items()},
+        row = {"context": context, "batch": B, "limit_s": limit, "step_s": med,
+               "step_over_limit": {n: v / limit for n, v in med.items()},
                "over_baseline": {n: v / med[names[0]] for n, v in med.items()}, "samples_s": times}
         if prof is not None:
             row["profile"] = prof
-            print(f"batch {B}, {names[0]}: {prof['kernels']} kernels, {prof['gpu_s'] * 1e3:.2f} ms GPU time")
+            print(f"context {context}, batch {B}, {names[0]}: {prof['kernels']} kernels, {prof['gpu_s'] * 1e3:.2f} ms GPU time")
             for k in prof["top"][:30]:
                 print(f"    {k['gpu_s'] * 1e6:9.1f} us  {k['launches']:5d} x  {k['name'][:110]}")
         res["rows"].append(row)
-        print(f"batch {B}: limit {limit * 1e3:.2f} ms; " + "; ".join(
+        print(f"context {context}, batch {B}: limit {limit * 1e3:.2f} ms; " + "; ".join(
             f"{n} {med[n] * 1e3:.2f} ms (x{med[n] / limit:.2f} limit, {med[n] / med[names[0]]:.3f} of {names[0]})"
             for n in names), flush=True)
         del pool
