@@ -248,7 +248,8 @@ def _run_batch(args, res: dict, model, tok, prompts: list, modes: list[str], pro
                      predicted_tokens=sum(x.get("predicted_tokens", 0.0) for x in st),
                      realised_tokens=sum(x.get("realised_tokens", 0) for x in st),
                      timed_steps=sc.get("timed_steps", 0), step_predicted_s=sc.get("predicted_s", 0.0),
-                     step_realised_s=sc.get("realised_s", 0.0))
+                     step_realised_s=sc.get("realised_s", 0.0),
+                     closed_batch_steps={"plain": sc.get("closed_plain", 0), "spec": sc.get("closed_spec", 0)})
             prev = best.get(mode)
             rounds = (prev["rounds_tok_per_s"] if prev else []) + [r["tok_per_s"]]
             if prev is None or r["tok_per_s"] > prev["tok_per_s"]:
@@ -269,6 +270,7 @@ def _run_batch(args, res: dict, model, tok, prompts: list, modes: list[str], pro
               f"tokens/forward/row {r['tokens_per_forward_per_row']:.2f}  acceptance [{acc}]  "
               f"verify lengths [{vl}]  predicted/realised {r['predicted_tokens']:.0f}/{r['realised_tokens']}  "
               f"step s predicted/realised {r['step_predicted_s']:.2f}/{r['step_realised_s']:.2f}  "
+              f"closed-batch plan plain/spec {r['closed_batch_steps']['plain']}/{r['closed_batch_steps']['spec']}  "
               f"same tokens {r['same_tokens_as_off']}", flush=True)
     if args.out:                                       # after every batch: a time limit keeps what was measured
         Path(args.out).write_text(_json(res) + "\n")

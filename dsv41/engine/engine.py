@@ -32,7 +32,7 @@ from dsv41.engine.speculative.policy import Speculation
 from dsv41.engine.speculative.rejection import accept_drafts
 from dsv41.engine.speculative.rollback import VerifyJournal
 from dsv41.engine.speculative.scheduler import (AcceptanceCalibration, MeasuredCost, choose_verify_lengths,
-                                                plain_cost, spec_cost)
+                                                closed_batch_times, plain_cost, row_acceptance, spec_cost)
 from dsv41.engine.store import SequencePool, make_pool
 from dsv41.engine.tokenizer import ByteTokenizer
 from dsv41.kv.device_tier import DeviceTier
@@ -72,6 +72,8 @@ class Sequence:
     verify_lengths: dict = field(default_factory=dict)   # speculative: row-steps by verify length (0: no drafts)
     predicted_tokens: float = 0.0            # speculative: tokens predicted per row-step (1 + S summed over the
     realised_tokens: int = 0                 # verified drafts; 1 without drafts) and the tokens those steps emitted
+    draft_reached: list = field(default_factory=list)    # speculative: this row's drafts verified per position (with
+    draft_accepted: list = field(default_factory=list)   # drafts < k accepted) and accepted (`_drafting_pays`)
     arrival: int = 0                         # scheduling: arrival order (the youngest is preempted first)
     fed: int = 0                             # tokens run into the store
     group: Group | None = None               # set while admitted (its body job until the body is done)
@@ -158,7 +160,7 @@ class Engine:
         # ("reached") and rows that accepted it; target forwards and rows decoded; with a cost model (dspark),
         # decode steps timed and the seconds the model predicted for their shapes vs those they took
         self.spec_counts = {"reached": [0] * G, "accepted": [0] * G, "forwards": 0, "row_steps": 0, "tokens": 0,
-                            "timed_steps": 0, "predicted_s": 0.0, "realised_s": 0.0}
+                            "timed_steps": 0, "predicted_s": 0.0, "realised_s": 0.0, "closed_plain": 0, "closed_spec": 0}
         self.last_step_cost: tuple[float, float] | None = None   # (predicted, realised) s of the last timed step
         self._skipped = 0                      # dspark steps in a row decoded without drafting (`_drafting_pays`)
         if self.speculation.mode == "dspark" and step_profile is None:
@@ -412,7 +414,11 @@ class Engine:
         even drafts that are always accepted do not pay, as at loaded batches where the forward's cost grows with
         its tokens, it never drafts), then, once `MIN_EVIDENCE` first drafts were verified, at the acceptance
         measured so far per draft position; while that says no, it drafts again every `PROBE_EVERY`-th such step
-        so that a drafter doing better is noticed."""
+        so that a drafter doing better is noticed. A closed batch (nobody waiting, every row's end known:
+        `_closed_remaining`) is judged by when its last row is done instead (`closed_batch_times`, each row at its
+        own measured acceptance, `row_acceptance`): it drafts only while some verify length is predicted to end
+        the batch sooner than plain decoding, and does not probe (issue 28: at batch 32 the per-step objective
+        verified, the low-acceptance rows straggled, and the batch ended later than off's)."""
         if drafts == 0 or self.speculation.mode == "fixed" and self.speculation.n == 0:
             return False
         if self.speculation.mode != "dspark":
@@ -427,12 +433,33 @@ class Engine:
         if sc["reached"][0] < MIN_EVIDENCE:
             return True
         rates = [a / r if r else 0.0 for a, r in zip(sc["accepted"], sc["reached"])]
+        remaining = self._closed_remaining(live)
+        if remaining is not None:                          # nobody waits: the batch ends with its slowest row
+            acc = torch.tensor([row_acceptance(s.draft_reached, s.draft_accepted, rates) for s in live])
+            times = closed_batch_times(remaining, acc, lambda b: plain_cost(self.step_cost, b),
+                                       lambda b, v: spec_cost(self.step_cost, b)(b * (1 + v), v), min(drafts, G))
+            pays = min(range(1, len(times)), key=times.__getitem__, default=0)
+            pays = len(times) > 1 and times[pays] < times[0]
+            sc["closed_spec" if pays else "closed_plain"] += 1
+            return pays
         S = torch.tensor(rates).cumprod(0).expand(B, -1)
         if max(choose_verify_lengths(S, cost, caps, ragged=True, plain=plain, by_longest=True)) > 0:
             self._skipped = 0
             return True
         self._skipped += 1
         return self._skipped % PROBE_EVERY == 0
+
+    def _closed_remaining(self, live: list[Sequence]) -> list[int] | None:
+        """Each row's remaining tokens when this batch is closed and its lengths known: no request waits for a
+        row's place, and every row ends at its max_tokens (ignore_eos or no EOS, no stop strings or ids); else None
+        (a finished row is replaced, or ends at a stop nobody can predict: the per-step objective holds there)."""
+        if self.waiting:
+            return None
+        eos = self.tokenizer.eos_id
+        if any(s.params.stop or s.params.stop_token_ids or (eos is not None and not s.params.ignore_eos)
+               for s in live):
+            return None
+        return [s.params.max_tokens - len(s.output_ids) for s in live]
 
     def _verify_lengths(self, S: torch.Tensor, live: list[Sequence], caps: list[int]) -> list[int]:
         """Each row's verify length: fixed:N's N (fewer where its cap allows fewer), or the confidence scheduler's
@@ -472,9 +499,14 @@ class Engine:
             s.verify_lengths[v] = s.verify_lengths.get(v, 0) + 1
             s.predicted_tokens += 1.0 + float(S[b, :v].sum())
             s.realised_tokens += len(s.output_ids) - before
+            if len(s.draft_reached) < G:
+                s.draft_reached += [0] * (G - len(s.draft_reached))
+                s.draft_accepted += [0] * (G - len(s.draft_accepted))
             for k in range(min(v, n + 1)):
                 sc["reached"][k] += 1
                 sc["accepted"][k] += int(k < n)
+                s.draft_reached[k] += 1
+                s.draft_accepted[k] += int(k < n)
                 if self.calibration is not None:
                     self.calibration.update(k, float(prop.accept[b, k]), k < n)
             sc["row_steps"] += 1
