@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv41.engine.engine import MIN_EVIDENCE, Engine
+from dsv41.engine import engine as engine_module
+from dsv41.engine.engine import Engine
 from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.speculative.drafter import Proposal
 from dsv41.engine.speculative.profile import StepProfile
@@ -75,10 +76,10 @@ class SplitDrafter:
 
     def __init__(self, futures: dict, good: set, G: int, vocab: int):
         self.futures, self.good, self.G, self.vocab = futures, good, G, vocab
-        self.proposals = 0
+        self.proposals = self.seeds = 0
 
     def seed(self, *args, **kwargs):
-        pass
+        self.seeds += self.proposals > 0              # seeds after the first proposal (the prompts' are before it)
 
     def propose(self, view, seqs, pos) -> Proposal:
         self.proposals += 1
@@ -106,11 +107,13 @@ def _profile(G):
 
 
 @pytest.mark.parametrize("spec", ["dspark", "dspark:online"])
-def test_engine_stops_drafting_for_a_closed_batch_with_stragglers(debug_model, one_thread, spec):
+def test_engine_stops_drafting_for_a_closed_batch_with_stragglers(debug_model, one_thread, spec, monkeypatch):
     """Four rows started together, two whose drafts are always accepted and two whose never are: once the
-    verified drafts show it (MIN_EVIDENCE first drafts), the closed batch decodes plainly to its end (the two
-    slow rows need a step a token either way), where the per-step objective, which the same engine keeps when the
-    rows' ends are unknown (EOS not ignored), drafts on; outputs greedy's in both."""
+    verified drafts show it (CLOSED_EVIDENCE first drafts, 16 here: 4 steps), the closed batch decodes plainly to
+    its end without seeding the drafter (the two slow rows need a step a token either way), where the per-step
+    objective, which the same engine keeps when the rows' ends are unknown (EOS not ignored), drafts on; outputs
+    greedy's in both."""
+    monkeypatch.setattr(engine_module, "CLOSED_EVIDENCE", 16)
     cfg, m = debug_model
     G = cfg.dspark_block_size
     prompts = _prompts(cfg.vocab_size, (5, 9, 17, 23), seed=4)
@@ -126,17 +129,21 @@ def test_engine_stops_drafting_for_a_closed_batch_with_stragglers(debug_model, o
                                    cfg.vocab_size)
         got = eng.generate(prompts, params)
         assert [c.output_ids for c in got] == want, (spec, closed)
-        counts[closed] = (eng.drafter.proposals, eng.spec_counts["closed_plain"], eng.spec_counts["closed_spec"])
-    proposals, planned_plain, _ = counts[True]
+        counts[closed] = (eng.drafter.proposals, eng.spec_counts["closed_plain"], eng.spec_counts["closed_spec"],
+                          eng.drafter.seeds)
+    proposals, planned_plain, _, seeds = counts[True]
     # the evidence steps (MIN_EVIDENCE first drafts: 4 steps), a few more while each row's own rate, shrunk to the
     # batch's, comes down, then plain to the end
-    assert -(-MIN_EVIDENCE // 4) <= proposals <= 12 and planned_plain >= 25, counts
+    assert 4 <= proposals <= 12 and planned_plain == 1, counts    # decided once: its rows draft no more
+    assert seeds <= proposals + 1, counts                            # nor are they seeded
+    assert all(s.drafter_off for s in eng.finished.values()) is False   # (the open run's rows draft to the end)
     assert counts[False][0] > 2 * proposals and counts[False][1] == 0, counts
 
 
-def test_engine_keeps_drafting_a_closed_batch_that_gains(debug_model, one_thread):
+def test_engine_keeps_drafting_a_closed_batch_that_gains(debug_model, one_thread, monkeypatch):
     """The same closed batch with every row's drafts accepted: verifying ends it sooner, so the engine drafts to
     the end (no plain step planned)."""
+    monkeypatch.setattr(engine_module, "CLOSED_EVIDENCE", 16)
     cfg, m = debug_model
     G = cfg.dspark_block_size
     prompts = _prompts(cfg.vocab_size, (5, 9, 17, 23), seed=4)

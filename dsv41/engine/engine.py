@@ -42,6 +42,7 @@ from dsv41.model.step import ForwardOptions
 DEFAULT_MAX_SEQ_LEN = 4096                   # prompt + completion tokens per request (a limit: nothing is preallocated)
 MIN_EVIDENCE = 16      # verified first drafts before the dspark scheduler may skip drafting (`Engine._drafting_pays`)
 PROBE_EVERY = 16       # while drafting does not pay, draft anyway on every 16th step
+CLOSED_EVIDENCE = 64   # verified first drafts before a closed batch may stop drafting for good (`_drafting_pays`)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Sequence:
     realised_tokens: int = 0                 # verified drafts; 1 without drafts) and the tokens those steps emitted
     draft_reached: list = field(default_factory=list)    # speculative: this row's drafts verified per position (with
     draft_accepted: list = field(default_factory=list)   # drafts < k accepted) and accepted (`_drafting_pays`)
+    drafter_off: bool = False                # speculative: a closed batch found drafting not to pay; never again
     arrival: int = 0                         # scheduling: arrival order (the youngest is preempted first)
     fed: int = 0                             # tokens run into the store
     group: Group | None = None               # set while admitted (its body job until the body is done)
@@ -370,8 +372,9 @@ class Engine:
             g = self.graphs
             out = g.forward(ids, view) if g is not None and g.applies(view) else self.model(ids, view, last_only=True)
             logits = out.logits[:, -1]
-            if self.drafter is not None and out.main_hidden is not None:      # a step without drafts: the
-                self.drafter.seed(view, out.main_hidden, pos)                  # drafter still sees its taps
+            if (self.drafter is not None and out.main_hidden is not None     # a step without drafts: the drafter
+                    and not all(s.drafter_off for s in rows)):                 # still sees its taps (unless no row
+                self.drafter.seed(view, out.main_hidden, pos)                  # drafts again: its cost skipped)
             for b, s in enumerate(live):
                 s.pending = sample_token(logits[b], s.params, s.gen)
                 before = len(s.output_ids)
@@ -416,15 +419,19 @@ class Engine:
         measured so far per draft position; while that says no, it drafts again every `PROBE_EVERY`-th such step
         so that a drafter doing better is noticed. A closed batch (nobody waiting, every row's end known:
         `_closed_remaining`) is judged by when its last row is done instead (`closed_batch_times`, each row at its
-        own measured acceptance, `row_acceptance`): it drafts only while some verify length is predicted to end
-        the batch sooner than plain decoding, and does not probe (issue 28: at batch 32 the per-step objective
-        verified, the low-acceptance rows straggled, and the batch ended later than off's)."""
-        if drafts == 0 or self.speculation.mode == "fixed" and self.speculation.n == 0:
+        own measured acceptance, `row_acceptance`), once `CLOSED_EVIDENCE` first drafts were verified: it drafts
+        only while some verify length is predicted to end the batch sooner than plain decoding; when none is, its
+        rows stop drafting for good (`Sequence.drafter_off`: no proposal, no probe, and no seeding once every row
+        of a step is off; issue 28: at batch 32 the per-step objective verified, the low-acceptance rows
+        straggled, and the batch ended later than off's)."""
+        if drafts == 0 or self.speculation.mode == "fixed" and self.speculation.n == 0 \
+                or all(s.drafter_off for s in live):
             return False
         if self.speculation.mode != "dspark":
             return True
         B = len(live)
-        caps = [max(0, min(drafts, s.params.max_tokens - len(s.output_ids) - 1)) for s in live]
+        caps = [0 if s.drafter_off else max(0, min(drafts, s.params.max_tokens - len(s.output_ids) - 1))
+                for s in live]
         cost, plain = spec_cost(self.step_cost, B), plain_cost(self.step_cost, B)
         G = self.cfg.dspark_block_size
         if max(choose_verify_lengths(torch.ones(B, G), cost, caps, ragged=True, plain=plain, by_longest=True)) == 0:
@@ -433,7 +440,7 @@ class Engine:
         if sc["reached"][0] < MIN_EVIDENCE:
             return True
         rates = [a / r if r else 0.0 for a, r in zip(sc["accepted"], sc["reached"])]
-        remaining = self._closed_remaining(live)
+        remaining = self._closed_remaining(live) if sc["reached"][0] >= CLOSED_EVIDENCE else None
         if remaining is not None:                          # nobody waits: the batch ends with its slowest row
             acc = torch.tensor([row_acceptance(s.draft_reached, s.draft_accepted, rates) for s in live])
             times = closed_batch_times(remaining, acc, lambda b: plain_cost(self.step_cost, b),
@@ -441,6 +448,9 @@ class Engine:
             pays = min(range(1, len(times)), key=times.__getitem__, default=0)
             pays = len(times) > 1 and times[pays] < times[0]
             sc["closed_spec" if pays else "closed_plain"] += 1
+            if not pays:                                   # nothing changes while it decodes plainly (its rows'
+                for s in live:                             # ends come closer alike): the rows stop drafting and
+                    s.drafter_off = True                   # seeding for good (a row admitted later drafts)
             return pays
         S = torch.tensor(rates).cumprod(0).expand(B, -1)
         if max(choose_verify_lengths(S, cost, caps, ragged=True, plain=plain, by_longest=True)) > 0:
@@ -477,7 +487,8 @@ class Engine:
         prop = self.drafter.propose(view, live, pos)
         G = prop.tokens.size(1)
         # drafts that could be emitted: the step's budget, the proposal, the request's remaining tokens
-        caps = [max(0, min(drafts, G, s.params.max_tokens - len(s.output_ids) - 1)) for s in live]
+        caps = [0 if s.drafter_off else max(0, min(drafts, G, s.params.max_tokens - len(s.output_ids) - 1))
+                for s in live]
         S = prop.survival(self.calibration)
         vs = self._verify_lengths(S, live, caps)
         V = max(vs)
