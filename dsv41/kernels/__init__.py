@@ -79,20 +79,28 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  training: bool = False) -> torch.Tensor:
     """x W^T (+ bias) for a weight of a quantized checkpoint kind (fp8 / fp4), x already FP8 QDQ'd.
 
-    CPU: `block_scaled_linear_ref`, the official summation order (bit-identical to the official code on the same
-    machine). CUDA tensors: one cuBLAS GEMM (its own order; the GPU tolerance is measured). A module in training
-    mode with autograd recording: one F.linear too (the order is not part of what is learned; 2-5x faster).
-    Deterministic mode, any device, training or not: `exact_block_linear` (exact 32-wide block sums)."""
+    CPU, and fp32 weights on any device: `block_scaled_linear_ref`, the official summation order (bit-identical to
+    the official code on the same machine; fp32 is the parity dtype, and on a GPU this order is what brings the
+    teacher-forced gate within its bound: one cuBLAS GEMM lands an FP8 activation of golden case A on the other
+    side of a rounding midpoint, docs/golden.md §4). CUDA tensors in bf16: one cuBLAS GEMM (its own order; the GPU
+    tolerance is measured). A module in training mode with autograd recording: one F.linear too (the order is not
+    part of what is learned; 2-5x faster). Deterministic mode, any device, training or not: `exact_block_linear`
+    (exact 32-wide block sums)."""
     if is_deterministic():
         return exact_block_linear(x, weight, bias)
-    if x.is_cuda or (training and torch.is_grad_enabled()):
+    if training and torch.is_grad_enabled():
+        return F.linear(x.to(weight.dtype), weight, bias)
+    if x.is_cuda and weight.dtype != torch.float32:
         return F.linear(x.to(weight.dtype), weight, bias)
     return block_scaled_linear_ref(x, weight, bias)
 
 
 def packed_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias) for a `PackedWeight` on a GPU, x already FP8 QDQ'd; see `packed_linear_ref` (Triton twin:
-    the bytes decoded in registers, bf16 tensor cores, fp32 accumulation)."""
+    the bytes decoded in registers, bf16 tensor cores, fp32 accumulation). An fp32 weight (the parity dtype) takes
+    the official order, read block by block (`block_scaled_linear_ref`, as `quant_linear`)."""
+    if weight.dtype == torch.float32:
+        return block_scaled_linear_ref(x, weight, bias)
     return _dispatch("packed_linear", packed_linear_ref, (x, weight, bias), [x, weight.codes, weight.scale], x,
                      fits=x.size(-1) % 32 == 0)
 
