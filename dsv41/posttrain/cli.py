@@ -92,6 +92,10 @@ def register(subparsers) -> None:
                    "(score + length term); split: the plan letter the full one, the trace and answer the score-only "
                    "one, the echo (band letter, size digit) out of the loss; decision: as split, and a response "
                    "without a plan letter gives the full one to the token in the plan letter's place")
+    p.add_argument("--constrain", default="", choices=("", "sml", "strides"),
+                   help="rl / eval: sample (and, rl, score) every response under the plan grammar of this plan set "
+                        "(posttrain/constrain.py: the plan letter fixes the trace; rl needs --dispatch sync; eval "
+                        "applies it to the checkpoint and the baseline alike); default off")
     p.add_argument("--init", help="rl: the checkpoint RL starts from (default <runs>/post-sft)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="eval: 0 greedy (default); > 0 sampled at that temperature, one seed per (problem, level)")
@@ -157,7 +161,8 @@ def main(args) -> int:
             init = args.init if args.init and args.stage != "all" else str(runs / "post-sft")
             cfg = _budget(RLConfig(init=init, out=out, seed=args.seed, mix=mix, dispatch=args.dispatch,
                                    quiet=args.quiet, drafter_lr=args.drafter_lr, adv_norm=args.adv_norm,
-                                   paired_seeds=args.paired_seeds, credit=args.credit), args)
+                                   paired_seeds=args.paired_seeds, credit=args.credit,
+                                   constrain=args.constrain), args)
             for name in ("samples", "prompts", "levels_per_prompt", "epochs", "k0_rate"):
                 if getattr(args, name) is not None:
                     setattr(cfg, name, getattr(args, name))
@@ -193,7 +198,7 @@ def main(args) -> int:
         else:
             eval_mix = TaskMix(mix.families, mix.lo, mix.hi, tuple(int(x) for x in args.eval_levels.split(",")))
             report = run_eval(args.checkpoint or str(runs / "post-rl"), args.baseline or str(runs / "post-sft"),
-                              args.problems, eval_mix.check(), args.temperature, args.eval_batch)
+                              args.problems, eval_mix.check(), args.temperature, args.eval_batch, args.constrain)
             print(json.dumps(report, indent=2))
         print(f"posttrain {st}: {time.time() - t0:.0f}s wall")
     return 0
@@ -210,14 +215,22 @@ def run_team(checkpoint: str, n: int, workers: int = 2) -> dict:
     return {plan: score_team(problems, agent, plan, workers) for plan in ("solo", "split")}
 
 
-def _evaluate_cached(checkpoint: str, problems, mix: TaskMix, temperature: float = 0.0, batch: int = 32) -> dict:
+def _suffix(temperature: float, constrain: str) -> str:
+    """The file-name suffix of an evaluation: "" greedy, "_t<T>" sampled, then "_c<plan set>" when constrained."""
+    return ("" if temperature == 0 else f"_t{temperature:g}") + (f"_c{constrain}" if constrain else "")
+
+
+def _evaluate_cached(checkpoint: str, problems, mix: TaskMix, temperature: float = 0.0, batch: int = 32,
+                     constrain: str = "") -> dict:
     """evaluate() of the checkpoint, reusing <checkpoint>/eval_raw.json when it holds the same problems and levels
     and the checkpoint's weights are not newer (a checkpoint is then evaluated once, whatever it is paired with)."""
     from dsv41.posttrain.model import load
     from dsv41.posttrain import tasks as T
     from dsv41.posttrain.rollout import evaluate
-    raw = Path(checkpoint) / ("eval_raw.json" if temperature == 0 else f"eval_raw_t{temperature:g}.json")
+    raw = Path(checkpoint) / f"eval_raw{_suffix(temperature, constrain)}.json"
     key = {"problems": [p.content for p in problems], "levels": list(mix.levels), "temperature": temperature}
+    if constrain:
+        key["constrain"] = constrain
     newest = max((f.stat().st_mtime for f in Path(checkpoint).iterdir() if not f.name.startswith("eval_raw")
                   and f.suffix in (".pt", ".safetensors", ".json") and not f.name.startswith("eval")), default=0.0)
     if raw.is_file() and raw.stat().st_mtime >= newest:
@@ -225,22 +238,27 @@ def _evaluate_cached(checkpoint: str, problems, mix: TaskMix, temperature: float
         if got.get("key") == key:
             return {int(b): v for b, v in got["res"].items()}
     model, tok, _ = load(checkpoint)
-    res = evaluate(model, tok, problems, mix.levels, max_tokens=T.MAX_TOKENS, temperature=temperature, batch=batch)
+    grammar = None
+    if constrain:
+        from dsv41.posttrain.constrain import Grammar
+        grammar = lambda p, b: Grammar(tok, p, b, constrain)   # noqa: E731
+    res = evaluate(model, tok, problems, mix.levels, max_tokens=T.MAX_TOKENS, temperature=temperature, batch=batch,
+                   grammar=grammar)
     raw.write_text(json.dumps({"key": key, "res": res}) + "\n")
     return res
 
 
 def run_eval(checkpoint: str, baseline: str | None, n: int, mix: TaskMix, temperature: float = 0.0,
-             batch: int = 32) -> dict:
+             batch: int = 32, constrain: str = "") -> dict:
     """Greedy (or, temperature > 0, sampled) accuracy and reasoning length per level on n held-out problems, the
     affine fit per difficulty, and, against the baseline, the paired sign test of accuracy (written to
     <checkpoint>/eval.json; a sampled evaluation to eval_t<T>.json)."""
     from dsv41.posttrain.rollout import held_out_problems, sign_test, summarize
     problems = held_out_problems(mix, n)
-    res = _evaluate_cached(checkpoint, problems, mix, temperature, batch)
-    report = {"checkpoint": checkpoint, "temperature": temperature, **summarize(res)}
+    res = _evaluate_cached(checkpoint, problems, mix, temperature, batch, constrain)
+    report = {"checkpoint": checkpoint, "temperature": temperature, "constrain": constrain, **summarize(res)}
     if baseline and Path(baseline).is_dir():
-        bres = _evaluate_cached(baseline, problems, mix, temperature, batch)
+        bres = _evaluate_cached(baseline, problems, mix, temperature, batch, constrain)
         flat = lambda r: [c for b in mix.levels for c in r[b]["correct"]]   # noqa: E731
         report["baseline"] = {"checkpoint": baseline, **summarize(bres)}
         report["paired"] = sign_test(flat(bres), flat(res))
@@ -249,7 +267,7 @@ def run_eval(checkpoint: str, baseline: str | None, n: int, mix: TaskMix, temper
         per = lambda r: [sum(r[b]["correct"][i] for b in mix.levels) for i in range(len(problems))]   # noqa: E731
         report["paired_by_problem"] = sign_test(per(bres), per(res))
         report["paired_by_level"] = {b: sign_test(bres[b]["correct"], res[b]["correct"]) for b in mix.levels}
-    name = "eval" if temperature == 0 else f"eval_t{temperature:g}"
+    name = "eval" + _suffix(temperature, constrain)
     (Path(checkpoint) / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     from dsv41.posttrain.report import plot_eval
     plot_eval(report, Path(checkpoint) / f"{name}.png")

@@ -98,6 +98,9 @@ class RLConfig:
     # the echo (b's band letter, its deterministic copy) is out of the loss (split_credit below); "decision": as
     # "split", and a response without a plan letter gives the full advantage to the token in the plan's place
     credit: str = "all"
+    # the decoding constraint (constrain.py): "" off (the full softmax), else a plan set ("sml", "strides") whose
+    # grammar every rollout is sampled under and whose mask the loss's log-probs apply (sync dispatch only)
+    constrain: str = ""
     mix: TaskMix = field(default_factory=TaskMix)
     length: LengthReward = field(default_factory=LengthReward)
 
@@ -247,7 +250,8 @@ def scores_of(rs: list[Rollout]) -> list[float]:
 def batch_tensors(rs: list[Rollout], adv: list, pad: int, masks: list[list[float]] | None = None):
     """(ids [B, T], behaviour lp [B, T-1], advantages [B, 1] or [B, T-1], mask [B, T-1]) with each response's
     log-prob at the positions that predict its tokens; adv: one number per response (broadcast over its tokens)
-    or a list per response, one per output token (credit "split")."""
+    or a list per response, one per output token (credit "split"). (The decoding constraint's token mask, for
+    rollouts sampled under one, is decoding_mask's.)"""
     rows = [r.prompt_ids + r.output_ids for r in rs]
     T_ = max(map(len, rows))
     ids = torch.tensor([x + [pad] * (T_ - len(x)) for x in rows])
@@ -265,10 +269,24 @@ def batch_tensors(rs: list[Rollout], adv: list, pad: int, masks: list[list[float
     return ids, mu, a_t, mask
 
 
+def decoding_mask(model, rs: list[Rollout], T_: int) -> torch.Tensor | None:
+    """bool [B, T_-1, V]: the decoding constraint's token mask at every position of the training batch (the one
+    each constrained rollout was sampled under, replayed by its grammar; all True elsewhere), or None when no
+    rollout was constrained (the full softmax, token_logprobs)."""
+    if all(r.grammar is None for r in rs):
+        return None
+    from dsv41.posttrain.constrain import allowed_mask
+    return allowed_mask([r.grammar for r in rs], [len(r.prompt_ids) for r in rs], [r.output_ids for r in rs], T_,
+                        model.cfg.vocab_size)
+
+
 def train_step(model, opt, rs: list[Rollout], adv: list[float], cfg: RLConfig, pad: int,
                masks: list[list[float]] | None = None) -> dict:
-    """One policy-gradient update on rollouts (model left in eval mode)."""
+    """One policy-gradient update on rollouts (model left in eval mode). Rollouts sampled under a decoding
+    constraint are scored by the masked softmax (constrain.masked_token_logprobs with decoding_mask), the
+    distribution they were drawn from."""
     ids, mu, a, mask = batch_tensors(rs, adv, pad, masks)
+    allowed = decoding_mask(model, rs, ids.size(1))
     routes = None
     if all(r.routes is not None for r in rs):           # replay the generation-time routing (routing.py)
         routes = replay_batch([r.routes for r in rs], [len(r.prompt_ids) + len(r.output_ids) for r in rs],
@@ -277,7 +295,11 @@ def train_step(model, opt, rs: list[Rollout], adv: list[float], cfg: RLConfig, p
     try:
         lp_old = None
         for _ in range(max(1, cfg.epochs)):       # epochs > 1: PPO's passes over the same rollouts, clipped
-            lp = token_logprobs(model, ids, routes=routes)
+            if allowed is None:
+                lp = token_logprobs(model, ids, routes=routes)
+            else:
+                from dsv41.posttrain.constrain import masked_token_logprobs
+                lp = masked_token_logprobs(model, ids, allowed, routes=routes)
             if lp_old is None:
                 lp_old = lp.detach()              # the policy at the start of the update
             loss, stats = policy_loss(lp, lp_old, mu, a, mask, cfg.clip, cfg.tis_cap)
@@ -363,6 +385,13 @@ class RLRun:
         cfg.mix.check()
         if cfg.credit not in CREDITS:
             raise ValueError(f"unknown credit {cfg.credit!r}: one of {', '.join(CREDITS)}")
+        if cfg.constrain:
+            from dsv41.posttrain.constrain import PLAN_SETS
+            if cfg.constrain not in PLAN_SETS:
+                raise ValueError(f"unknown plan set {cfg.constrain!r}: one of {', '.join(PLAN_SETS)}")
+            if cfg.dispatch != "sync":
+                raise ValueError("the decoding constraint runs with --dispatch sync only (the dispatcher's backend "
+                                 "samples unconstrained)")
         cfg.length.levels = tuple(cfg.mix.levels)
         self.cfg, self.say, self.out = cfg, say, Path(cfg.out)
         resume = (self.out / "posttrain.json").is_file()
@@ -386,6 +415,13 @@ class RLRun:
             say(f"rl: resuming {self.out} at step {self.step}")
         self.t0 = time.time()
         self.bar = Progress(f"rl ({cfg.dispatch})", cfg.steps, self.step, cfg.quiet)
+
+    def grammar(self):
+        """(problem, b) -> the rollouts' constrain.Grammar, or None without a constraint."""
+        if not self.cfg.constrain:
+            return None
+        from dsv41.posttrain.constrain import Grammar
+        return lambda p, b: Grammar(self.tok, p, b, self.cfg.constrain)
 
     def running(self) -> bool:
         return self.step < self.cfg.steps and time.time() - self.t0 < self.cfg.minutes * 60
@@ -450,5 +486,6 @@ def run_rl(cfg: RLConfig, say=print) -> Path:
     run = RLRun(cfg, say)
     eng = make_engine(run.model, run.tok, max_batch=cfg.slots)
     while run.running():
-        run.update(rollouts(eng, run.tok, step_items(cfg, run.step), cfg.max_tokens, routes=True))
+        run.update(rollouts(eng, run.tok, step_items(cfg, run.step), cfg.max_tokens, routes=True,
+                            grammar=run.grammar()))
     return run.finish()

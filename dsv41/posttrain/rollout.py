@@ -32,23 +32,31 @@ class Rollout:
     verdict: T.Verdict
     version: int = 0                 # the policy version that generated it (dispatch.py: per token)
     routes: RouteRecord | None = None    # the expert routing that generated it (routing.py), when recorded
+    grammar: object | None = None        # the constrain.Grammar it was sampled under (None: the full softmax)
 
 
 def make_engine(model, tok, max_batch: int = 32) -> Engine:
     return Engine(model, tok, prefill_mode="full", max_batch=max_batch, deterministic=True)
 
 
-def sampling(max_tokens: int, seed: int | None, temperature: float = 1.0) -> SamplingParams:
-    """Full-softmax sampling (no top-k / top-p), so the sampling mask is the training mask."""
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0)
+def sampling(max_tokens: int, seed: int | None, temperature: float = 1.0, constraint=None) -> SamplingParams:
+    """Full-softmax sampling (no top-k / top-p), so the sampling mask is the training mask; constraint: a
+    constrain.Grammar whose token mask the engine applies to the raw logits (the RL loss applies the same one)."""
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0,
+                          constraint=constraint)
 
 
 def rollouts(engine: Engine, tok, items: list[tuple[T.Problem, int, int | None]], max_tokens: int,
-             temperature: float | list[float] = 1.0, routes: bool = False) -> list[Rollout]:
+             temperature: float | list[float] = 1.0, routes: bool = False, grammar=None,
+             masked_lp: bool = True) -> list[Rollout]:
     """One response per (problem, effort, seed), in the order of items; seed None with temperature 0 is greedy;
     temperature: one for all, or one per item. routes: record each response's expert routing at the current
-    weights (routing.py; call before the weights change)."""
+    weights (routing.py; call before the weights change). grammar: None, or (problem, b) -> constrain.Grammar:
+    each request samples under that grammar's mask, and its behaviour log-probs are the masked ones (the engine
+    reports those of the raw logits; they are recomputed by the masked training forward at the same weights;
+    masked_lp False: not recomputed, for an evaluation that reads no log-probs)."""
     prompts = [T.prompt_ids(tok, p, b) for p, b, _ in items]
+    grammars = [grammar(p, b) if grammar is not None else None for p, b, _ in items]
     temps = list(temperature) if isinstance(temperature, (list, tuple)) else [temperature] * len(items)
     if len(temps) != len(items):
         raise ValueError(f"{len(temps)} temperatures for {len(items)} items")
@@ -56,7 +64,7 @@ def rollouts(engine: Engine, tok, items: list[tuple[T.Problem, int, int | None]]
     # equal-length prompts queued together prefill as one batch (the engine groups consecutive ones); in the
     # deterministic mode the order changes no response
     for i in sorted(range(len(items)), key=lambda i: len(prompts[i])):
-        rids[i] = engine.add_request(prompts[i], sampling(max_tokens, items[i][2], temps[i]))
+        rids[i] = engine.add_request(prompts[i], sampling(max_tokens, items[i][2], temps[i], grammars[i]))
     while engine.has_unfinished():
         engine.step()
     out = []
@@ -66,7 +74,7 @@ def rollouts(engine: Engine, tok, items: list[tuple[T.Problem, int, int | None]]
         lps = [x["logprob"] for x in c.logprobs]
         if c.finish_reason == "stop":                     # the engine does not report the stop token's log-prob
             lps.append(float("nan"))
-        out.append(Rollout(p, b, c.prompt_ids, ids, lps, T.check(tok, p, ids)))
+        out.append(Rollout(p, b, c.prompt_ids, ids, lps, T.check(tok, p, ids), grammar=grammars[len(out)]))
         del engine.finished[rid]
     if routes and out:
         for r in out:
@@ -77,7 +85,32 @@ def rollouts(engine: Engine, tok, items: list[tuple[T.Problem, int, int | None]]
                 r.behaviour_lp[-1] = float(lp[i, len(r.prompt_ids) + len(r.output_ids) - 2])
     else:
         fill_stop_logprobs(engine.model, out, tok.pad_id)
+    if grammar is not None and masked_lp and out:
+        masked_behaviour(engine.model, out, tok.pad_id)
     return out
+
+
+@torch.no_grad()
+def masked_behaviour(model, rs: list[Rollout], pad: int) -> None:
+    """Replace the behaviour log-probs of constrained rollouts by those of the masked softmax they were sampled
+    from, at the current weights (call before the weights change; recorded routing replayed when present)."""
+    from dsv41.posttrain.constrain import allowed_mask, masked_token_logprobs
+    from dsv41.posttrain.routing import replay_batch
+    todo = [r for r in rs if r.grammar is not None and r.output_ids]
+    if not todo:
+        return
+    rows = [r.prompt_ids + r.output_ids for r in todo]
+    T_ = max(map(len, rows))
+    ids = torch.tensor([x + [pad] * (T_ - len(x)) for x in rows])
+    routes = replay_batch([r.routes for r in todo], list(map(len, rows)), T_) \
+        if all(r.routes is not None for r in todo) else None
+    V = model.cfg.vocab_size
+    allowed = allowed_mask([r.grammar for r in todo], [len(r.prompt_ids) for r in todo],
+                           [r.output_ids for r in todo], T_, V)
+    lp = masked_token_logprobs(model, ids, allowed, routes=routes)
+    for i, r in enumerate(todo):
+        a = len(r.prompt_ids) - 1
+        r.behaviour_lp = [float(x) for x in lp[i, a:a + len(r.output_ids)]]
 
 
 @torch.no_grad()
@@ -102,17 +135,19 @@ def held_out_problems(mix, n: int, seed: int = 1) -> list[T.Problem]:
 
 @torch.no_grad()
 def evaluate(model, tok, problems: list[T.Problem], levels, max_tokens: int, temperature: float = 0.0,
-             batch: int = 32) -> dict:
+             batch: int = 32, grammar=None) -> dict:
     """Responses to every problem at every level: {b: {"correct": [0/1...], "length": [...]}}; greedy at
     temperature 0, else sampled from the full softmax at that temperature with a seed per (problem, level), so a
     sampled evaluation is reproducible (greedy hides a change of the policy that has not moved its mode).
     batch: the engine's slots; in its deterministic mode a response does not depend on which requests share a
-    batch, so only the time changes."""
+    batch, so only the time changes. grammar: as rollouts' (the decoding constraint every response is sampled
+    under; None: the full softmax)."""
     eng = make_engine(model, tok, max_batch=batch)
     res = {}
     for b in levels:
         seeds = [None if temperature == 0 else 7919 * i + b for i in range(len(problems))]
-        rs = rollouts(eng, tok, [(p, b, s) for p, s in zip(problems, seeds)], max_tokens, temperature=temperature)
+        rs = rollouts(eng, tok, [(p, b, s) for p, s in zip(problems, seeds)], max_tokens, temperature=temperature,
+                      grammar=grammar, masked_lp=False)
         res[b] = {"correct": [int(r.verdict.correct) for r in rs], "length": [r.verdict.reasoning_tokens for r in rs],
                   "difficulty": [p.difficulty for p in problems], "family": [p.family for p in problems]}
     return res
