@@ -13,7 +13,8 @@ from dsv41.engine.engine import Engine
 from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.speculative.drafter import Proposal
 from dsv41.engine.speculative.profile import StepProfile
-from dsv41.engine.speculative.scheduler import choose_verify_lengths, closed_batch_times, row_acceptance
+from dsv41.engine.speculative.scheduler import (choose_verify_lengths, closed_batch_lengths, closed_batch_times,
+                                                row_acceptance, row_rate, straggle)
 from tests.conftest import continuous_model
 from tests.test_speculative import _prompts
 
@@ -36,10 +37,14 @@ def test_rows_finishing_at_different_steps_by_hand():
     plain, spec = plain_heavy()
     a = torch.tensor([[1.0, 1.0], [0.5, 0.5]])
     t = closed_batch_times([10, 10], a, plain, spec, 2)
-    # v = 1: row 0 emits 2 a step (5 steps), row 1 1.5 (ceil(10 / 1.5) = 7 steps)
-    assert t[1] == pytest.approx(5 * spec(2, 1) + 2 * spec(1, 1))
-    # v = 2: rho 3 (ceil 10/3 = 4) and 1.75 (ceil 10/1.75 = 6)
-    assert t[2] == pytest.approx(4 * spec(2, 2) + 2 * spec(1, 2))
+    z = 0.5894                                         # the expected larger of two standard normals (Blom)
+    # v = 1: row 0 emits 2 a step (5 steps), row 1 1.5 (ceil(10 / 1.5) = 7 steps), each step's tokens of row 1
+    # varying by 0.25: its end by sqrt(10 * 0.25 / 1.5^3) steps, z of them added at one row's price
+    assert t[1] == pytest.approx(5 * spec(2, 1) + 2 * spec(1, 1) + z * (2.5 / 1.5 ** 3) ** 0.5 * spec(1, 1), rel=1e-4)
+    # v = 2: rho 3 (ceil 10/3 = 4) and 1.75 (ceil 10/1.75 = 6); row 1's variance 1 * .5 + 3 * .25 - .75^2
+    var = 0.5 + 3 * 0.25 - 0.75 ** 2
+    assert t[2] == pytest.approx(4 * spec(2, 2) + 2 * spec(1, 2) + z * (10 * var / 1.75 ** 3) ** 0.5 * spec(1, 2),
+                                 rel=1e-4)
     # a row with one token left verifies nothing (its cap is R - 1): one step whatever v is
     assert closed_batch_times([1], torch.ones(1, 4), plain, spec, 4)[1:] == [pytest.approx(spec(1, v))
                                                                            for v in range(1, 5)]
@@ -59,6 +64,31 @@ def test_closed_batch_refuses_what_the_step_objective_takes():
     # the same drafter on both rows: verifying ends the batch sooner
     t = closed_batch_times([12, 12], torch.ones(2, 4), plain, spec, 4)
     assert min(t[1:]) < t[0]
+
+
+def test_closed_batch_lengths_give_the_drafts_to_the_row_that_sets_the_end():
+    """Row 0 has 3 tokens left and confident drafts, row 1 30 left and weaker ones: a step verifying 4 drafts on
+    either row costs the same; the per-step objective verifies row 0's (more expected tokens), but those end a row
+    that was ending anyway, while row 1's take steps off the batch's end, so the closed-batch lengths verify row 1."""
+    plain, spec = plain_heavy()
+    S = torch.cumprod(torch.tensor([[0.95] * 4, [0.6] * 4]), dim=1)
+    step = lambda n, vmax=None: 0.012 + 0.0005 * n                  # noqa: E731
+    assert choose_verify_lengths(S, step, [2, 4], by_longest=True)[0] > 0
+    acc = torch.tensor([[0.95] * 4, [0.6] * 4])
+    assert closed_batch_lengths(S, [3, 30], acc, step, plain, spec, [[2, 0], [0, 4]]) == [0, 4]
+    # (ending row 0 in this step as well saves it a later step's price: both)
+    assert closed_batch_lengths(S, [3, 30], acc, step, plain, spec, [[2, 0], [0, 4], [2, 4]]) == [2, 4]
+    # two rows alike: both verify
+    S2, acc2 = torch.cumprod(torch.full((2, 4), 0.9), 1), torch.full((2, 4), 0.9)
+    assert closed_batch_lengths(S2, [30, 30], acc2, step, plain, spec, [[0, 4], [4, 0], [4, 4]]) == [4, 4]
+
+
+def test_row_rate_and_straggle():
+    assert row_rate(torch.tensor([1.0, 1.0])) == (3.0, 0.0)
+    assert row_rate(torch.tensor([0.5])) == (1.5, 0.25)
+    assert row_rate(torch.tensor([])) == (1.0, 0.0)
+    assert straggle(1) == 0.0 and straggle(2) == pytest.approx(0.5894, abs=1e-3)
+    assert 1.9 < straggle(32) < 2.2 and straggle(8) < straggle(32)
 
 
 def test_row_acceptance_shrinks_to_the_batch_rate():

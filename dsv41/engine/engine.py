@@ -32,7 +32,8 @@ from dsv41.engine.speculative.policy import Speculation
 from dsv41.engine.speculative.rejection import accept_drafts
 from dsv41.engine.speculative.rollback import VerifyJournal
 from dsv41.engine.speculative.scheduler import (AcceptanceCalibration, MeasuredCost, choose_verify_lengths,
-                                                closed_batch_times, plain_cost, row_acceptance, spec_cost)
+                                                closed_batch_lengths, closed_batch_times, plain_cost,
+                                                row_acceptance, spec_cost)
 from dsv41.engine.store import SequencePool, make_pool
 from dsv41.engine.tokenizer import ByteTokenizer
 from dsv41.kv.device_tier import DeviceTier
@@ -42,7 +43,7 @@ from dsv41.model.step import ForwardOptions
 DEFAULT_MAX_SEQ_LEN = 4096                   # prompt + completion tokens per request (a limit: nothing is preallocated)
 MIN_EVIDENCE = 16      # verified first drafts before the dspark scheduler may skip drafting (`Engine._drafting_pays`)
 PROBE_EVERY = 16       # while drafting does not pay, draft anyway on every 16th step
-CLOSED_EVIDENCE = 64   # verified first drafts before a closed batch may stop drafting for good (`_drafting_pays`)
+CLOSED_EVIDENCE = 128  # verified first drafts before a closed batch may stop drafting for good (`_drafting_pays`)
 
 
 @dataclass
@@ -445,8 +446,8 @@ class Engine:
             acc = torch.tensor([row_acceptance(s.draft_reached, s.draft_accepted, rates) for s in live])
             times = closed_batch_times(remaining, acc, lambda b: plain_cost(self.step_cost, b),
                                        lambda b, v: spec_cost(self.step_cost, b)(b * (1 + v), v), min(drafts, G))
-            pays = min(range(1, len(times)), key=times.__getitem__, default=0)
-            pays = len(times) > 1 and times[pays] < times[0]
+            best = min(range(1, len(times)), key=times.__getitem__, default=0)
+            pays = len(times) > 1 and times[best] < times[0]
             sc["closed_spec" if pays else "closed_plain"] += 1
             if not pays:                                   # nothing changes while it decodes plainly (its rows'
                 for s in live:                             # ends come closer alike): the rows stop drafting and
@@ -477,7 +478,19 @@ class Engine:
         sets this on an engine to force a shape)."""
         if self.speculation.mode == "fixed":
             return [min(self.speculation.n, c) for c in caps]
-        return choose_verify_lengths(S, spec_cost(self.step_cost, len(live)), caps, ragged=True, by_longest=True)
+        B = len(live)
+        step = spec_cost(self.step_cost, B)
+        v = choose_verify_lengths(S, step, caps, ragged=True, by_longest=True)
+        remaining = self._closed_remaining(live)
+        if remaining is None or max(caps, default=0) == 0:
+            return v
+        sc, G = self.spec_counts, S.size(1)          # a closed batch: the lengths that end it soonest
+        head = (S[:, :G] / torch.cat([torch.ones(B, 1, dtype=S.dtype), S[:, :G - 1]], 1).clamp_min(1e-12)).mean(0)
+        prior = [a / r if r else float(h) for a, r, h in zip(sc["accepted"], sc["reached"], head)]
+        acc = torch.tensor([row_acceptance(s.draft_reached, s.draft_accepted, prior) for s in live])
+        uniform = [[min(u, c) for c in caps] for u in range(1, max(caps) + 1)]
+        return closed_batch_lengths(S, remaining, acc, step, lambda b: plain_cost(self.step_cost, b),
+                                    lambda b, u: spec_cost(self.step_cost, b)(b * (1 + u), u), [v] + uniform)
 
     def _verify(self, view, live: list[Sequence], outs: list[StepOutput], drafts: int) -> tuple[int, int]:
         """One draft-verify step for every row of `view` (`dsv41.engine.speculative`): each row r verifies its own

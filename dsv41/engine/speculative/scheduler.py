@@ -4,6 +4,7 @@ the prefix survivals S and the step latency T(n), and the online corrections of 
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from typing import Callable, Sequence
 
 import torch
@@ -76,12 +77,14 @@ class MeasuredCost:
         self.seen: set[int] = set()                             # token counts of the steps recorded
         self._keys: set = set()
         self.times: dict = {}                                   # (B, n) or ("plain", B) -> seconds after warm-up
+        self._memo: dict = {}                                   # costs asked since the last record
 
     def record(self, n: int, seconds: float, batch: int | None = None, plain: bool = False,
                vmax: int | None = None) -> None:
         """vmax: the longest row's drafts of a speculative step (its ragged verify lays the store part out [B, 1 +
         vmax]); None: a shape known by its tokens only."""
         key = ("plain", n if batch is None else batch) if plain else (batch, n, vmax)
+        self._memo.clear()
         if key in self._keys:
             self.times.setdefault(key, []).append(seconds)
         self._keys.add(key)
@@ -105,9 +108,10 @@ class MeasuredCost:
         return 1.0
 
     def _cost(self, key) -> float:
-        if key in self.times:
-            return self.mean(key)
-        return self._prior(key) * self._scale(key[0] == "plain")
+        if key not in self._memo:          # the scheduler asks many shapes a step (closed batches: every batch size)
+            self._memo[key] = (self.mean(key) if key in self.times
+                               else self._prior(key) * self._scale(key[0] == "plain"))
+        return self._memo[key]
 
     def __call__(self, n: int) -> float:
         return self._cost((None, n, None))
@@ -204,7 +208,10 @@ def closed_batch_times(remaining: Sequence[int], accept: torch.Tensor, plain: Ca
     (spec(b, v) a step with b rows left, every row verifying v), row r emitting rho_r = 1 + sum_{k<=v}
     prod_{i<=k} a_r,i tokens a step in expectation (accept [B, G]: its conditional acceptance per position,
     `row_acceptance`), so it is done after ceil(R_r / rho_r) steps; the rows leave one by one and each step is
-    priced at the rows still running.
+    priced at the rows still running. A row's tokens a step vary (`row_rate`), so its end does too (sd_r = sqrt(R_r
+    var_r / rho_r^3) steps), and the batch waits for the latest: the largest sd_r times the expected largest of B
+    normal deviates (`straggle`: 2.0 at 32 rows) more steps of one row are added to every verify policy (at batch
+    32, rows of mean 20 steps at fixed:2 ended after 30).
 
     Why (issue 28): a per-step objective (tokens per second of this step) counts every row's tokens alike, but when
     requests start together and nobody waits, the batch ends with its slowest row: at batch 32 (CPU, trained tiny,
@@ -217,7 +224,7 @@ def closed_batch_times(remaining: Sequence[int], accept: torch.Tensor, plain: Ca
     a = torch.as_tensor(accept, dtype=torch.float64).cpu()
     out = []
     for v in range(max_v + 1):
-        steps = []
+        steps, sd = [], 0.0
         for r, left in enumerate(R):
             if left == 0:
                 continue
@@ -225,13 +232,77 @@ def closed_batch_times(remaining: Sequence[int], accept: torch.Tensor, plain: Ca
                 steps.append(left)
                 continue
             w = min(v, left - 1, a.size(1))
-            rho = 1.0 + float(torch.cumprod(a[r, :w], 0).sum()) if w > 0 else 1.0
+            rho, var = row_rate(a[r, :w])
             steps.append(math.ceil(left / rho - 1e-9))
+            sd = max(sd, math.sqrt(left * var / rho ** 3))
         total, prev, alive = 0.0, 0, len(steps)
         for s in sorted(steps):
             if s > prev:
                 total += (s - prev) * (plain(alive) if v == 0 else spec(alive, v))
                 prev = s
             alive -= 1
+        if v and steps:
+            total += straggle(len(steps)) * sd * spec(1, v)
         out.append(total)
     return out
+
+
+def row_rate(a: torch.Tensor) -> tuple[float, float]:
+    """The mean and variance of the tokens a verify step of w = len(a) drafts emits, a [w] the conditional
+    acceptance per position: 1 + J with P(J >= k) = prod_{i<=k} a_i."""
+    S = torch.cumprod(torch.as_tensor(a, dtype=torch.float64), 0)
+    k = torch.arange(1, S.numel() + 1, dtype=torch.float64)
+    mean = float(S.sum())
+    return 1.0 + mean, max(0.0, float(((2 * k - 1) * S).sum()) - mean * mean)
+
+
+def straggle(rows: int) -> float:
+    """The expected largest of `rows` standard normal deviates (Blom's approximation; 0 for one row): how many
+    standard deviations of its own the last of a batch's rows lands after its mean."""
+    return 0.0 if rows < 2 else NormalDist().inv_cdf((rows - 0.375) / (rows + 0.25))
+
+
+def closed_batch_lengths(S: torch.Tensor, remaining: Sequence[int], accept: torch.Tensor,
+                         step: Callable[[int, int], float], plain: Callable[[int], float],
+                         spec: Callable[[int, int], float], candidates: Sequence[Sequence[int]]) -> list[int]:
+    """The verify lengths of this step for a closed batch (`closed_batch_times`): of the `candidates` (per-row
+    lengths), the one after which the batch is predicted to end soonest: this step's price step(n, vmax) plus
+    the least time any uniform policy (plain decoding, or every row verifying u drafts at its measured rate
+    accept [B, G]) then takes for the rows' remaining tokens, each row's R_r less this step's expected tokens
+    1 + sum_{k<=v_r} S_r,k (S [B, G]: this step's prefix survivals, the head's calibrated confidence). A
+    per-step objective counts every row's tokens alike; here a draft is worth what it takes off the batch's end,
+    so rows that are ahead verify less and the rows that set the end more (issue 28: at batch 8 the per-step
+    lengths cost more per step than fixed:2 and ended the batch no sooner). The remaining times are continuous
+    in the rows' steps (a row with R tokens left at rho a step takes R / rho), so candidates that differ by a
+    fraction of a token compare; the latest row's spread is added as in `closed_batch_times`."""
+    S = torch.as_tensor(S, dtype=torch.float64).cpu()
+    a = torch.as_tensor(accept, dtype=torch.float64).cpu()
+    B, G = a.shape
+    rates = [[(1.0, 0.0)] + [row_rate(a[r, :u]) for u in range(1, G + 1)] for r in range(B)]
+    rho = [[m for m, _ in row] for row in rates]                                              # rho[r][u]
+    prices = [[plain(b) for b in range(B + 1)]] + [[spec(b, u) if b else 0.0 for b in range(B + 1)]
+                                                   for u in range(1, G + 1)]
+
+    def future(left: list[float]) -> float:
+        best = math.inf
+        for u in range(G + 1):
+            live = [(x, r) for r, x in enumerate(left) if x > 1e-9]
+            steps = sorted(x / rho[r][u] for x, r in live)
+            total, prev, alive = 0.0, 0.0, len(steps)
+            for s in steps:
+                total += (s - prev) * prices[u][alive]
+                prev, alive = s, alive - 1
+            if u and live:
+                sd = max(math.sqrt(x * rates[r][u][1] / rho[r][u] ** 3) for x, r in live)
+                total += straggle(len(live)) * sd * prices[u][1]
+            best = min(best, total)
+        return best
+
+    best_v, best_t = None, math.inf
+    for v in candidates:
+        v = [int(x) for x in v]
+        e = [1.0 + float(S[r, :v[r]].sum()) for r in range(B)]
+        t = step(sum(1 + x for x in v), max(v)) + future([max(0.0, R - x) for R, x in zip(remaining, e)])
+        if t < best_t - 1e-12:
+            best_v, best_t = v, t
+    return best_v
