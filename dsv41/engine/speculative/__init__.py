@@ -47,6 +47,13 @@ The acceptance inputs: the confidence head's a_r,k, used raw by `dspark`; `dspar
 draft position and confidence bin on the drafts the engine verified (`AcceptanceCalibration`) and corrects T with
 the engine's own step times (`MeasuredCost`).
 
+A closed batch (no request waiting for a finished row's place, every row's end known: ignore_eos, no stops) ends
+with its slowest row, so there the scheduler prices policies by the batch's end (`closed_batch_times`: plain
+decoding and each uniform length, each row at its own measured acceptance, plus the latest row's spread) and picks
+a step's lengths by what they take off it (`closed_batch_lengths`); once enough drafts were verified and no length
+ends the batch sooner than plain decoding, its rows stop drafting and seeding for good (issue 28: at batch 32 the
+per-step objective verified, the low-acceptance rows straggled and the batch ended after off's).
+
 V = 0 is not a verify of 0 drafts but a plain decode step (no proposal): `choose_verify_lengths(..., plain=T_plain)`
 compares every verify length with B / T_plain(B), and before drafting the engine asks whether any length could win
 (at acceptance 1, then at the measured acceptance); when none can it decodes plainly, skipping the drafter's cost

@@ -16,7 +16,9 @@ class Speculation:
     corrected online by what the engine measures: `AcceptanceCalibration`, `MeasuredCost`; what `auto` runs: on the
     trained tiny model with its self-distilled drafter (CPU, deterministic, median of 3 rounds) x1.94 / x1.24 /
     x0.92 of off at batch 1 / 8 / 32 where `dspark` gave x1.96 / x1.11 / x0.80, its raw head predicting 445
-    tokens for 376 emitted at batch 8, the calibrated one 354; benchmarks/results/speculative-cpu-tiny-2026-12-06e.json)."""
+    tokens for 376 emitted at batch 8, the calibrated one 354; benchmarks/results/speculative-cpu-tiny-2026-12-06e.json;
+    with closed-batch scheduling and the longer-trained drafter x1.96 / x1.27 / x0.96, best fixed x1.87 / x1.27 /
+    x1.06, on a machine loaded ~3 on 2 cores: benchmarks/results/speculative-cpu-tiny-2026-12-07.json.gz)."""
     mode: str = "off"
     n: int = 0
     online: bool = False
