@@ -167,3 +167,42 @@ def test_constrained_update_is_on_policy_and_trains_only_free_tokens(tok):
     free = [[1.0 - m for m in ms] for ms in forced_only]
     train_step(model, opt, rs, [[1.0] * len(r.output_ids) for r in rs], cfg, tok.pad_id, free)
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_plan_entropy_is_the_masked_distributions_and_the_bonus_raises_it(tok):
+    """The entropy masked_token_logprobs returns is that of the softmax over the allowed tokens (closed form at
+    the plan position: over the valid plan letters; 0 at forced positions), and an update with zero advantages and
+    a plan-entropy bonus raises the plan letter's entropy (plan_positions marks the position that draws it)."""
+    model = build_model(tok, seed=7).eval()
+    eng = make_engine(model, tok, max_batch=8)
+    ps = problems(4, seed=4, lo=3, hi=5)
+    rs = rollouts(eng, tok, [(p, 20, 11 + i) for i, p in enumerate(ps)], T.MAX_TOKENS, temperature=1.0,
+                  routes=True, grammar=lambda p, b: C.Grammar(tok, p, b, "sml"))
+    rows_ = [r.prompt_ids + r.output_ids for r in rs]
+    T_ = max(map(len, rows_))
+    ids = torch.tensor([x + [tok.pad_id] * (T_ - len(x)) for x in rows_])
+    allowed = decoding_mask(model, rs, T_)
+    at = C.plan_positions(rs, T_)
+    assert at.sum() == len(rs)
+    with torch.no_grad():
+        _, ent = C.masked_token_logprobs(model, ids, allowed, entropy=True)
+        logits = model_logits(model, ids)
+    letters = [tok.tok.token_to_id(c) for c in "SML"]
+    for i, r in enumerate(rs):
+        k = int(at[i].nonzero()[0, 0])
+        assert r.output_ids[k - len(r.prompt_ids) + 1] in letters     # the position draws the plan letter
+        p = torch.softmax(logits[i, k, letters], -1)
+        assert torch.allclose(ent[i, k], -(p * p.log()).sum(), atol=1e-5)
+        a = len(r.prompt_ids) - 1
+        forced = allowed[i, a:a + len(r.output_ids)].sum(-1) == 1
+        assert (ent[i, a:a + len(r.output_ids)][forced] == 0).all()
+
+    def plan_entropy():
+        with torch.no_grad():
+            return float((C.masked_token_logprobs(model, ids, allowed, entropy=True)[1] * at).sum())
+    before = plan_entropy()
+    cfg = RLConfig(plan_entropy=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)           # one small step along the bonus's gradient
+    stats = train_step(model, opt, rs, [0.0] * len(rs), cfg, tok.pad_id)
+    assert abs(stats["plan_entropy"] - before / len(rs)) < 1e-5
+    assert plan_entropy() > before + 0.05

@@ -162,10 +162,12 @@ def allowed_mask(grammars: list[Grammar | None], prompt_lens: list[int], out_ids
 
 
 def masked_token_logprobs(model, ids: torch.Tensor, allowed: torch.Tensor | None = None, routes: dict | None = None,
-                          route_log: dict | None = None) -> torch.Tensor:
+                          route_log: dict | None = None, entropy: bool = False):
     """dsv41.train.logprobs.token_logprobs with the decoding mask: log p(ids[b, t+1] | ...) under the softmax of
     the logits with the disallowed tokens at -inf (the distribution the engine samples a constrained request
-    from at temperature 1); allowed None: exactly token_logprobs. fp32 [B, T-1], differentiable."""
+    from at temperature 1); allowed None: exactly token_logprobs. fp32 [B, T-1], differentiable. entropy: also
+    return the entropy of that masked distribution at every position ([B, T-1], differentiable; 0 where one
+    token is allowed)."""
     if ids.dim() != 2 or ids.size(1) < 2:
         raise ValueError(f"masked_token_logprobs needs ids [B, T] with T >= 2, got shape {tuple(ids.shape)}")
     logits = sequence_forward(model, ids, ForwardOptions(routes=routes, route_log=route_log)).logits
@@ -175,4 +177,19 @@ def masked_token_logprobs(model, ids: torch.Tensor, allowed: torch.Tensor | None
             raise ValueError(f"mask shape {tuple(allowed.shape)} is not the logits' {tuple(x.shape)}")
         x = x.masked_fill(~allowed.to(x.device), -torch.inf)
     lp = torch.log_softmax(x, dim=-1)
-    return lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    got = lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return got
+    keep = torch.isfinite(lp)
+    plogp = torch.where(keep, lp.exp() * torch.where(keep, lp, torch.zeros_like(lp)), torch.zeros_like(lp))
+    return got, -plogp.sum(-1)
+
+
+def plan_positions(rs, T_: int) -> torch.Tensor:
+    """float [B, T_-1]: 1 at the position whose softmax draws each constrained response's plan letter (its third
+    output token, after the forced band letter and n digit), 0 elsewhere."""
+    m = torch.zeros(len(rs), T_ - 1)
+    for i, r in enumerate(rs):
+        if getattr(r, "grammar", None) is not None and len(r.output_ids) > len(r.grammar.head) - 1:
+            m[i, len(r.prompt_ids) - 1 + len(r.grammar.head) - 1] = 1.0
+    return m

@@ -101,6 +101,13 @@ class RLConfig:
     # the decoding constraint (constrain.py): "" off (the full softmax), else a plan set ("sml", "strides") whose
     # grammar every rollout is sampled under and whose mask the loss's log-probs apply (sync dispatch only)
     constrain: str = ""
+    # alpha of an entropy bonus on the plan letter's (masked) distribution, constrained runs only: the update
+    # ascends E[r] + alpha H(plan | x, b), whose optimum is the Boltzmann policy P(plan) ~ exp(E[r | plan] /
+    # alpha) (with adv_norm off the advantages are in reward units, so alpha is too). Why: the exact optimum of
+    # the reward is a step in b per chain length (5 steps over 8 adjacent levels, 2026-12-07 optimum.py); the
+    # Boltzmann policy turns each step into a logistic rise, so the sampled mean length can rise between every
+    # pair of levels
+    plan_entropy: float = 0.0
     mix: TaskMix = field(default_factory=TaskMix)
     length: LengthReward = field(default_factory=LengthReward)
 
@@ -287,6 +294,10 @@ def train_step(model, opt, rs: list[Rollout], adv: list[float], cfg: RLConfig, p
     distribution they were drawn from."""
     ids, mu, a, mask = batch_tensors(rs, adv, pad, masks)
     allowed = decoding_mask(model, rs, ids.size(1))
+    ent_at = None
+    if cfg.plan_entropy > 0 and allowed is not None:
+        from dsv41.posttrain.constrain import plan_positions
+        ent_at = plan_positions(rs, ids.size(1))
     routes = None
     if all(r.routes is not None for r in rs):           # replay the generation-time routing (routing.py)
         routes = replay_batch([r.routes for r in rs], [len(r.prompt_ids) + len(r.output_ids) for r in rs],
@@ -295,14 +306,22 @@ def train_step(model, opt, rs: list[Rollout], adv: list[float], cfg: RLConfig, p
     try:
         lp_old = None
         for _ in range(max(1, cfg.epochs)):       # epochs > 1: PPO's passes over the same rollouts, clipped
+            ent = None
             if allowed is None:
                 lp = token_logprobs(model, ids, routes=routes)
-            else:
+            elif ent_at is None:
                 from dsv41.posttrain.constrain import masked_token_logprobs
                 lp = masked_token_logprobs(model, ids, allowed, routes=routes)
+            else:
+                from dsv41.posttrain.constrain import masked_token_logprobs
+                lp, ent = masked_token_logprobs(model, ids, allowed, routes=routes, entropy=True)
             if lp_old is None:
                 lp_old = lp.detach()              # the policy at the start of the update
             loss, stats = policy_loss(lp, lp_old, mu, a, mask, cfg.clip, cfg.tis_cap)
+            if ent is not None:             # the bonus, normalised by the same token count as the surrogate
+                h = (ent * ent_at).sum()
+                loss = loss - cfg.plan_entropy * h / mask.sum().clamp(min=1)
+                stats["plan_entropy"] = float(h.detach() / ent_at.sum().clamp(min=1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -389,6 +408,8 @@ class RLRun:
             from dsv41.posttrain.constrain import PLAN_SETS
             if cfg.constrain not in PLAN_SETS:
                 raise ValueError(f"unknown plan set {cfg.constrain!r}: one of {', '.join(PLAN_SETS)}")
+            if cfg.plan_entropy < 0:
+                raise ValueError(f"plan_entropy must be >= 0, got {cfg.plan_entropy}")
             if cfg.dispatch != "sync":
                 raise ValueError("the decoding constraint runs with --dispatch sync only (the dispatcher's backend "
                                  "samples unconstrained)")
