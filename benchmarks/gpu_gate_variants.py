@@ -1,0 +1,65 @@
+"""Gate 1 (golden case A, fp32, teacher-forced) on a GPU under variants of the row statistics that parted the GPU
+from the CPU in `gpu_parity_trace.py`: layer 10's q_norm (1.7e-7 from the CPU) put an FP8 QDQ on the other side of a
+rounding midpoint. The CPU's rsqrt (MKL) agrees with IEEE 1 / sqrt on ~99.4% of fp32 values; CUDA's rsqrtf is an
+approximation. Variants (monkeypatched `torch.rsqrt` on CUDA tensors and `row_mean`):
+  base       as shipped
+  div-sqrt   rsqrt(v) as 1 / sqrt(v) (IEEE sqrt and division) on CUDA tensors
+  div-sqrt+f64-mean   and the row means summed in float64, rounded once
+
+    python benchmarks/gpu_gate_variants.py      # prints each variant's failing tensors, writes nothing
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from safetensors.torch import load_file  # noqa: E402
+
+import dsv41.kernels.mhc_math as mhc_math  # noqa: E402
+import dsv41.kernels.ref as ref  # noqa: E402
+import dsv41.model.engram as engram  # noqa: E402
+from dsv41.model.attention import set_tie_break  # noqa: E402
+from dsv41.model.loading import load_model  # noqa: E402
+from dsv41.model.runner import compare_captures, run_teacher_forced  # noqa: E402
+
+GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "data" / "golden"
+
+
+def main() -> int:
+    blocks = load_file(GOLDEN / "a.fp32.fix.blocks-seq0.safetensors")
+    real_rsqrt, real_mean = torch.rsqrt, ref.row_mean
+    users = (ref, mhc_math, engram)
+    out = {}
+    for name in ("base", "div-sqrt", "div-sqrt+f64-mean"):
+        if name != "base":
+            torch.rsqrt = lambda v, *a, **k: (1.0 / torch.sqrt(v)) if v.is_cuda else real_rsqrt(v, *a, **k)
+        if name.endswith("f64-mean"):
+            for mod in users:
+                mod.row_mean = lambda x, keepdim=False: (x.double().mean(-1, keepdim=keepdim).float() if x.is_cuda
+                                                         else real_mean(x, keepdim))
+        try:
+            for storage in ("dense", "packed"):
+                m = load_model(GOLDEN / "case-a", storage=storage)[0].cuda()
+                set_tie_break(m, "official-cpu")
+                with torch.no_grad():
+                    ours = run_teacher_forced(m, {k: v.cuda() for k, v in blocks.items()})
+                rep = compare_captures({k: v.cpu() for k, v in ours.items()}, blocks, 1e-5)
+                out[f"{name}/{storage}"] = {
+                    "failing": {k: (v["outliers"], v["max"]) for k, v in rep.items() if not v["ok"]},
+                    "rows_over": sum(v["outliers"] for v in rep.values()), "max": max(v["max"] for v in rep.values())}
+                print(name, storage, json.dumps(out[f"{name}/{storage}"]), flush=True)
+        finally:
+            torch.rsqrt = real_rsqrt
+            for mod in users:
+                mod.row_mean = real_mean
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
