@@ -22,6 +22,8 @@ expert) over packed and over dense bf16 experts.
                                               # (fp8_gemm.PREFILL_CONFIG; --no-prefill-sweep skips them)
     python benchmarks/packed_gemm.py --sweep-prefill  # only the FP8 tensor-core GEMM's prefill tiles
     python benchmarks/packed_gemm.py --moe-only  # only the MoE op rows (fused vs torch routing, FP8 MMA vs bf16 decode)
+    python benchmarks/packed_gemm.py --sweep-gate  # only the MoE gate kernel's K block and warps (GATE_CONFIG) at 1 and
+                                                   # 32 tokens, v41-geometry's 16 experts over D 5120; prints, no file
 Env: RESULT (the result file). The result's decode_configs / moe_config are what `benchmarks/gpu_weights.py` applies
 with TUNING=that file.
 """
@@ -342,8 +344,38 @@ def moe_rows(dev: str, bw: float) -> list[dict]:
     return rows
 
 
+def sweep_gate(dev: str) -> dict:
+    """The MoE gate kernel (a program per token: the [E, D] fp32 GEMV, scores, top-K) per GATE_CONFIG setting, GPU
+    time at 1 and 32 tokens, beside the torch reference (~11 kernels)."""
+    from dsv41.kernels.moe_ref import moe_gate_ref
+    g = torch.Generator(device=dev).manual_seed(2)
+    w = torch.randn(EXPERTS, DIM, device=dev, generator=g) * DIM ** -0.5
+    bias = torch.randn(EXPERTS, device=dev, generator=g) * 0.01
+    table = []
+    for n in (1, 32):
+        x = torch.randn(n, DIM, device=dev, dtype=torch.bfloat16, generator=g)
+        args = (x, w, bias, TOPK, "sqrtsoftplus", 1.0, True, 1.5)
+        ref_t = cuda_time(lambda: moe_gate_ref(*args))
+        ref = moe_gate_ref(*args)
+        for bk in (0, 512, 1024, 2048):
+            for warps in (4, 8, 16):
+                over = {"block_k": bk, "num_warps": warps}
+                t = cuda_time(lambda: moe_kernel.moe_gate_triton(*args, **over))
+                out = moe_kernel.moe_gate_triton(*args, **over)
+                same = bool(torch.equal(out[1], ref[1]))
+                err = float((out[2] - ref[2]).abs().max())
+                table.append({"tokens": n, **over, "seconds": t, "torch_seconds": ref_t, "indices_equal": same,
+                              "scores_max_abs_err": err})
+                print(f"gate N {n:2d} BK {bk:4d} warps {warps:2d}: {t * 1e6:6.1f} us (torch {ref_t * 1e6:6.1f}), "
+                      f"indices equal {same}, scores err {err:.1e}", flush=True)
+    return {"sweep_gate": table}
+
+
 def main() -> None:
     dev = "cuda"
+    if "--sweep-gate" in sys.argv:
+        print(json.dumps(sweep_gate(dev)))
+        return
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     bw = 2 * src.numel() / cuda_time(lambda: dst.copy_(src), 5)

@@ -556,9 +556,14 @@ def _moe_gate_kernel(x_ptr, w_ptr, b_ptr, wout_ptr, iout_ptr, s_ptr, E, D, temp,
     tl.store(iout_ptr + t * K + kk, idx.to(tl.int64), mask=kk < K)
 
 
+GATE_CONFIG = {"block_k": 0, "num_warps": 4}     # block_k 0: 4096 / (experts padded), within 16 .. 256
+
+
 def moe_gate_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str,
-                    gate_temp: float, norm_topk_prob: bool, route_scale: float):
-    """Twin of `moe_gate_ref` (same arguments and outputs), a program per token."""
+                    gate_temp: float, norm_topk_prob: bool, route_scale: float, **over):
+    """Twin of `moe_gate_ref` (same arguments and outputs), a program per token; `over`: GATE_CONFIG keys (the
+    benchmark's sweep, `benchmarks/packed_gemm.py --sweep-gate`)."""
+    cfg = {**GATE_CONFIG, **over}
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"moe_gate (triton): score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     N, D = x.shape
@@ -574,7 +579,7 @@ def moe_gate_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, t
         LAST["moe_gate"] = _moe_gate_kernel[(N,)](
             aligned_rows(x, D), aligned_rows(weight, D), bias.float().contiguous(), wout, iout, scores, E, D,
             float(gate_temp), float(route_scale), K=topk, KP=triton.next_power_of_2(topk), SCORE=SCORE_FUNCS.index(score_func),
-            NORM=bool(norm_topk_prob) and topk > 1, BE=BE, BK=max(16, min(256, 4096 // BE)),
-            LIBDEVICE=not INTERPRET, num_warps=4, enable_fp_fusion=False)
+            NORM=bool(norm_topk_prob) and topk > 1, BE=BE, BK=cfg["block_k"] or max(16, min(256, 4096 // BE)),
+            LIBDEVICE=not INTERPRET, num_warps=cfg["num_warps"], enable_fp_fusion=False)
     return wout, iout, scores
 
