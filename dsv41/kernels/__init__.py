@@ -144,9 +144,12 @@ def indexer_topk_packed(q, w, index_pages, page_table, n_vis, topk, cand_blocks=
     return _dispatch("indexer_topk_packed", indexer_topk_packed_ref, args, [q, w, index_pages], q)
 
 
-# The mixes kernel is opt-in (DSV41_HC_MIXES_KERNEL=1): on an H100 it alone parted the engine's greedy tokens between
-# eager steps and CUDA-graph replays (share 0.82 against 1.00 with the torch mixes, tests/test_graph_decode.py), a
-# cause not yet found (aligned_rows is the candidate fix, unverified); it saves 3 x ~130 small kernels per step.
+# The mixes kernel is opt-in (DSV41_HC_MIXES_KERNEL=1): on an H100 it parts the engine's greedy tokens between eager
+# steps and CUDA-graph replays (shares 0.82 / 0.94 over model seeds 3 / 4, against 1.00 / 1.00 with the torch mixes;
+# `benchmarks/graph_eager_share.py`, results/graph_eager_share_h100-2026-12-07.log), with aligned_rows in place, so
+# pointer alignment is not the cause; cause not found. It saves 3 x ~130 small kernels per step, yet the
+# graph-replayed step is no faster with it (21.95 vs 21.90 ms at batch 1, 37.40 vs 37.66 at 32:
+# results/decode_step_ab_h100-2026-12-07.log).
 HC_MIXES_KERNEL = os.environ.get("DSV41_HC_MIXES_KERNEL") == "1"
 
 

@@ -40,9 +40,9 @@ def sm_count(device: torch.device) -> int:
 def aligned_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """x as contiguous rows of `width`, at a 16-byte-aligned address (a copy only when x is not already). Triton
     compiles a kernel per pointer alignment, and a reduction's order can follow the layout the alignment selects, so
-    the same row summed from an aligned and from an offset address may give other fp32 bits. Suspected (not
-    verified) cause of the mHC mixes kernel parting eager and CUDA-graph greedy runs on an H100 (dsv41.kernels:
-    HC_MIXES_KERNEL); one compiled variant per kernel rules it out."""
+    the same row summed from an aligned and from an offset address may give other fp32 bits; one compiled variant
+    per kernel rules that out. (It was the suspected cause of the mHC mixes kernel parting eager and CUDA-graph greedy
+    runs on an H100; with it in place they still part: dsv41.kernels, HC_MIXES_KERNEL.)"""
     a = x.reshape(-1, width)
     if not a.is_contiguous() or a.data_ptr() % 16:
         a = a.clone(memory_format=torch.contiguous_format)
