@@ -50,6 +50,23 @@ def switches(pc: dict, length: LengthReward) -> dict:
     return out
 
 
+def boltzmann(pc: dict, length: LengthReward, alpha: float) -> tuple[list[float], list[float]]:
+    """Expected length and accuracy per evaluation level (n uniform) of P(c | b, n) ~ exp(E[r | c, b, n] / alpha)."""
+    ls, accs = [], []
+    for b in EVAL_LEVELS:
+        el = ea = 0.0
+        for n, ps in pc.items():
+            r = {c: acc + length(ln, b) for c, (acc, ln) in ps.items()}
+            m = max(r.values())
+            w = {c: math.exp((x - m) / alpha) for c, x in r.items()}
+            z = sum(w.values())
+            el += sum(w[c] / z * ps[c][1] for c in ps) / len(pc)
+            ea += sum(w[c] / z * ps[c][0] for c in ps) / len(pc)
+        ls.append(el)
+        accs.append(ea)
+    return ls, accs
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cells")
@@ -61,6 +78,9 @@ def main():
     ap.add_argument("--gap", type=float, default=1.5)
     ap.add_argument("--scan-grid", action="store_true", dest="scan")
     ap.add_argument("--alpha", type=float, action="append", default=[])
+    ap.add_argument("--alpha-scan", type=float, metavar="MIN_ACC",
+                    help="scan (k0, lambda, alpha) for Boltzmann policies with mean accuracy >= MIN_ACC, ranked by "
+                         "their smallest adjacent rise of the expected length")
     a = ap.parse_args()
     pc = plan_cells(json.load(open(a.cells))["cells"], a.plans)
     for n, ps in pc.items():
@@ -77,22 +97,22 @@ def main():
     print(f"k0 {a.k0} lambda {a.lam} C_max {a.cmax}: rises >= {a.gap}: {sum(x >= a.gap for x in d)} / 8; "
           f"switching levels {switches(pc, L)}")
     for alpha in a.alpha:
-        L = LengthReward(k0=a.k0, lam=a.lam, c_max=a.cmax, levels=TRAIN_LEVELS, delta_b=a.delta_b)
-        ls, accs = [], []
-        for b in EVAL_LEVELS:
-            el = ea = 0.0
-            for n, ps in pc.items():
-                r = {c: acc + L(ln, b) for c, (acc, ln) in ps.items()}
-                m = max(r.values())
-                w = {c: math.exp((x - m) / alpha) for c, x in r.items()}
-                z = sum(w.values())
-                el += sum(w[c] / z * ps[c][1] for c in ps) / len(pc)
-                ea += sum(w[c] / z * ps[c][0] for c in ps) / len(pc)
-            ls.append(el)
-            accs.append(ea)
+        ls, accs = boltzmann(pc, LengthReward(k0=a.k0, lam=a.lam, c_max=a.cmax, levels=TRAIN_LEVELS,
+                                              delta_b=a.delta_b), alpha)
         d = [y - x for x, y in zip(ls, ls[1:])]
         print(f"alpha {alpha}: E[len] " + " ".join(f"{x:.1f}" for x in ls) + f"; smallest rise {min(d):.2f}; "
               f"accuracy " + " ".join(f"{x:.2f}" for x in accs) + f" (mean {sum(accs) / len(accs):.3f})")
+    if a.alpha_scan is not None:
+        rows = []
+        for k0, lam, alpha in itertools.product([1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4], [2.5, 3, 3.5, 4, 5, 6],
+                                                [0.08, 0.1, 0.12, 0.15]):
+            ls, accs = boltzmann(pc, LengthReward(k0=k0, lam=lam, c_max=a.cmax, levels=TRAIN_LEVELS,
+                                                  delta_b=a.delta_b), alpha)
+            if sum(accs) / len(accs) >= a.alpha_scan:
+                rows.append((min(y - x for x, y in zip(ls, ls[1:])), sum(accs) / len(accs), k0, lam, alpha, ls))
+        for r in sorted(rows, key=lambda r: (-r[0], -r[1]))[:8]:
+            print(f"  smallest rise {r[0]:.2f} accuracy {r[1]:.3f}: k0 {r[2]} lambda {r[3]} alpha {r[4]}  E[len] "
+                  + " ".join(f"{x:.1f}" for x in r[5]))
     if a.scan:
         rows = []
         for k0, lam in itertools.product([x / 10 for x in range(10, 61, 2)], [x / 4 for x in range(4, 25)]):
