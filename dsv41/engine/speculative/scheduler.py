@@ -235,16 +235,21 @@ def closed_batch_times(remaining: Sequence[int], accept: torch.Tensor, plain: Ca
             rho, var = row_rate(a[r, :w])
             steps.append(math.ceil(left / rho - 1e-9))
             sd = max(sd, math.sqrt(left * var / rho ** 3))
-        total, prev, alive = 0.0, 0, len(steps)
-        for s in sorted(steps):
-            if s > prev:
-                total += (s - prev) * (plain(alive) if v == 0 else spec(alive, v))
-                prev = s
-            alive -= 1
+        total = _drain_time(steps, plain if v == 0 else (lambda b, v=v: spec(b, v)))
         if v and steps:
             total += straggle(len(steps)) * sd * spec(1, v)
         out.append(total)
     return out
+
+
+def _drain_time(steps: Sequence[float], price: Callable[[int], float]) -> float:
+    """Seconds until every row is done, the rows leaving one by one: steps[r] the steps row r still needs, price(b)
+    the seconds of a step with b rows running."""
+    total, prev, alive = 0.0, 0.0, len(steps)
+    for s in sorted(steps):
+        total += (s - prev) * price(alive)
+        prev, alive = s, alive - 1
+    return total
 
 
 def row_rate(a: torch.Tensor) -> tuple[float, float]:
@@ -287,11 +292,7 @@ def closed_batch_lengths(S: torch.Tensor, remaining: Sequence[int], accept: torc
         best = math.inf
         for u in range(G + 1):
             live = [(x, r) for r, x in enumerate(left) if x > 1e-9]
-            steps = sorted(x / rho[r][u] for x, r in live)
-            total, prev, alive = 0.0, 0.0, len(steps)
-            for s in steps:
-                total += (s - prev) * prices[u][alive]
-                prev, alive = s, alive - 1
+            total = _drain_time([x / rho[r][u] for x, r in live], prices[u].__getitem__)
             if u and live:
                 sd = max(math.sqrt(x * rates[r][u][1] / rho[r][u] ** 3) for x, r in live)
                 total += straggle(len(live)) * sd * prices[u][1]
