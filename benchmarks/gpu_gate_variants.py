@@ -5,6 +5,8 @@ approximation. Variants (monkeypatched `torch.rsqrt` on CUDA tensors and `row_me
   base       as shipped
   div-sqrt   rsqrt(v) as 1 / sqrt(v) (IEEE sqrt and division) on CUDA tensors
   div-sqrt+f64-mean   and the row means summed in float64, rounded once
+  cpu-stats  the row means and rsqrt of CUDA tensors computed on the CPU (bit-equal RMSNorm statistics; a probe of
+             whether the statistics are the whole cause, not a serving path)
 
     python benchmarks/gpu_gate_variants.py      # prints each variant's failing tensors, writes nothing
 """
@@ -36,8 +38,14 @@ def main() -> int:
     real_rsqrt, real_mean = torch.rsqrt, ref.row_mean
     users = (ref, mhc_math, engram)
     out = {}
-    for name in ("base", "div-sqrt", "div-sqrt+f64-mean"):
-        if name != "base":
+    for name in ("base", "div-sqrt", "div-sqrt+f64-mean", "cpu-stats"):
+        if name == "cpu-stats":
+            torch.rsqrt = lambda v, *a, **k: (real_rsqrt(v.cpu()).to(v.device) if v.is_cuda
+                                              else real_rsqrt(v, *a, **k))
+            for mod in users:
+                mod.row_mean = lambda x, keepdim=False: (real_mean(x.cpu(), keepdim).to(x.device) if x.is_cuda
+                                                         else real_mean(x, keepdim))
+        elif name != "base":
             torch.rsqrt = lambda v, *a, **k: (1.0 / torch.sqrt(v)) if v.is_cuda else real_rsqrt(v, *a, **k)
         if name.endswith("f64-mean"):
             for mod in users:

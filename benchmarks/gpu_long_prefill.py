@@ -6,7 +6,12 @@ as a share of the bf16 GEMM rate measured in the same run (8192 x 5120 x 5120), 
 token (the 890 B/token design figure), and after the longest one DECODE_STEPS decode steps at that context.
 
     python benchmarks/gpu_long_prefill.py     # writes benchmarks/results/gpu_long_prefill_h200.json
-Env: DEVICE (cuda; cpu for a check of the script), CONFIG (v41-geometry), LENGTHS (32768,1048576), CHUNK (16384), MODE (ced-bounded), DECODE_STEPS (6).
+Env: DEVICE (cuda; cpu for a check of the script), CONFIG (v41-geometry), LENGTHS (32768,1048576), CHUNK (16384), MODE (ced-bounded), DECODE_STEPS (6),
+PROFILE (1: each length up to PROFILE_MAX (32768) tokens is prefilled once more into a fresh sequence under the torch
+profiler: GPU busy time over wall, and the kernels by their summed time; where the prefill rate goes),
+RESULT (the result file; default benchmarks/results/gpu_long_prefill_h200.json).
+
+    PROFILE=1 LENGTHS=512,32768 DECODE_STEPS=0 RESULT=$OUT/prefill_profile.json python benchmarks/gpu_long_prefill.py
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from dsv41.engine.prefill import prefill  # noqa: E402
 from dsv41.engine.store import make_pool  # noqa: E402
 from dsv41.model.init import random_model  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_weights import gpu_busy  # noqa: E402
+
 
 def gemm_rate(dev: str, n: int = 8192, k: int = 5120, reps: int = 20) -> float:
     a = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
@@ -37,6 +45,18 @@ def gemm_rate(dev: str, n: int = 8192, k: int = 5120, reps: int = 20) -> float:
         a @ b
     t = statistics.median(timed(lambda: a @ b, dev) for _ in range(reps))
     return 2.0 * n * k * k / t
+
+
+def profile_prefill(model, ids, mode: str, chunk: int, secs: float) -> dict:
+    """A second prefill of `ids` into a fresh sequence under the profiler: kernel time, its share of the timed
+    prefill's wall time `secs`, and the top kernels (name, ms, calls)."""
+    pool = make_pool(model, ids.device)
+    view = pool.bind([pool.new_sequence()])
+    busy, top = gpu_busy(lambda: prefill(model, ids, view, mode, chunk), top=25)
+    print(f"    profiled: GPU busy {busy:.3f} s of {secs:.3f} s wall ({busy / secs:.2f})", flush=True)
+    for k in top:
+        print(f"      {k['ms']:9.2f} ms {k['calls']:6d}x  {k['kernel'][:100]}", flush=True)
+    return {"gpu_busy_s": busy, "busy_over_wall": busy / secs, "top": top}
 
 
 def main() -> None:
@@ -71,7 +91,9 @@ def main() -> None:
         print(f"{n:8d} tokens: prefill {secs:7.1f} s, {row['flops_per_s'] / 1e12:6.1f} TFLOP/s = "
               f"{row['share_of_gemm_rate']:.2f} of the GEMM rate, global KV {row['global_kv_bytes_per_token']:.1f} "
               f"B/token, peak {row['peak_gb']:.1f} GB", flush=True)
-        if n == max(lengths):
+        if os.environ.get("PROFILE") == "1" and n <= int(os.environ.get("PROFILE_MAX", "32768")):
+            row["profile"] = profile_prefill(model, ids, mode, chunk, secs)
+        if n == max(lengths) and int(os.environ.get("DECODE_STEPS", "6")) > 1:
             tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
             times = []
             with torch.no_grad():
@@ -86,7 +108,7 @@ def main() -> None:
         if dev == "cuda":
             torch.cuda.empty_cache()
     if dev == "cuda":
-        out = Path(__file__).parent / "results" / "gpu_long_prefill_h200.json"
+        out = Path(os.environ.get("RESULT") or Path(__file__).parent / "results" / "gpu_long_prefill_h200.json")
         out.write_text(json.dumps(res, indent=1))
         print(f"wrote {out}")
 
