@@ -268,6 +268,26 @@ def test_sparse_attn_packed_triton(kw, opts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kw", ATTN_GPU_CASES[1:3])
+def test_sparse_attn_packed_triton_verify_layout(kw):
+    """The layout of a verify (`dsv41.model.packed_decode.attend_packed`): a ring of W + T rows per row (the ring
+    before the call, then its T new rows), T virtual rows reading each, window lists from `window_indices`."""
+    from dsv41.kernels.triton import sparse_attn_packed_triton
+    from dsv41.model.attention import window_indices
+    T = 3
+    c = attn_case(device="cuda", seed=11, **kw)
+    B, W = c.slots.numel(), c.W
+    new = c.ring[c.slots.long(), :T].flip(1)                                   # any valid records as the new rows
+    ring = torch.cat([c.ring[c.slots.long()], new], 1)                         # [B, W+T, bytes]
+    win = window_indices(c.pos.cpu() - T + 1, T, W, False, None if c.floor is None else c.floor).flatten(0, 1)
+    args = (c.q.repeat_interleave(T, 0), ring, torch.arange(B, device="cuda").repeat_interleave(T), win.cuda().int(),
+            c.pages, c.table.repeat_interleave(T, 0), c.topk.repeat_interleave(T, 0), c.sink, c.scale)
+    ref = sparse_attn_packed_ref(*args)
+    out = sparse_attn_packed_triton(*args)
+    assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kw", ATTN_GPU_CASES)
 @pytest.mark.parametrize("opts", [dict(), dict(block_n=32), dict(block_n=64, num_warps=8)])
 def test_stage_packed_rows_exact(kw, opts):

@@ -178,6 +178,55 @@ def test_sequences_at_different_positions_decode_together(debug_models, dtype):
     assert torch.isfinite(together).all()
 
 
+@pytest.mark.parametrize("dtype,deterministic", [(torch.float32, False), (torch.bfloat16, True)])
+def test_verify_continuations_read_the_packed_store_and_equal_dense(debug_models, dtype, deterministic):
+    """Switched on, continuations of 2..window tokens per row (speculative verifies, plain and ragged) take
+    `packed_decode.attend_packed` (a virtual row per query token over the packed ring, pages and index keys) on
+    rows at different positions, and equal the dense path on DenseCache bit for bit, logits and stores."""
+    from dsv41.kernels.choice import set_packed_verify
+    from dsv41.kernels.invariant import set_deterministic
+    from dsv41.model import packed_decode
+    cfg, models = debug_models
+    m = models[dtype]
+    lens = [11, 30, 7]
+    seqs = torch.cat([tokens(cfg, 1, 60, seed=10 + i) for i in range(len(lens))])
+    calls = []
+    orig = packed_decode.attend_packed
+
+    def spy(attn, u, *a):
+        calls.append(u.shape[:2])
+        return orig(attn, u, *a)
+    set_deterministic(deterministic)
+    set_packed_verify(True)
+    packed_decode.attend_packed = spy
+    try:
+        pool = small_pool(cfg, dtype)
+        sids, dense = [], []
+        with torch.no_grad():
+            for i, n in enumerate(lens):                  # each prefilled alone: the rows sit at different positions
+                sids.append(pool.new_sequence())
+                dense.append(DenseCache(cfg, 1, dtype))
+                for c in (pool.bind([sids[-1]]), dense[-1]):
+                    m(seqs[i:i + 1, :n], c)
+            d = DenseCache.stack(dense)
+            pos = list(lens)
+            for T, lengths in ((5, None), (2, None), (cfg.window_size, None), (4, [4, 1, 3]), (6, [2, 6, 5])):
+                step = torch.stack([seqs[i, p:p + T] for i, p in enumerate(pos)])
+                opts = None if lengths is None else ForwardOptions(lengths=torch.tensor(lengths))
+                n_before = len(calls)
+                a = m(step, pool.bind(sids), opts=opts).logits
+                assert len(calls) > n_before, "the packed verify path was not taken"
+                b = m(step, d, opts=None if lengths is None else ForwardOptions(lengths=torch.tensor(lengths))).logits
+                assert torch.equal(a, b), (T, lengths)
+                pos = [p + T for p in pos]
+            assert_store_equals_dense(pool.bind(sids), d)
+    finally:
+        packed_decode.attend_packed = orig
+        set_deterministic(False)
+        set_packed_verify(False)
+    assert {tuple(s) for s in calls} >= {(3, 5), (3, 2), (3, cfg.window_size)}
+
+
 def test_small_latents_need_the_exact_main_kv_encoder(debug_models):
     """Latents whose group amax is small get an E4M3 *subnormal* scale, where `qdq_main_kv` is not idempotent
     (pack_main_kv of a QDQ'd value may pick another scale and lose it). Shrink one KV source's compressor norm

@@ -18,7 +18,7 @@ from torch import nn
 # cuBLAS GEMMs read each expert's weights once, where the op's tiles of 16 pairs would re-read them.
 FUSED_MOE_MAX_TOKENS = 64
 
-_packed = {"enabled": True}
+_packed = {"enabled": True, "verify": False}
 
 
 def fused_moe(x: torch.Tensor) -> bool:
@@ -35,6 +35,19 @@ def fused_mhc_across(*modules: nn.Module) -> bool:
 def set_packed_decode(enabled: bool) -> None:
     """`False` forces the dense decode path everywhere (comparisons, profiles)."""
     _packed["enabled"] = bool(enabled)
+
+
+def set_packed_verify(enabled: bool) -> None:
+    """`True`: continuations of a few tokens per row (speculative verifies) read the packed store in place too,
+    a virtual row per query token (`dsv41.model.packed_decode.attend_packed`). Off by default: on a CPU the
+    torch references then unpack the index keys once per query token, where the dense path unpacks them once per
+    call (measured slower: tiny, batch 1, 5 tokens: 85.8 vs 75.4 ms at a 512-token context, 136.7 vs 98.6 at 4K;
+    docs/system.md §5). It is the layout a graph-captured verify needs (fixed widths, no unpacked history)."""
+    _packed["verify"] = bool(enabled)
+
+
+def packed_verify() -> bool:
+    return _packed["enabled"] and _packed["verify"]
 
 
 def packed_decode(tokens: int, store_packed: bool, quantized: bool) -> bool:

@@ -67,13 +67,13 @@ def sparse_attn_packed_ref(q: torch.Tensor, swa_ring: torch.Tensor, ring_slots: 
     Computes `sparse_attn_ref` over KV = [the row's ring rows || the K selected entries] with the index list
     [win_idx || W + k for each selected k]: the model's decode list (window oldest first, then the top-k),
     so the blocks of 64 and the bf16 rounding of the probabilities are the model's."""
-    W, K = swa_ring.size(1), topk_idx.size(1)
+    W, K = swa_ring.size(1), topk_idx.size(1)       # (a verify passes W + T rows: the ring and its new rows)
     ring = unpack_swa_kv(swa_ring[ring_slots.long()])                                  # [B,W,D]
     comp = unpack_main_kv(gather_records(main_pages, page_table, topk_idx))            # [B,K,D]
     kv = torch.cat([ring, comp], dim=1).to(q.dtype)
     cidx = torch.where(topk_idx >= 0, W + torch.arange(K, device=q.device), -1)
     if is_deterministic():
-        idx = canonical_lists(win_idx.long(), cidx.long() if K else None, W, K).unsqueeze(1)
+        idx = canonical_lists(win_idx.long(), cidx.long() if K else None, win_idx.size(1), K).unsqueeze(1)
     else:
         idx = torch.cat([win_idx.long(), cidx.long()], dim=-1).unsqueeze(1)            # [B,1,KW+K]
     return sparse_attn_ref(q.unsqueeze(1), kv, sink, idx, scale)[:, 0]

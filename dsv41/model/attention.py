@@ -357,8 +357,10 @@ class Attention(QuantSite):
         sparse attention of the queries q [B,T,H,C] over the window and the selected entries -> [B,T,H,C]."""
         T = u.size(1)
         prefill = ctx.all_prefill
-        win_kv = kv if prefill else torch.cat([ctx.cache.window_ring(self.layer).to(kv.dtype), kv], dim=1)
         idx = h2d(window_indices(ctx.start, T, self.window, prefill, ctx.opts.floor_for(self.layer)), u.device).int()
+        if packed_decode.verify_applies(self, ctx, prefill):
+            return packed_decode.attend_packed(self, u, qr, q, kv, freqs, idx, ctx)
+        win_kv = kv if prefill else torch.cat([ctx.cache.window_ring(self.layer).to(kv.dtype), kv], dim=1)
         ctx.cache.write_window(self.layer, ctx.start, kv)
         kv_all, idx = self.with_compressed(u, qr, freqs, win_kv, idx, ctx)
         return sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)

@@ -8,6 +8,11 @@ so on the reference backend the two agree to the last bit (tests/test_kv_paged.p
 Used when: one token per row (decode), a packed store, quantization on, no recording (parity runs), not the
 official decode artifact (`applies`). `dsv41.kernels.choice.set_packed_decode(False)` forces the dense path
 everywhere.
+
+With `dsv41.kernels.choice.set_packed_verify(True)`, a continuation of 2..VERIFY_MAX_TOKENS tokens per row (a
+speculative verify, eager) reads the store the same way (`attend_packed`): each query token becomes a virtual row of its own (V = B x T), whose window is the ring as it
+was before the call followed by this call's rows (the layout of `window_indices`), and whose indexer sees the
+entries visible at its own position. Each virtual row is then the one-token decode of that token.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 
 from dsv41.devices import h2d
 from dsv41.kernels import decode_window_rows, indexer_topk_packed, sparse_attn_packed
-from dsv41.kernels.choice import packed_decode
+from dsv41.kernels.choice import packed_decode, packed_verify
 from dsv41.kernels.invariant import is_deterministic
 from dsv41.model.cache import PackedKVStore
 from dsv41.model.step import StepContext
@@ -29,27 +34,45 @@ def applies(attn, ctx: StepContext) -> bool:
             and not ctx.opts.official_decode_artifact)
 
 
+VERIFY_MAX_TOKENS = 16         # continuations up to this many tokens per row take `attend_packed`
+
+
+def verify_applies(attn, ctx: StepContext, prefill: bool) -> bool:
+    """`attend_packed` for this call: switched on (`dsv41.kernels.choice.set_packed_verify`), 2..VERIFY_MAX_TOKENS
+    (and at most a window of) continuation tokens per row, eager, under the conditions of `applies`."""
+    T = ctx.seqlen
+    return (packed_verify() and 1 < T <= min(VERIFY_MAX_TOKENS, attn.window) and not prefill and not ctx.static
+            and packed_decode(1, ctx.cache.packed, attn.quant) and ctx.record is None
+            and not ctx.opts.official_decode_artifact)
+
+
+def _rows(table: torch.Tensor, T: int) -> torch.Tensor:
+    """A per-row tensor [B,...] repeated for the T virtual rows of each row [B*T,...]."""
+    return table if T == 1 else table.repeat_interleave(T, dim=0)
+
+
 def _selection(attn, u, qr, freqs, ctx: StepContext) -> torch.Tensor:
-    """Top-k compressed-entry ids [B,K] (ascending, -1 none) of a layer with m > 0; publishes what layers above
-    read (their top-k source, their candidate pool as block ids)."""
+    """Top-k compressed-entry ids [B*T,K] (ascending, -1 none) of a layer with m > 0, a row per query token (T = 1
+    for a decode step); publishes what layers above read (their top-k source, their candidate pool as block ids)."""
     role, m, pub = attn.role, attn.role.ratio, ctx.published
     cache: PackedKVStore = ctx.cache
-    B = u.size(0)
+    B, T = u.shape[:2]
     if not role.is_index_source:
         return pub.topk_packed[role.topk_from]
 
-    def visible():                                          # entries visible to each row, shared by the step's layers
-        n_vis = (ctx.start + 1) // m
+    def visible():                                          # entries visible to each query, shared by the step's layers
+        n_vis = (ctx.start.view(-1, 1) + torch.arange(1, T + 1, device=ctx.start.device)).view(-1) // m
         if ctx.static:                                      # the width fixed by the store, the counts on the device
             return ctx.entry_capacity(m), n_vis
         return int(n_vis.max()), h2d(n_vis, u.device)
     n_max, n_vis = ctx.memoized(("n-vis", m), visible)
     if n_max == 0:
-        idx = pool = torch.empty(B, 0, dtype=torch.int32, device=u.device)         # (the pool: a candidate source's)
+        idx = pool = torch.empty(B * T, 0, dtype=torch.int32, device=u.device)     # (the pool: a candidate source's)
     else:
         ix = attn.indexer
-        qi, w = (t[:, 0] for t in ix.queries(u, qr, freqs))                           # [B,J,I], [B,J]
+        qi, w = (t.flatten(0, 1) for t in ix.queries(u, qr, freqs))                   # [B*T,J,I], [B*T,J]
         pages, table = cache.packed_pages(role.kv_from, "index")
+        table = _rows(table, T)
         cand = pub.pool[role.candidates_from] if role.uses_candidates else None
         idx, pool = indexer_topk_packed(qi, w, pages, table, n_vis, ix.topk, cand,
                                         ix.cand_blocks if role.is_candidate_source else 0, ix.cand_size,
@@ -85,3 +108,33 @@ def attention_decode_packed(attn, u: torch.Tensor, ctx: StepContext) -> torch.Te
     o = sparse_attn_packed(q[:, 0], ring, slots, win, main, table, topk, attn.attn_sink, attn.softmax_scale)
     conj = ctx.memoized(("rope-conj", rope), lambda: freqs.conj().resolve_conj())
     return attn.output(o.unsqueeze(1), freqs, conj)
+
+
+def attend_packed(attn, u, qr, q, kv, freqs, win_idx, ctx: StepContext) -> torch.Tensor:
+    """`Attention.attend` for T continuation tokens per row (`verify_applies`) over the packed store: u [B,T,D],
+    q [B,T,H,C], kv [B,T,C] (this call's window KV), win_idx [B,T,W] (`window_indices`: into [ring || this
+    call's T rows]) -> [B,T,H,C]. Query token t of row b is virtual row b*T + t."""
+    cache: PackedKVStore = ctx.cache
+    L = attn.layer
+    B, T = u.shape[:2]
+    ring, slots = cache.packed_ring(L)
+    W = ring.size(1)
+    before = ring[slots.long()]                                                      # [B,W,bytes] before the write
+    cache.write_window(L, ctx.start, kv)
+    rows = ctx.memoized(("verify-ring-rows", W), lambda: h2d(
+        (ctx.start.view(-1, 1) + torch.arange(T)) % W, u.device))
+    ring_ext = torch.cat([before, ring[slots.long().view(-1, 1), rows]], dim=1)      # [B,W+T,bytes]
+    if attn.role.ratio:
+        if attn.compressor is not None and ctx.opts.produce_kv:
+            attn.produce_global_kv(u, ctx)
+        topk = _selection(attn, u, qr, freqs, ctx)                                   # [B*T,K]
+        if is_deterministic():
+            topk = torch.nn.functional.pad(topk, (0, attn.topk - topk.size(1)), value=-1)
+        main, table = cache.packed_pages(attn.role.kv_from, "main")
+    else:
+        topk = torch.empty(B * T, 0, dtype=torch.int32, device=u.device)
+        main, table = cache.packed_pages(None, "main")
+    own = ctx.memoized("verify-own-rows", lambda: torch.arange(B, device=u.device).repeat_interleave(T))
+    o = sparse_attn_packed(q.flatten(0, 1), ring_ext, own, win_idx.flatten(0, 1), main, _rows(table, T), topk,
+                           attn.attn_sink, attn.softmax_scale)
+    return o.view(B, T, *o.shape[1:])
