@@ -47,13 +47,14 @@ ordinary one: only the forward's bits matter for the equality of engine and trai
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["ROW_TILE", "set_deterministic", "is_deterministic", "deterministic", "exact_block_linear",
-           "tiled_linear", "linear", "index_scores", "canonical_lists", "sigmoid", "silu", "softplus", "row_sum",
-           "row_mean", "small_sum"]
+           "tiled_linear", "linear", "index_scores", "canonical_lists", "rsqrt", "sigmoid", "silu", "softplus",
+           "row_sum", "row_mean", "small_sum"]
 
 ROW_TILE = 16                 # rows per GEMM problem of `tiled_linear` (a decode batch of up to 16 is one problem)
 CUDA_TILE_GROUP = 8           # tiles per batched GEMM call on CUDA (one batch count: one cuBLAS kernel choice)
@@ -195,6 +196,15 @@ def small_sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ elementwise
+
+def rsqrt(v: torch.Tensor) -> torch.Tensor:
+    """torch.rsqrt(v). With DSV41_GPU_RSQRT=div, on a CUDA tensor: 1 / sqrt(v), IEEE square root then division
+    (CUDA's rsqrtf is an approximation; a CPU's rsqrt agrees with 1 / sqrt on ~99.4% of fp32 values), a probe for
+    the fp32 gate on a GPU (docs/golden.md §4). The CPU path is torch.rsqrt always."""
+    if v.is_cuda and os.environ.get("DSV41_GPU_RSQRT") == "div":
+        return 1.0 / torch.sqrt(v)
+    return torch.rsqrt(v)
+
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1 / (1 + torch.exp(-x)) if _state["on"] else torch.sigmoid(x)

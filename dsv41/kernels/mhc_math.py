@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.kernels.invariant import linear, row_mean, sigmoid, small_sum
+from dsv41.kernels.invariant import linear, row_mean, rsqrt, sigmoid, small_sum
 
 __all__ = ["hc_split_sinkhorn", "hc_mixes", "hc_pre", "hc_post"]
 
@@ -35,7 +35,7 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     """x [B,T,S,D] -> (pre, post, comb). One RMS statistic per token over all S*D values, applied AFTER the
     projection of the unnormalised stream (docs/model.md §2 item 4, §10.2 item 6)."""
     xf = x.flatten(2).float()                                              # [B,T,S*D], stream-major
-    rstd = torch.rsqrt(row_mean(xf.square(), keepdim=True) + norm_eps)
+    rstd = rsqrt(row_mean(xf.square(), keepdim=True) + norm_eps)
     mixes = linear(xf, fn.float()) * rstd
     return hc_split_sinkhorn(mixes, scale, base, S, iters, eps)
 

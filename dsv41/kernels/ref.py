@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.kernels.invariant import is_deterministic, row_mean, row_sum
+from dsv41.kernels.invariant import is_deterministic, row_mean, row_sum, rsqrt
 
 SPARSE_ATTN_BLOCK = 64
 
@@ -16,7 +16,7 @@ SPARSE_ATTN_BLOCK = 64
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, cast back to x's dtype (docs/model.md §2)."""
     xf = x.float()
-    xf = xf * torch.rsqrt(row_mean(xf.square(), keepdim=True) + eps)
+    xf = xf * rsqrt(row_mean(xf.square(), keepdim=True) + eps)
     return (weight * xf).to(x.dtype)
 
 

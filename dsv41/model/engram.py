@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from dsv41.codecs.weights import pack_weight, rows_values, stored_shapes
-from dsv41.kernels.invariant import row_mean, row_sum, sigmoid
+from dsv41.kernels.invariant import row_mean, row_sum, rsqrt, sigmoid
 from dsv41.model.common import Linear, building_packed
 
 DEAD = -1           # compressed id of a position that takes no part in an n-gram (docs/model.md §6.2)
@@ -446,7 +446,7 @@ class Engram(nn.Module):
         w = self.q_weight.float() * self.k_weight.float()                    # [S, D]
         h = x.float()
         # normalised per (token, stream) over D, applied after the dot product (docs/model.md §10.2 item 6)
-        rstd = torch.rsqrt(row_mean(h.square()) + self.eps) * torch.rsqrt(row_mean(key.square()) + self.eps)
+        rstd = rsqrt(row_mean(h.square()) + self.eps) * rsqrt(row_mean(key.square()) + self.eps)
         dot = row_sum(h * w * key) * rstd * D ** -0.5                       # [B, T, S]
         gate = sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
         if token_mask is not None:
