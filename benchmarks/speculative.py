@@ -83,27 +83,30 @@ def stdlib_prompts(tok, n: int, chars: int = 400) -> list[list[int]]:
     return out
 
 
-def run_mode(engine, prompts, max_tokens: int, sync) -> dict:
+def run_mode(engine, groups, max_tokens: int, sync) -> dict:
+    """Each group of prompts decoded as one batch, the groups one after another on the same engine (`--solo`: many
+    prompts at batch 1); seconds, tokens and forwards summed over the groups."""
     from dsv41.engine.sampling import SamplingParams
-    rids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
-    engine.step()                                          # admit + prefill every request
-    while engine.waiting or any(s.pending is None for s in engine.running):
-        engine.step()                                      # prompts beyond one step's token budget (batch 32)
-    before = {s.request_id: len(s.output_ids) for s in engine.running}
-    sync()
-    t0 = time.perf_counter()
-    steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    sync()
-    dt = time.perf_counter() - t0
-    outs = [engine.completion(r).output_ids for r in rids]
-    tokens = sum(len(o) - before.get(r, len(o)) for r, o in zip(rids, outs))   # emitted in the timed steps
-    return {"seconds": dt, "steps": steps, "decode_tokens": tokens, "tok_per_s": tokens / dt,
-            "tokens_per_forward_per_row": tokens / max(1, sum(engine.completion(r).stats["speculative"]
-                                                                ["target_forwards"] for r in rids)),
-            "outputs": outs}
+    total = {"seconds": 0.0, "steps": 0, "decode_tokens": 0, "forwards": 0, "outputs": []}
+    for prompts in groups:
+        rids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+        engine.step()                                      # admit + prefill every request
+        while engine.waiting or any(s.pending is None for s in engine.running):
+            engine.step()                                  # prompts beyond one step's token budget (batch 32)
+        before = {s.request_id: len(s.output_ids) for s in engine.running}
+        sync()
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+            total["steps"] += 1
+        sync()
+        total["seconds"] += time.perf_counter() - t0
+        outs = [engine.completion(r).output_ids for r in rids]
+        total["decode_tokens"] += sum(len(o) - before.get(r, len(o)) for r, o in zip(rids, outs))   # timed steps
+        total["forwards"] += sum(engine.completion(r).stats["speculative"]["target_forwards"] for r in rids)
+        total["outputs"] += outs
+    return {**total, "tok_per_s": total["decode_tokens"] / total["seconds"],
+            "tokens_per_forward_per_row": total["decode_tokens"] / max(1, total["forwards"])}
 
 
 def main() -> None:
@@ -133,6 +136,9 @@ def main() -> None:
                     help="top-k tie rule; 'recent' makes greedy outputs independent of chunking and batch company, "
                          "so 'same tokens' checks speculation itself (with 'official' ties among exactly equal "
                          "indexer scores are broken by tensor shape)")
+    ap.add_argument("--solo", type=int, default=1,
+                    help="batch 1 over this many prompts, one after another (summed): one prompt's acceptance is "
+                         "luck (a repetitive continuation gives x3, another x1.5)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--note", default=None, help="a note stored in the result (the machine's load, what changed)")
     args = ap.parse_args()
@@ -155,7 +161,8 @@ def main() -> None:
     res["runs"] = []
     res["loadavg"] = {"start": os.getloadavg()}       # 1/5/15-minute load of the machine (shared: other work)
     for B in args.batches:
-        _run_batch(args, res, model, tok, prompts_all[:B], modes, prof, sync)
+        groups = [[p] for p in prompts_all[:args.solo]] if B == 1 else [prompts_all[:B]]
+        _run_batch(args, res, model, tok, groups, modes, prof, sync)
         res["loadavg"][f"after batch {B}"] = os.getloadavg()
     res["table"] = _table(res, args.batches, modes)
     line = _json(res)
@@ -177,7 +184,7 @@ def _model_and_prompts(args, res: dict):
         model.to(dev)
         tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
         res["model"] = f"checkpoint {args.checkpoint} (trained drafter: {has_trained_drafter(args.checkpoint)})"
-        prompts_all = stdlib_prompts(tok, max(args.batches))
+        prompts_all = stdlib_prompts(tok, max(args.batches + [args.solo]))
     else:
         from dsv41.config import load_config
         from dsv41.model.init import random_model
@@ -189,7 +196,7 @@ def _model_and_prompts(args, res: dict):
         res["model"] = f"random {cfg.name if hasattr(cfg, 'name') else args.config} (agreeing drafter p={args.agree})"
         g = torch.Generator().manual_seed(0)
         prompts_all = [torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist()
-                       for _ in range(max(args.batches))]
+                       for _ in range(max(args.batches + [args.solo]))]
     model.eval()
     set_tie_break(model, args.ties)
     res["ties"] = args.ties
@@ -216,12 +223,12 @@ def _profile(args, model, tok, res: dict):
     return prof
 
 
-def _run_batch(args, res: dict, model, tok, prompts: list, modes: list[str], prof, sync) -> None:
-    """Every mode on one batch of prompts, side by side with the first ("off"), `--rounds` times interleaved;
-    each mode's fastest round is reported (all rounds' tok/s kept)."""
+def _run_batch(args, res: dict, model, tok, groups: list, modes: list[str], prof, sync) -> None:
+    """Every mode on groups of prompts (`run_mode`), side by side with the first ("off"), `--rounds` times
+    interleaved; each mode's fastest round is reported (all rounds' tok/s kept)."""
     from dsv41.engine.engine import Engine
     from dsv41.engine.speculative.drafter import DSparkDrafter
-    B = len(prompts)
+    B, n_req = len(groups[0]), sum(len(g) for g in groups)
     best: dict[str, dict] = {}
     futures = None
     for rnd in range(args.rounds):
@@ -232,16 +239,16 @@ def _run_batch(args, res: dict, model, tok, prompts: list, modes: list[str], pro
                          speculative=mode, step_profile=prof, deterministic=args.deterministic)
             if args.checkpoint is None and eng.drafter is not None:
                 eng.drafter = AgreeingDrafter(DSparkDrafter(model), futures, args.agree, model.cfg.vocab_size)
-            r = run_mode(eng, prompts, args.max_tokens, sync)
+            r = run_mode(eng, groups, args.max_tokens, sync)
             if futures is None:
                 futures = {f"req-{i}": o for i, o in enumerate(r["outputs"])}
             sc = eng.spec_counts
-            st = [eng.completion(f"req-{i}").stats["speculative"] for i in range(B)]
+            st = [eng.completion(f"req-{i}").stats["speculative"] for i in range(n_req)]
             lengths: dict[int, int] = {}
             for x in st:
                 for v, c in x.get("verify_lengths", {}).items():
                     lengths[int(v)] = lengths.get(int(v), 0) + c
-            r.update(batch=B, mode=mode,
+            r.update(batch=B, mode=mode, requests=n_req,
                      acceptance=[a / n if n else None for a, n in zip(sc["accepted"], sc["reached"])],
                      drafted=sum(sc["reached"]), accepted=sum(sc["accepted"]),
                      verify_lengths=dict(sorted(lengths.items())),
