@@ -9,6 +9,7 @@ approximation. Variants (monkeypatched `torch.rsqrt` on CUDA tensors and `row_me
              whether the statistics are the whole cause, not a serving path)
 
     python benchmarks/gpu_gate_variants.py      # prints each variant's failing tensors, writes nothing
+    VARIANTS=cpu-stats,div-sqrt+f64-mean python benchmarks/gpu_gate_variants.py     # only these
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def main() -> int:
     real_rsqrt, real_mean = torch.rsqrt, ref.row_mean
     users = (ref, mhc_math, engram)
     out = {}
-    for name in ("base", "div-sqrt", "div-sqrt+f64-mean", "cpu-stats"):
+    import os
+    names = os.environ.get("VARIANTS", "base,div-sqrt,div-sqrt+f64-mean,cpu-stats").split(",")
+    for name in names:
         if name == "cpu-stats":
             torch.rsqrt = lambda v, *a, **k: (real_rsqrt(v.cpu()).to(v.device) if v.is_cuda
                                               else real_rsqrt(v, *a, **k))
