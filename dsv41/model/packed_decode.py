@@ -10,9 +10,10 @@ official decode artifact (`applies`). `dsv41.kernels.choice.set_packed_decode(Fa
 everywhere.
 
 With `dsv41.kernels.choice.set_packed_verify(True)`, a continuation of 2..VERIFY_MAX_TOKENS tokens per row (a
-speculative verify, eager) reads the store the same way (`attend_packed`): each query token becomes a virtual row of its own (V = B x T), whose window is the ring as it
-was before the call followed by this call's rows (the layout of `window_indices`), and whose indexer sees the
-entries visible at its own position. Each virtual row is then the one-token decode of that token.
+speculative verify, eager) reads the store the same way (`attend_packed`): each query token becomes a virtual row
+of its own (V = B x T), whose window is the ring as it was before the call followed by this call's rows (the
+layout of `window_indices`), and whose indexer sees the entries visible at its own position. Each virtual row is
+then the one-token decode of that token.
 """
 
 from __future__ import annotations
@@ -83,6 +84,22 @@ def _selection(attn, u, qr, freqs, ctx: StepContext) -> torch.Tensor:
     return idx
 
 
+def _compressed(attn, u, qr, freqs, ctx: StepContext):
+    """The compressed part of the attention lists of u [B,T,...]: this call's global KV produced (a KV source), the
+    top-k entry ids [B*T,K] (-1 none; the full top-k width in the deterministic mode, the lists' canonical layout),
+    and the main-KV pages with their page table [B,MP] (an empty stand-in for a window-only layer)."""
+    cache: PackedKVStore = ctx.cache
+    if not attn.role.ratio:
+        return (torch.empty(u.size(0) * u.size(1), 0, dtype=torch.int32, device=u.device),
+                *cache.packed_pages(None, "main"))
+    if attn.compressor is not None and ctx.opts.produce_kv:
+        attn.produce_global_kv(u, ctx)
+    topk = _selection(attn, u, qr, freqs, ctx)
+    if is_deterministic():
+        topk = torch.nn.functional.pad(topk, (0, attn.topk - topk.size(1)), value=-1)
+    return (topk, *cache.packed_pages(attn.role.kv_from, "main"))
+
+
 def attention_decode_packed(attn, u: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """`Attention.forward` for one token per row over the packed store. u [B,1,D] -> [B,1,D]."""
     cache: PackedKVStore = ctx.cache
@@ -94,16 +111,7 @@ def attention_decode_packed(attn, u: torch.Tensor, ctx: StepContext) -> torch.Te
     floor = ctx.opts.floor_for(L)
     win = ctx.memoized(("window-rows", attn.window, floor is None),
                        lambda: decode_window_rows(h2d(ctx.start, u.device), attn.window, floor))
-    if attn.role.ratio:
-        if attn.compressor is not None and ctx.opts.produce_kv:
-            attn.produce_global_kv(u, ctx)
-        topk = _selection(attn, u, qr, freqs, ctx)
-        if is_deterministic():                          # the full top-k width: the lists' canonical layout
-            topk = torch.nn.functional.pad(topk, (0, attn.topk - topk.size(1)), value=-1)
-        main, table = cache.packed_pages(attn.role.kv_from, "main")
-    else:
-        topk = torch.empty(u.size(0), 0, dtype=torch.int32, device=u.device)
-        main, table = cache.packed_pages(None, "main")
+    topk, main, table = _compressed(attn, u, qr, freqs, ctx)
     ring, slots = cache.packed_ring(L)
     o = sparse_attn_packed(q[:, 0], ring, slots, win, main, table, topk, attn.attn_sink, attn.softmax_scale)
     conj = ctx.memoized(("rope-conj", rope), lambda: freqs.conj().resolve_conj())
@@ -124,16 +132,7 @@ def attend_packed(attn, u, qr, q, kv, freqs, win_idx, ctx: StepContext) -> torch
     rows = ctx.memoized(("verify-ring-rows", W), lambda: h2d(
         (ctx.start.view(-1, 1) + torch.arange(T)) % W, u.device))
     ring_ext = torch.cat([before, ring[slots.long().view(-1, 1), rows]], dim=1)      # [B,W+T,bytes]
-    if attn.role.ratio:
-        if attn.compressor is not None and ctx.opts.produce_kv:
-            attn.produce_global_kv(u, ctx)
-        topk = _selection(attn, u, qr, freqs, ctx)                                   # [B*T,K]
-        if is_deterministic():
-            topk = torch.nn.functional.pad(topk, (0, attn.topk - topk.size(1)), value=-1)
-        main, table = cache.packed_pages(attn.role.kv_from, "main")
-    else:
-        topk = torch.empty(B * T, 0, dtype=torch.int32, device=u.device)
-        main, table = cache.packed_pages(None, "main")
+    topk, main, table = _compressed(attn, u, qr, freqs, ctx)
     own = ctx.memoized("verify-own-rows", lambda: torch.arange(B, device=u.device).repeat_interleave(T))
     o = sparse_attn_packed(q.flatten(0, 1), ring_ext, own, win_idx.flatten(0, 1), main, _rows(table, T), topk,
                            attn.attn_sink, attn.softmax_scale)
