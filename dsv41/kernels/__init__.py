@@ -82,10 +82,10 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     CPU, and fp32 weights on any device: `block_scaled_linear_ref`, the official summation order (bit-identical to
     the official code on the same machine; fp32 is the parity dtype: on a GPU this order gives the CPU's bits where
     the block sums are exact, e.g. golden case A's layer-10 `wq_a`, whose output feeds an FP8 QDQ at a rounding
-    midpoint; gate 1 there still fails through the RMSNorm after it, docs/golden.md §4). CUDA tensors in bf16: one cuBLAS GEMM (its own order; the GPU
-    tolerance is measured). A module in training mode with autograd recording: one F.linear too (the order is not
-    part of what is learned; 2-5x faster). Deterministic mode, any device, training or not: `exact_block_linear`
-    (exact 32-wide block sums)."""
+    midpoint; gate 1 there still fails through the RMSNorm after it, docs/golden.md §4). CUDA tensors in bf16: one
+    cuBLAS GEMM (its own order; the GPU tolerance is measured). A module in training mode with autograd recording:
+    one F.linear too (the order is not part of what is learned; 2-5x faster). Deterministic mode, any device,
+    training or not: `exact_block_linear` (exact 32-wide block sums)."""
     if is_deterministic():
         return exact_block_linear(x, weight, bias)
     if training and torch.is_grad_enabled():

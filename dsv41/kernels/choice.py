@@ -41,8 +41,8 @@ def set_packed_verify(enabled: bool) -> None:
     """`True`: continuations of a few tokens per row (speculative verifies) read the packed store in place too,
     a virtual row per query token (`dsv41.model.packed_decode.attend_packed`). Off by default: on a CPU the
     torch references then unpack the index keys once per query token, where the dense path unpacks them once per
-    call (measured slower: tiny, batch 1, 5 tokens: 85.8 vs 75.4 ms at a 512-token context, 136.7 vs 98.6 at 4K;
-    docs/system.md §5). It is the layout a graph-captured verify needs (fixed widths, no unpacked history)."""
+    call (measured slower, docs/system.md §5, `benchmarks/verify_packed_ab.py`). It is the layout a
+    graph-captured verify needs (fixed widths, no unpacked history)."""
     _packed["verify"] = bool(enabled)
 
 
