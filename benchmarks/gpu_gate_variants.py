@@ -1,20 +1,25 @@
 """Gate 1 (golden case A, fp32, teacher-forced) on a GPU under variants of the row statistics that parted the GPU
 from the CPU in `gpu_parity_trace.py`: layer 10's q_norm (1.7e-7 from the CPU) put an FP8 QDQ on the other side of a
-rounding midpoint. The CPU's rsqrt (MKL) agrees with IEEE 1 / sqrt on ~99.4% of fp32 values; CUDA's rsqrtf is an
-approximation. Variants (monkeypatched `torch.rsqrt` on CUDA tensors and `row_mean`):
-  base       as shipped
-  div-sqrt   rsqrt(v) as 1 / sqrt(v) (IEEE sqrt and division) on CUDA tensors
-  div-sqrt+f64-mean   and the row means summed in float64, rounded once
+rounding midpoint. The CPU's torch.rsqrt is exactly the IEEE root then an IEEE division; CUDA's rsqrtf is an
+approximation, so `dsv41.kernels.invariant.rsqrt` computes 1 / sqrt on CUDA (tests/test_deterministic.py). Variants:
+  base       as shipped (1 / sqrt on CUDA)
+  rsqrtf     CUDA's torch.rsqrt (DSV41_GPU_RSQRT=approx), the statistics before 2026-12-07
+  f64-mean   the row means summed in float64, rounded once
   cpu-stats  the row means and rsqrt of CUDA tensors computed on the CPU (bit-equal RMSNorm statistics; a probe of
              whether the statistics are the whole cause, not a serving path)
+  cpu-stats+cpu-sqrt  and torch.sqrt / Tensor.sqrt of CUDA tensors (the MoE gate's sqrt(softplus), Engram's gate)
+             on the CPU: torch 2.13's CPU sqrt goes through MKL, which on AVX-512 rounds ~0.7% of fp32 values one
+             ulp away from the IEEE root (exact under MKL_ENABLE_INSTRUCTIONS=AVX2), so a golden file computed on an
+             AVX-512 machine carries those roundings and a GPU's IEEE sqrt does not (docs/golden.md §6)
 
     python benchmarks/gpu_gate_variants.py      # prints each variant's failing tensors, writes nothing
-    VARIANTS=cpu-stats,div-sqrt+f64-mean python benchmarks/gpu_gate_variants.py     # only these
+    VARIANTS=cpu-stats,f64-mean python benchmarks/gpu_gate_variants.py     # only these
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,19 +42,23 @@ GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "data" / "golden"
 def main() -> int:
     blocks = load_file(GOLDEN / "a.fp32.fix.blocks-seq0.safetensors")
     real_rsqrt, real_mean = torch.rsqrt, ref.row_mean
+    real_sqrt, real_tsqrt = torch.sqrt, torch.Tensor.sqrt
     users = (ref, mhc_math, engram)
     out = {}
-    import os
-    names = os.environ.get("VARIANTS", "base,div-sqrt,div-sqrt+f64-mean,cpu-stats").split(",")
+    names = os.environ.get("VARIANTS", "base,rsqrtf,f64-mean,cpu-stats,cpu-stats+cpu-sqrt").split(",")
     for name in names:
-        if name == "cpu-stats":
+        if name.startswith("cpu-stats"):
             torch.rsqrt = lambda v, *a, **k: (real_rsqrt(v.cpu()).to(v.device) if v.is_cuda
                                               else real_rsqrt(v, *a, **k))
             for mod in users:
                 mod.row_mean = lambda x, keepdim=False: (real_mean(x.cpu(), keepdim).to(x.device) if x.is_cuda
                                                          else real_mean(x, keepdim))
-        elif name != "base":
-            torch.rsqrt = lambda v, *a, **k: (1.0 / torch.sqrt(v)) if v.is_cuda else real_rsqrt(v, *a, **k)
+            os.environ["DSV41_GPU_RSQRT"] = "approx"           # so that invariant.rsqrt calls the patched rsqrt
+        elif name == "rsqrtf":
+            os.environ["DSV41_GPU_RSQRT"] = "approx"
+        if name.endswith("cpu-sqrt"):
+            torch.sqrt = lambda v, *a, **k: real_sqrt(v.cpu()).to(v.device) if v.is_cuda else real_sqrt(v, *a, **k)
+            torch.Tensor.sqrt = lambda t: real_tsqrt(t.cpu()).to(t.device) if t.is_cuda else real_tsqrt(t)
         if name.endswith("f64-mean"):
             for mod in users:
                 mod.row_mean = lambda x, keepdim=False: (x.double().mean(-1, keepdim=keepdim).float() if x.is_cuda
@@ -66,7 +75,8 @@ def main() -> int:
                     "rows_over": sum(v["outliers"] for v in rep.values()), "max": max(v["max"] for v in rep.values())}
                 print(name, storage, json.dumps(out[f"{name}/{storage}"]), flush=True)
         finally:
-            torch.rsqrt = real_rsqrt
+            torch.rsqrt, torch.sqrt, torch.Tensor.sqrt = real_rsqrt, real_sqrt, real_tsqrt
+            os.environ.pop("DSV41_GPU_RSQRT", None)
             for mod in users:
                 mod.row_mean = real_mean
     return 0

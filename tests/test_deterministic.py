@@ -13,7 +13,7 @@ from dsv41.config import load_config
 from dsv41.engine.engine import Engine
 from dsv41.engine.sampling import SamplingParams
 from dsv41.kernels import deterministic
-from dsv41.kernels.invariant import canonical_lists, exact_block_linear, index_scores, tiled_linear
+from dsv41.kernels.invariant import canonical_lists, exact_block_linear, index_scores, rsqrt, tiled_linear
 from dsv41.codecs import qdq_fp8, qdq_index_k
 from dsv41.model.init import random_model
 from dsv41.train.logprobs import token_logprobs
@@ -69,6 +69,20 @@ def test_gemms_are_row_invariant():
     # the exact block sums: one fp32 rounding of each 32-wide block's exact sum, added in K order
     want = sum((xq[:5, k:k + 32].double() @ wq[:, k:k + 32].double().T).float() for k in range(0, 256, 32))
     assert torch.equal(exact_block_linear(xq[:5], wq), want)
+
+
+def test_cpu_rsqrt_is_ieee_reciprocal_sqrt():
+    """The model's RMSNorm statistics (`invariant.rsqrt`) are the IEEE square root, rounded, then an IEEE division:
+    what torch.rsqrt computes on a CPU (under this run's dispatch and the dispatch run's), and what the CUDA path
+    computes instead of the approximate rsqrtf. torch.sqrt itself is not always the IEEE root on a CPU (MKL on
+    AVX-512 rounds some values one ulp off), so the reference root here is float64's, rounded once."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(1 << 16, generator=g) * 10 + 1e-3, torch.rand(1 << 12, generator=g) * 1e6,
+                   torch.rand(1 << 12, generator=g) * 1e-6 + 1e-30, torch.tensor([1.0, 4.0, 2.0, 1e-38])])
+    ieee = 1.0 / torch.sqrt(x.double()).float()                  # a float64 root rounded once is the IEEE fp32 root
+    assert torch.equal(torch.rsqrt(x), ieee)
+    assert torch.equal(rsqrt(x), ieee)
+    assert not torch.equal(ieee, (x.double().rsqrt()).float())   # not the correctly rounded 1 / sqrt: two roundings
 
 
 def test_index_scores_are_row_invariant():

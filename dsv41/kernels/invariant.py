@@ -198,10 +198,12 @@ def small_sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ elementwise
 
 def rsqrt(v: torch.Tensor) -> torch.Tensor:
-    """torch.rsqrt(v). With DSV41_GPU_RSQRT=div, on a CUDA tensor: 1 / sqrt(v), IEEE square root then division
-    (CUDA's rsqrtf is an approximation; a CPU's rsqrt agrees with 1 / sqrt on ~99.4% of fp32 values), a probe for
-    the fp32 gate on a GPU (docs/golden.md §4). The CPU path is torch.rsqrt always."""
-    if v.is_cuda and os.environ.get("DSV41_GPU_RSQRT") == "div":
+    """1 / sqrt(v) as the CPU reference computes it: torch.rsqrt on a CPU, which is exactly the IEEE square root
+    then an IEEE division (bit-equal to 1 / sqrt(v) rounded to nearest at every ATEN_CPU_CAPABILITY and
+    MKL_ENABLE_INSTRUCTIONS level, `tests/test_deterministic.py::test_cpu_rsqrt_is_ieee_reciprocal_sqrt`); on a CUDA
+    tensor the same two IEEE operations, since CUDA's rsqrtf is an approximation (docs/golden.md §4).
+    DSV41_GPU_RSQRT=approx keeps torch.rsqrt on CUDA (the approximation; `benchmarks/gpu_gate_variants.py`)."""
+    if v.is_cuda and os.environ.get("DSV41_GPU_RSQRT") != "approx":
         return 1.0 / torch.sqrt(v)
     return torch.rsqrt(v)
 
