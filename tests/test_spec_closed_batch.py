@@ -14,7 +14,7 @@ from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.speculative.drafter import Proposal
 from dsv41.engine.speculative.profile import StepProfile
 from dsv41.engine.speculative.scheduler import (choose_verify_lengths, closed_batch_lengths, closed_batch_times,
-                                                row_acceptance, row_rate, straggle)
+                                                row_acceptance, row_rate, shrinkage_strength, straggle)
 from tests.conftest import continuous_model
 from tests.test_speculative import _prompts
 
@@ -89,6 +89,33 @@ def test_row_rate_and_straggle():
     assert row_rate(torch.tensor([])) == (1.0, 0.0)
     assert straggle(1) == 0.0 and straggle(2) == pytest.approx(0.5894, abs=1e-3)
     assert 1.9 < straggle(32) < 2.2 and straggle(8) < straggle(32)
+
+
+def test_shrinkage_strength_is_read_off_the_rows():
+    """Empirical Bayes: rows that share one true acceptance get a strong pull to the batch's rate (their spread is
+    binomial noise), rows that differ persistently a weak one, near the beta-binomial's m = p q / tau^2 - 1."""
+    g = torch.Generator().manual_seed(0)
+
+    def median_m(spread: float, drafts: int) -> float:
+        ms = []
+        for _ in range(41):
+            p = (0.7 + spread * torch.randn(32, generator=g)).clamp(0.02, 0.98)
+            a = torch.binomial(torch.full((32,), float(drafts)), p, generator=g)
+            ms.append(shrinkage_strength([drafts] * 32, a.long().tolist()))
+        return sorted(ms)[20]
+
+    assert median_m(0.0, 10) == 64.0                           # no spread: the upper clip
+    assert 10 < median_m(0.1, 30) < 40                         # tau 0.1 at p 0.7: m = 0.21 / 0.01 - 1 = 20
+    assert median_m(0.2, 30) < 9                               # tau 0.2: m = 4.25
+    assert shrinkage_strength([3], [1]) == 64.0 and shrinkage_strength([], []) == 64.0
+    assert shrinkage_strength([5, 5, 5, 5], [0, 5, 0, 5]) == 4.0  # rows all-or-nothing: the lower clip
+    # the lowest row of 32 with 3 drafts each is pulled to the batch rate under the estimated m (issue 28: with
+    # m = 4 the minimum of 32 noisy rates set the closed batch's end)
+    p = torch.full((32,), 0.7)
+    a = torch.binomial(torch.full((32,), 3.0), p, generator=g).long().tolist()
+    m = shrinkage_strength([3] * 32, a)
+    low = min(row_acceptance([3], [x], [sum(a) / 96], m)[0] for x in a)
+    assert low > min(row_acceptance([3], [x], [sum(a) / 96], 4.0)[0] for x in a) and low > 0.55
 
 
 def test_row_acceptance_shrinks_to_the_batch_rate():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -33,7 +34,7 @@ from dsv41.engine.speculative.rejection import accept_drafts
 from dsv41.engine.speculative.rollback import VerifyJournal
 from dsv41.engine.speculative.scheduler import (AcceptanceCalibration, MeasuredCost, choose_verify_lengths,
                                                 closed_batch_lengths, closed_batch_times, plain_cost,
-                                                row_acceptance, spec_cost)
+                                                row_acceptance, shrinkage_strength, spec_cost)
 from dsv41.engine.store import SequencePool, make_pool
 from dsv41.engine.tokenizer import ByteTokenizer
 from dsv41.kv.device_tier import DeviceTier
@@ -443,7 +444,8 @@ class Engine:
         rates = [a / r if r else 0.0 for a, r in zip(sc["accepted"], sc["reached"])]
         remaining = self._closed_remaining(live) if sc["reached"][0] >= CLOSED_EVIDENCE else None
         if remaining is not None:                          # nobody waits: the batch ends with its slowest row
-            acc = torch.tensor([row_acceptance(s.draft_reached, s.draft_accepted, rates) for s in live])
+            m = self._shrinkage(live)
+            acc = torch.tensor([row_acceptance(s.draft_reached, s.draft_accepted, rates, m) for s in live])
             times = closed_batch_times(remaining, acc, lambda b: plain_cost(self.step_cost, b),
                                        lambda b, v: spec_cost(self.step_cost, b)(b * (1 + v), v), min(drafts, G))
             best = min(range(1, len(times)), key=times.__getitem__, default=0)
@@ -459,6 +461,15 @@ class Engine:
             return True
         self._skipped += 1
         return self._skipped % PROBE_EVERY == 0
+
+    def _shrinkage(self, live: list[Sequence]) -> float:
+        """How strongly each row's measured acceptance is pulled to the batch's (`shrinkage_strength` over the
+        rows' first drafts; DSV41_SHRINK=N fixes it, for A/B runs)."""
+        fixed = os.environ.get("DSV41_SHRINK")
+        if fixed:
+            return float(fixed)
+        first = [(s.draft_reached[0], s.draft_accepted[0]) for s in live if s.draft_reached]
+        return shrinkage_strength([n for n, _ in first], [a for _, a in first])
 
     def _closed_remaining(self, live: list[Sequence]) -> list[int] | None:
         """Each row's remaining tokens when this batch is closed and its lengths known: no request waits for a
@@ -487,7 +498,8 @@ class Engine:
         sc, G = self.spec_counts, S.size(1)          # a closed batch: the lengths that end it soonest
         head = (S[:, :G] / torch.cat([torch.ones(B, 1, dtype=S.dtype), S[:, :G - 1]], 1).clamp_min(1e-12)).mean(0)
         prior = [a / r if r else float(h) for a, r, h in zip(sc["accepted"], sc["reached"], head)]
-        acc = torch.tensor([row_acceptance(s.draft_reached, s.draft_accepted, prior) for s in live])
+        m = self._shrinkage(live)
+        acc = torch.tensor([row_acceptance(s.draft_reached, s.draft_accepted, prior, m) for s in live])
         uniform = [[min(u, c) for c in caps] for u in range(1, max(caps) + 1)]
         return closed_batch_lengths(S, remaining, acc, step, lambda b: plain_cost(self.step_cost, b),
                                     lambda b, u: spec_cost(self.step_cost, b)(b * (1 + u), u), [v] + uniform)
