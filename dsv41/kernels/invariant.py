@@ -199,7 +199,7 @@ def small_sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
 
 def rsqrt(v: torch.Tensor) -> torch.Tensor:
     """1 / sqrt(v) as the CPU reference computes it: torch.rsqrt on a CPU, which is exactly the IEEE square root
-    then an IEEE division (bit-equal to 1 / sqrt(v) rounded to nearest at every ATEN_CPU_CAPABILITY and
+    then an IEEE division, each rounded to nearest (bit-equal to that at every ATEN_CPU_CAPABILITY and
     MKL_ENABLE_INSTRUCTIONS level, `tests/test_deterministic.py::test_cpu_rsqrt_is_ieee_reciprocal_sqrt`); on a CUDA
     tensor the same two IEEE operations, since CUDA's rsqrtf is an approximation (docs/golden.md §4).
     DSV41_GPU_RSQRT=approx keeps torch.rsqrt on CUDA (the approximation; `benchmarks/gpu_gate_variants.py`)."""
