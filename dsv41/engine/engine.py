@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -464,10 +463,7 @@ class Engine:
 
     def _shrinkage(self, live: list[Sequence]) -> float:
         """How strongly each row's measured acceptance is pulled to the batch's (`shrinkage_strength` over the
-        rows' first drafts; DSV41_SHRINK=N fixes it, for A/B runs)."""
-        fixed = os.environ.get("DSV41_SHRINK")
-        if fixed:
-            return float(fixed)
+        rows' first drafts)."""
         first = [(s.draft_reached[0], s.draft_accepted[0]) for s in live if s.draft_reached]
         return shrinkage_strength([n for n, _ in first], [a for _, a in first])
 
