@@ -215,3 +215,22 @@ def test_sampled_evaluation_is_reproducible_and_greedy_is_the_default(tok, model
     s1, s2 = (evaluate(model, tok, probs, (1, 100), 8, temperature=1.0) for _ in range(2))
     assert s1 == s2                                                     # one seed per (problem, level)
     assert set(s1) == {1, 100} and all(len(s1[b]["length"]) == 3 for b in s1)
+
+
+def test_a_slice_of_the_evaluation_answers_as_inside_the_whole_and_workers_join_in_order(tok, model, tmp_path):
+    """Sampled evaluation: the seeds follow a problem's index in the whole list (`first`), so a slice evaluated
+    alone, and `posttrain eval --eval-workers 2` (spawned processes over a saved checkpoint), equal one process."""
+    from dsv41.posttrain.cli import _evaluate_sharded
+    from dsv41.posttrain.model import save
+    from dsv41.posttrain.rollout import evaluate
+    rng = random.Random(11)
+    probs = [T.sample_problem(rng, T.FAMILIES[i % 2], 2, 3) for i in range(5)]
+    n = T.MAX_TOKENS                                                    # the budget `posttrain eval` uses
+    whole = evaluate(model, tok, probs, (1, 100), n, temperature=1.0)
+    tail = evaluate(model, tok, probs[2:], (1, 100), n, temperature=1.0, first=2)
+    shifted = evaluate(model, tok, probs[2:], (1, 100), n, temperature=1.0)
+    for b in (1, 100):
+        assert tail[b] == {k: v[2:] for k, v in whole[b].items()}
+    assert shifted != tail or all(len(set(whole[b]["length"])) == 1 for b in whole)   # the index moves the seeds
+    save(model, tok, tmp_path / "ck", {"stage": "test"})
+    assert _evaluate_sharded(str(tmp_path / "ck"), probs, (1, 100), 1.0, 8, "", 2) == whole

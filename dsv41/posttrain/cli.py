@@ -66,6 +66,9 @@ def register(subparsers) -> None:
                    help="eval: effort levels, the training ones and held-out ones between them")
     p.add_argument("--eval-batch", type=int, default=32,
                    help="eval: the engine's slots (default 32; deterministic mode: the responses do not depend on it)")
+    p.add_argument("--eval-workers", type=int, default=1,
+                   help="eval: processes, each on a contiguous slice of the problems with its own engine (the "
+                   "seeds follow the problem's index, so the result does not depend on it; default 1)")
     p.add_argument("--dispatch", default="sample", choices=("sync", "sample", "prompt", "batch"),
                    help="rl: synchronous steps or the dispatcher's granularity (default sample)")
     p.add_argument("--drafter-lr", type=float, default=0.0,
@@ -200,7 +203,8 @@ def main(args) -> int:
         else:
             eval_mix = TaskMix(mix.families, mix.lo, mix.hi, tuple(int(x) for x in args.eval_levels.split(",")))
             report = run_eval(args.checkpoint or str(runs / "post-rl"), args.baseline or str(runs / "post-sft"),
-                              args.problems, eval_mix.check(), args.temperature, args.eval_batch, args.constrain)
+                              args.problems, eval_mix.check(), args.temperature, args.eval_batch, args.constrain,
+                              args.eval_workers)
             print(json.dumps(report, indent=2))
         print(f"posttrain {st}: {time.time() - t0:.0f}s wall")
     return 0
@@ -222,13 +226,48 @@ def _suffix(temperature: float, constrain: str) -> str:
     return ("" if temperature == 0 else f"_t{temperature:g}") + (f"_c{constrain}" if constrain else "")
 
 
-def _evaluate_cached(checkpoint: str, problems, mix: TaskMix, temperature: float = 0.0, batch: int = 32,
-                     constrain: str = "") -> dict:
-    """evaluate() of the checkpoint, reusing <checkpoint>/eval_raw.json when it holds the same problems and levels
-    and the checkpoint's weights are not newer (a checkpoint is then evaluated once, whatever it is paired with)."""
-    from dsv41.posttrain.model import load
+def _evaluate_slice(checkpoint: str, problems, first: int, levels, temperature: float, batch: int, constrain: str,
+                    threads: int = 0) -> dict:
+    """evaluate() of the checkpoint on problems[first:] of the held-out list (its own engine; threads > 0 sets
+    torch's intra-op threads, for a worker process)."""
+    import torch
     from dsv41.posttrain import tasks as T
+    from dsv41.posttrain.model import load
     from dsv41.posttrain.rollout import evaluate
+    if threads > 0:
+        torch.set_num_threads(threads)
+    model, tok, _ = load(checkpoint)
+    grammar = None
+    if constrain:
+        from dsv41.posttrain.constrain import Grammar
+        grammar = lambda p, b: Grammar(tok, p, b, constrain)   # noqa: E731
+    return evaluate(model, tok, problems, levels, max_tokens=T.MAX_TOKENS, temperature=temperature, batch=batch,
+                    grammar=grammar, first=first)
+
+
+def _evaluate_sharded(checkpoint: str, problems, levels, temperature: float, batch: int, constrain: str,
+                      workers: int) -> dict:
+    """The problems cut into `workers` contiguous slices, each evaluated in a spawned process with an equal share
+    of torch's threads; the slices' lists joined in order (equal to one process's result: the seeds follow the
+    problem's index and the engine's deterministic mode makes a response independent of its batch)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    import torch
+    workers = max(1, min(workers, len(problems)))
+    cuts = [len(problems) * k // workers for k in range(workers + 1)]
+    threads = max(1, torch.get_num_threads() // workers)
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        parts = [pool.submit(_evaluate_slice, checkpoint, problems[a:z], a, tuple(levels), temperature, batch,
+                             constrain, threads) for a, z in zip(cuts, cuts[1:])]
+        parts = [f.result() for f in parts]
+    return {b: {k: [x for part in parts for x in part[b][k]] for k in parts[0][b]} for b in levels}
+
+
+def _evaluate_cached(checkpoint: str, problems, mix: TaskMix, temperature: float = 0.0, batch: int = 32,
+                     constrain: str = "", workers: int = 1) -> dict:
+    """evaluate() of the checkpoint, reusing <checkpoint>/eval_raw.json when it holds the same problems and levels
+    and the checkpoint's weights are not newer (a checkpoint is then evaluated once, whatever it is paired with).
+    workers > 1: in that many processes (`_evaluate_sharded`), the same result."""
     raw = Path(checkpoint) / f"eval_raw{_suffix(temperature, constrain)}.json"
     key = {"problems": [p.content for p in problems], "levels": list(mix.levels), "temperature": temperature}
     if constrain:
@@ -239,28 +278,25 @@ def _evaluate_cached(checkpoint: str, problems, mix: TaskMix, temperature: float
         got = json.loads(raw.read_text())
         if got.get("key") == key:
             return {int(b): v for b, v in got["res"].items()}
-    model, tok, _ = load(checkpoint)
-    grammar = None
-    if constrain:
-        from dsv41.posttrain.constrain import Grammar
-        grammar = lambda p, b: Grammar(tok, p, b, constrain)   # noqa: E731
-    res = evaluate(model, tok, problems, mix.levels, max_tokens=T.MAX_TOKENS, temperature=temperature, batch=batch,
-                   grammar=grammar)
+    if workers > 1:
+        res = _evaluate_sharded(checkpoint, problems, mix.levels, temperature, batch, constrain, workers)
+    else:
+        res = _evaluate_slice(checkpoint, problems, 0, mix.levels, temperature, batch, constrain)
     raw.write_text(json.dumps({"key": key, "res": res}) + "\n")
     return res
 
 
 def run_eval(checkpoint: str, baseline: str | None, n: int, mix: TaskMix, temperature: float = 0.0,
-             batch: int = 32, constrain: str = "") -> dict:
+             batch: int = 32, constrain: str = "", workers: int = 1) -> dict:
     """Greedy (or, temperature > 0, sampled) accuracy and reasoning length per level on n held-out problems, the
     affine fit per difficulty, and, against the baseline, the paired sign test of accuracy (written to
     <checkpoint>/eval.json; a sampled evaluation to eval_t<T>.json)."""
     from dsv41.posttrain.rollout import held_out_problems, sign_test, summarize
     problems = held_out_problems(mix, n)
-    res = _evaluate_cached(checkpoint, problems, mix, temperature, batch, constrain)
+    res = _evaluate_cached(checkpoint, problems, mix, temperature, batch, constrain, workers)
     report = {"checkpoint": checkpoint, "temperature": temperature, "constrain": constrain, **summarize(res)}
     if baseline and Path(baseline).is_dir():
-        bres = _evaluate_cached(baseline, problems, mix, temperature, batch, constrain)
+        bres = _evaluate_cached(baseline, problems, mix, temperature, batch, constrain, workers)
         flat = lambda r: [c for b in mix.levels for c in r[b]["correct"]]   # noqa: E731
         report["baseline"] = {"checkpoint": baseline, **summarize(bres)}
         report["paired"] = sign_test(flat(bres), flat(res))

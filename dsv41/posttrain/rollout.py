@@ -135,17 +135,18 @@ def held_out_problems(mix, n: int, seed: int = 1) -> list[T.Problem]:
 
 @torch.no_grad()
 def evaluate(model, tok, problems: list[T.Problem], levels, max_tokens: int, temperature: float = 0.0,
-             batch: int = 32, grammar=None) -> dict:
+             batch: int = 32, grammar=None, first: int = 0) -> dict:
     """Responses to every problem at every level: {b: {"correct": [0/1...], "length": [...]}}; greedy at
     temperature 0, else sampled from the full softmax at that temperature with a seed per (problem, level), so a
     sampled evaluation is reproducible (greedy hides a change of the policy that has not moved its mode).
     batch: the engine's slots; in its deterministic mode a response does not depend on which requests share a
     batch, so only the time changes. grammar: as rollouts' (the decoding constraint every response is sampled
-    under; None: the full softmax)."""
+    under; None: the full softmax). first: the index of problems[0] in the whole held-out list (the seeds follow
+    that index, so a slice evaluated on its own answers as it does inside the whole list)."""
     eng = make_engine(model, tok, max_batch=batch)
     res = {}
     for b in levels:
-        seeds = [None if temperature == 0 else 7919 * i + b for i in range(len(problems))]
+        seeds = [None if temperature == 0 else 7919 * (first + i) + b for i in range(len(problems))]
         rs = rollouts(eng, tok, [(p, b, s) for p, s in zip(problems, seeds)], max_tokens, temperature=temperature,
                       grammar=grammar, masked_lp=False)
         res[b] = {"correct": [int(r.verdict.correct) for r in rs], "length": [r.verdict.reasoning_tokens for r in rs],
