@@ -165,6 +165,7 @@ def main() -> None:
         _run_batch(args, res, model, tok, groups, modes, prof, sync)
         res["loadavg"][f"after batch {B}"] = os.getloadavg()
     res["table"] = _table(res, args.batches, modes)
+    res["ceiling"] = _ceiling(res, args.batches, G)
     line = _json(res)
     if args.out:
         Path(args.out).write_text(line + "\n")
@@ -305,6 +306,28 @@ def _table(res: dict, batches, modes) -> dict:
         tabs.append(tab)
     res["table_median"] = tabs[1]
     return tabs[0]
+
+
+def _ceiling(res: dict, batches, G: int) -> dict:
+    """Per batch, from this run's profile: the speed-up a drafter whose every draft is accepted would give at verify
+    length G, (G + 1) T_plain / T_G, and the tokens per forward a verify-G step must emit for x3 over plain decoding,
+    3 T_G / T_plain, beside those fixed:G emitted (the arithmetic behind a batch-1 target)."""
+    prof, out = res.get("profile") or {}, {}
+    plain = {p["batch"]: p["seconds"] for p in prof.get("plain", [])}
+    verify = {p["batch"]: p["seconds"] for p in prof.get("points", []) if p["verify"] == G}
+    realised = {r["batch"]: r["tokens_per_forward_per_row"] for r in res["runs"] if r["mode"] == f"fixed:{G}"}
+    rows = [B for B in batches if B in plain and B in verify]
+    if rows:
+        print(f"\nverify-{G} ceiling (profile): batch, T_plain s, T_{G} s, perfect-drafter speed-up, "
+              f"tokens/forward for x3, fixed:{G}'s")
+    for B in rows:
+        tp, tg = plain[B], verify[B]
+        out[str(B)] = {"plain_s": tp, "verify_s": tg, "perfect_speedup": (G + 1) * tp / tg,
+                       "tokens_per_forward_for_x3": 3 * tg / tp, "fixed_tokens_per_forward": realised.get(B)}
+        got = realised.get(B)
+        print(f"  batch {B:3d}  {tp:.4f}  {tg:.4f}  x{(G + 1) * tp / tg:.2f}  {3 * tg / tp:.2f}  "
+              + (f"{got:.2f}" if got is not None else "-"))
+    return out
 
 
 def _json(res: dict) -> str:
