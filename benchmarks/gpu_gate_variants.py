@@ -2,7 +2,9 @@
 from the CPU in `gpu_parity_trace.py`: layer 10's q_norm (1.7e-7 from the CPU) put an FP8 QDQ on the other side of a
 rounding midpoint. The CPU's torch.rsqrt is exactly the IEEE root then an IEEE division; CUDA's rsqrtf is an
 approximation, so `dsv41.kernels.invariant.rsqrt` computes 1 / sqrt on CUDA (tests/test_deterministic.py). Variants:
-  base       as shipped (1 / sqrt on CUDA)
+  base       the official-cpu tie rule alone (1 / sqrt on CUDA, CUDA's row means)
+  cpu-order  `use_official_cpu`: and the row means in the CPU's summation order on the GPU (`cpu_order_sum`),
+             what tests/test_golden.py::test_gate1_teacher_forced_fp32_on_the_gpu runs
   rsqrtf     CUDA's torch.rsqrt (DSV41_GPU_RSQRT=approx), the statistics before 2026-12-07
   f64-mean   the row means summed in float64, rounded once
   cpu-stats  the row means and rsqrt of CUDA tensors computed on the CPU (bit-equal RMSNorm statistics; a probe of
@@ -32,6 +34,7 @@ from safetensors.torch import load_file  # noqa: E402
 import dsv41.kernels.mhc_math as mhc_math  # noqa: E402
 import dsv41.kernels.ref as ref  # noqa: E402
 import dsv41.model.engram as engram  # noqa: E402
+from dsv41.kernels.invariant import set_cpu_order  # noqa: E402
 from dsv41.model.attention import set_tie_break  # noqa: E402
 from dsv41.model.loading import load_model  # noqa: E402
 from dsv41.model.runner import compare_captures, run_teacher_forced  # noqa: E402
@@ -45,7 +48,7 @@ def main() -> int:
     real_sqrt, real_tsqrt = torch.sqrt, torch.Tensor.sqrt
     users = (ref, mhc_math, engram)
     out = {}
-    names = os.environ.get("VARIANTS", "base,rsqrtf,f64-mean,cpu-stats,cpu-stats+cpu-sqrt").split(",")
+    names = os.environ.get("VARIANTS", "base,cpu-order,rsqrtf,f64-mean,cpu-stats,cpu-stats+cpu-sqrt").split(",")
     for name in names:
         if name.startswith("cpu-stats"):
             torch.rsqrt = lambda v, *a, **k: (real_rsqrt(v.cpu()).to(v.device) if v.is_cuda
@@ -59,6 +62,7 @@ def main() -> int:
         if name.endswith("cpu-sqrt"):
             torch.sqrt = lambda v, *a, **k: real_sqrt(v.cpu()).to(v.device) if v.is_cuda else real_sqrt(v, *a, **k)
             torch.Tensor.sqrt = lambda t: real_tsqrt(t.cpu()).to(t.device) if t.is_cuda else real_tsqrt(t)
+        set_cpu_order(name == "cpu-order")
         if name.endswith("f64-mean"):
             for mod in users:
                 mod.row_mean = lambda x, keepdim=False: (x.double().mean(-1, keepdim=keepdim).float() if x.is_cuda
@@ -76,6 +80,7 @@ def main() -> int:
                 print(name, storage, json.dumps(out[f"{name}/{storage}"]), flush=True)
         finally:
             torch.rsqrt, torch.sqrt, torch.Tensor.sqrt = real_rsqrt, real_sqrt, real_tsqrt
+            set_cpu_order(False)
             os.environ.pop("DSV41_GPU_RSQRT", None)
             for mod in users:
                 mod.row_mean = real_mean

@@ -13,7 +13,8 @@ from dsv41.config import load_config
 from dsv41.engine.engine import Engine
 from dsv41.engine.sampling import SamplingParams
 from dsv41.kernels import deterministic
-from dsv41.kernels.invariant import canonical_lists, exact_block_linear, index_scores, rsqrt, tiled_linear
+from dsv41.kernels.invariant import (canonical_lists, cpu_order_sum, exact_block_linear, index_scores, rsqrt,
+                                     tiled_linear)
 from dsv41.codecs import qdq_fp8, qdq_index_k
 from dsv41.model.init import random_model
 from dsv41.train.logprobs import token_logprobs
@@ -83,6 +84,22 @@ def test_cpu_rsqrt_is_ieee_reciprocal_sqrt():
     assert torch.equal(torch.rsqrt(x), ieee)
     assert torch.equal(rsqrt(x), ieee)
     assert not torch.equal(ieee, (x.double().rsqrt()).float())   # not the correctly rounded 1 / sqrt: two roundings
+
+
+def test_cpu_order_sum_is_the_cpus_sum():
+    """`cpu_order_sum` (what a GPU runs for the row statistics under `set_cpu_order`, gate 1 on a GPU) adds in the
+    order of torch's CPU sum kernel: bit-equal to x.sum(-1), and divided by n to x.mean(-1), under this run's
+    dispatch and the dispatch run's, for widths below one vector, with leftover vectors and scalar tails, the
+    model's widths and cascades of several levels; rows summed one at a time or many at once."""
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 3, 5, 7, 8, 9, 15, 31, 33, 64, 100, 257, 1024, 2048, 4000, 4096, 5120, 7168, 30000):
+        x = (torch.rand(5, 3, n, generator=g) + 0.25) * torch.exp(torch.randn(5, 3, n, generator=g))
+        s = cpu_order_sum(x)
+        assert torch.equal(s, x.sum(-1)), n
+        assert torch.equal(s / torch.full_like(s, n), x.mean(-1)), n
+        assert torch.equal(cpu_order_sum(x[0, :1]), x[0, :1].sum(-1)), n
+    x = torch.rand(4, 1024, generator=g)
+    assert not torch.equal(cpu_order_sum(x), x.cumsum(-1)[:, -1])    # another order (left to right) differs here
 
 
 def test_index_scores_are_row_invariant():

@@ -57,7 +57,7 @@ def add_engine_args(p: argparse.ArgumentParser, checkpoint_required: bool = True
                    help="T(n) profile for the dspark scheduler (default: CHECKPOINT/step_profile.json)")
     p.add_argument("--tie-break", choices=["official", "official-cpu", "recent"], default="official",
                    help="indexer top-k tie rule: official (torch.topk on the model's device: parity with the official "
-                        "code on a CPU), official-cpu (the CPU's order on any device: a host sync per top-k) or recent "
+                        "code on a CPU), official-cpu (the CPU's tie order and row-statistics order on any device: parity runs, slow) or recent "
                         "(deterministic: greedy outputs then do not depend on which requests share a batch)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics (implies --tie-break recent): a request's tokens and log-probs do "
@@ -90,14 +90,16 @@ def engine_from_args(args: argparse.Namespace, model=None, tokenizer=None) -> En
     from dsv41.engine.engine import weights_fingerprint
     from dsv41.engine.tokenizer import load_tokenizer
     from dsv41.kv.cache_cli import resolve_prefix_flags
-    from dsv41.model.attention import set_tie_break
+    from dsv41.model.attention import set_tie_break, use_official_cpu
     from dsv41.model.common import QuantSite
     from dsv41.model.loading import load_model
 
     if model is None:
         model, _ = load_model(args.checkpoint, dtype=parse_dtype(args.dtype or "float32"), storage=args.storage,
                               engram_tables=args.engram_tables)
-    if args.tie_break != "official":
+    if args.tie_break == "official-cpu":
+        use_official_cpu(model)
+    elif args.tie_break != "official":
         set_tie_break(model, args.tie_break)
     tokenizer = tokenizer or load_tokenizer(args.checkpoint, model.cfg.vocab_size)
     spec, profile = resolve_speculation(model, args.checkpoint, args.speculative, args.step_profile, args.max_batch,

@@ -54,14 +54,14 @@ import torch.nn.functional as F
 
 __all__ = ["ROW_TILE", "set_deterministic", "is_deterministic", "deterministic", "exact_block_linear",
            "tiled_linear", "linear", "index_scores", "canonical_lists", "rsqrt", "sigmoid", "silu", "softplus",
-           "row_sum", "row_mean", "small_sum"]
+           "row_sum", "row_mean", "small_sum", "set_cpu_order", "cpu_order_sum"]
 
 ROW_TILE = 16                 # rows per GEMM problem of `tiled_linear` (a decode batch of up to 16 is one problem)
 CUDA_TILE_GROUP = 8           # tiles per batched GEMM call on CUDA (one batch count: one cuBLAS kernel choice)
 EXACT_BLOCK = 32              # K block of the quantized GEMMs (the checkpoint's scale block)
 _EXACT_ROWS = 256             # rows per float64 pass of exact_block_linear (bounds the [K/32, rows, N] partials)
 
-_state = {"on": False}
+_state = {"on": False, "cpu_order": False}
 
 
 def set_deterministic(enabled: bool) -> None:
@@ -71,6 +71,13 @@ def set_deterministic(enabled: bool) -> None:
 
 def is_deterministic() -> bool:
     return _state["on"]
+
+
+def set_cpu_order(enabled: bool) -> None:
+    """Process-wide: a GPU computes the row statistics (`row_mean`: RMSNorm, mHC, Engram) in the CPU's summation
+    order (`cpu_order_sum`), so that they equal the CPU reference's bits; for gate 1 on a GPU (docs/golden.md §4),
+    with the `official-cpu` tie rule (`dsv41.model.attention.use_official_cpu`). Off by default (slow)."""
+    _state["cpu_order"] = bool(enabled)
 
 
 @contextlib.contextmanager
@@ -178,10 +185,77 @@ def row_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
 
 
 def row_mean(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
-    """x.mean(-1); the deterministic mode's row_sum / n."""
-    if not _state["on"]:
-        return x.mean(-1, keepdim=keepdim)
-    return row_sum(x, keepdim) / x.size(-1)
+    """x.mean(-1); the deterministic mode's row_sum / n; on a GPU under `set_cpu_order(True)` the CPU's own sum
+    (`cpu_order_sum`) then an IEEE division, bit-equal to x.mean(-1) on a CPU."""
+    if _state["on"]:
+        return row_sum(x, keepdim) / x.size(-1)
+    if _state["cpu_order"] and x.device.type != "cpu":
+        s = cpu_order_sum(x)
+        s = s / torch.full_like(s, x.size(-1))        # a tensor divisor: CUDA takes a scalar's reciprocal instead
+        return s.unsqueeze(-1) if keepdim else s
+    return x.mean(-1, keepdim=keepdim)
+
+
+# The CPU's float sum along a contiguous last axis (ATen's cascade sum, aten/src/ATen/native/cpu/SumKernel.cpp):
+# the row is read as vectors of _CPU_SUM_LANES floats, 4 vectors at a time (4 accumulators), the accumulators'
+# adds cascaded over 4 levels of chunks; then the leftover vectors, the 4 accumulators in order, the scalar tail
+# and the lanes in order; a row shorter than one vector is summed as scalars the same way. The width is 8 lanes at
+# every dispatch level of torch 2.13's CPU build (default, AVX2 and AVX-512 alike: measured,
+# tests/test_deterministic.py::test_cpu_order_sum_is_the_cpus_sum), which is why the CPU results do not depend on
+# the CPU. A GPU reproduces it with these few hundred small adds: for parity runs, not serving.
+_CPU_SUM_LANES = 8
+_CPU_SUM_ILP = 4
+_CPU_SUM_LEVELS = 4
+
+
+def _cascade(v: torch.Tensor) -> torch.Tensor:
+    """ATen's multi_row_sum: v [..., size, 4, L] summed over `size` in its chunked order -> [..., 4, L]."""
+    size = v.size(-3)
+    power = max(4, (size - 1).bit_length() // _CPU_SUM_LEVELS if size > 1 else 0)
+    step, mask = 1 << power, (1 << power) - 1
+    acc = [v.new_zeros(v.shape[:-3] + v.shape[-2:]) for _ in range(_CPU_SUM_LEVELS)]
+    i = 0
+    while i + step <= size:
+        for _ in range(step):
+            acc[0] = acc[0] + v[..., i, :, :]
+            i += 1
+        for j in range(1, _CPU_SUM_LEVELS):
+            acc[j] = acc[j] + acc[j - 1]
+            acc[j - 1] = torch.zeros_like(acc[j - 1])
+            if i & (mask << (j * power)):
+                break
+    for k in range(i, size):
+        acc[0] = acc[0] + v[..., k, :, :]
+    for j in range(1, _CPU_SUM_LEVELS):
+        acc[0] = acc[0] + acc[j]
+    return acc[0]
+
+
+def _ilp_sum(v: torch.Tensor) -> torch.Tensor:
+    """ATen's row_sum over axis -2 of v [..., n, L]: groups of 4 cascaded, the leftovers, then the 4 partials."""
+    n, size = v.size(-2), v.size(-2) // _CPU_SUM_ILP
+    part = _cascade(v[..., :size * _CPU_SUM_ILP, :].unflatten(-2, (size, _CPU_SUM_ILP)))
+    out = part[..., 0, :]
+    for k in range(size * _CPU_SUM_ILP, n):
+        out = out + v[..., k, :]
+    for k in range(1, _CPU_SUM_ILP):
+        out = out + part[..., k, :]
+    return out
+
+
+def cpu_order_sum(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(-1) of a float32 tensor in the order torch's CPU kernel adds it, on any device (see above)."""
+    n = x.size(-1)
+    if n < _CPU_SUM_LANES:
+        return _ilp_sum(x.unsqueeze(-1))[..., 0]
+    nvec = n // _CPU_SUM_LANES
+    lanes = _ilp_sum(x[..., :nvec * _CPU_SUM_LANES].unflatten(-1, (nvec, _CPU_SUM_LANES)))
+    out = torch.zeros_like(x[..., 0])
+    for k in range(nvec * _CPU_SUM_LANES, n):
+        out = out + x[..., k]
+    for k in range(_CPU_SUM_LANES):
+        out = out + lanes[..., k]
+    return out
 
 
 def small_sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:

@@ -24,8 +24,8 @@ from dsv41.codecs import qdq_main_kv
 from dsv41.config import LayerRole, ModelConfig
 from dsv41.devices import h2d
 from dsv41.kernels import qdq_fp8, qdq_index_k, sparse_attn
-from dsv41.kernels.invariant import (canonical_lists, index_scores, is_deterministic, set_deterministic,
-                                     small_sum, tiled_linear)
+from dsv41.kernels.invariant import (canonical_lists, index_scores, is_deterministic, set_cpu_order,
+                                     set_deterministic, small_sum, tiled_linear)
 from dsv41.kernels.packed_ref import TIE_RULES, top_blocks, topk_indices
 from dsv41.model import packed_decode
 from dsv41.model.common import Linear, QuantSite, RMSNorm, Rope, apply_rope, lin_kind
@@ -49,6 +49,14 @@ def set_tie_break(model: nn.Module, ties: str) -> None:
     for m in model.modules():
         if isinstance(m, Indexer):
             m.ties = ties
+
+
+def use_official_cpu(model: nn.Module) -> None:
+    """The CPU reference's numerics on any device, for parity runs (gate 1 on a GPU, docs/golden.md §4): the
+    `official-cpu` tie rule and, process-wide, the row statistics in the CPU's summation order
+    (`dsv41.kernels.invariant.set_cpu_order`). Slow on a GPU (host syncs, many small adds); not for serving."""
+    set_tie_break(model, "official-cpu")
+    set_cpu_order(True)
 
 
 def use_deterministic(model: nn.Module) -> None:
