@@ -5,8 +5,8 @@
 fp32: the golden blocks' inputs through every block on the GPU, each output against the official capture: the
 gate is 1e-5 relative L2 per row with at most one row above it per tensor (docs/golden.md §4), for the dense and
 the packed weight storage (the packed one reading the checkpoint bytes in the GPU kernels where they exist), with
-the official order among exact top-k ties ("official-cpu"; CUDA's own topk order is reported beside it: ties alone
-fail the gate). The deterministic mode (exact 32-wide block sums, fixed reduction orders, the "recent" tie rule,
+the official order among exact top-k ties and the row statistics in the CPU's summation order
+(`use_official_cpu`; CUDA's own topk order and reductions are reported beside it: ties alone fail the gate). The deterministic mode (exact 32-wide block sums, fixed reduction orders, the "recent" tie rule,
 which is not the official one) against the same mode on the CPU, per block.
 bf16: the same teacher-forced run in bf16 on the GPU and on the CPU (our reference), per block the largest and the
 median relative error per row of GPU vs CPU: the GPU's bf16 tolerance, measured.
@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from safetensors.torch import load_file  # noqa: E402
 
 from dsv41.kernels import deterministic  # noqa: E402
-from dsv41.model.attention import set_tie_break  # noqa: E402
+from dsv41.kernels.invariant import set_cpu_order  # noqa: E402
+from dsv41.model.attention import set_tie_break, use_official_cpu  # noqa: E402
 from dsv41.model.loading import load_model  # noqa: E402
 from dsv41.model.runner import compare_captures, rel_rows, run_teacher_forced  # noqa: E402
 
@@ -68,9 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     for storage in ("dense", "packed"):
         for ties in ("official-cpu", "official"):
             m = load_model(case, storage=storage)[0]
-            set_tie_break(m, ties)
+            if ties == "official-cpu":
+                use_official_cpu(m)          # and the row statistics in the CPU's summation order
+            else:
+                set_tie_break(m, ties)
             res[f"fp32_{storage}" + ("" if ties == "official-cpu" else "_device_ties")] = gate1(
                 teacher_forced(m, blocks, dev), blocks)
+            set_cpu_order(False)
     with deterministic():                 # exact 32-wide block sums, fixed reduction orders (docs/system.md §10)
         runs = {}
         for d in (dev, "cpu"):
