@@ -57,7 +57,8 @@ def add_engine_args(p: argparse.ArgumentParser, checkpoint_required: bool = True
                    help="T(n) profile for the dspark scheduler (default: CHECKPOINT/step_profile.json)")
     p.add_argument("--tie-break", choices=["official", "official-cpu", "recent"], default="official",
                    help="indexer top-k tie rule: official (torch.topk on the model's device: parity with the official "
-                        "code on a CPU), official-cpu (the CPU's tie order and row-statistics order on any device: parity runs, slow) or recent "
+                        "code on a CPU), official-cpu (the CPU's tie order and row-statistics order on any device: "
+                        "parity runs, slow) or recent "
                         "(deterministic: greedy outputs then do not depend on which requests share a batch)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics (implies --tie-break recent): a request's tokens and log-probs do "
