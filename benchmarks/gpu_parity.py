@@ -6,8 +6,9 @@ fp32: the golden blocks' inputs through every block on the GPU, each output agai
 gate is 1e-5 relative L2 per row with at most one row above it per tensor (docs/golden.md §4), for the dense and
 the packed weight storage (the packed one reading the checkpoint bytes in the GPU kernels where they exist), with
 the official order among exact top-k ties and the row statistics in the CPU's summation order
-(`use_official_cpu`; CUDA's own topk order and reductions are reported beside it: ties alone fail the gate). The deterministic mode (exact 32-wide block sums, fixed reduction orders, the "recent" tie rule,
-which is not the official one) against the same mode on the CPU, per block.
+(`use_official_cpu`; CUDA's own topk order and reductions are reported beside it: ties alone fail the gate).
+The deterministic mode (exact 32-wide block sums, fixed reduction orders, the "recent" tie rule, which is not the
+official one) against the same mode on the CPU, per block.
 bf16: the same teacher-forced run in bf16 on the GPU and on the CPU (our reference), per block the largest and the
 median relative error per row of GPU vs CPU: the GPU's bf16 tolerance, measured.
 """
