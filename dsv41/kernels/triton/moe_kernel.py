@@ -556,7 +556,11 @@ def _moe_gate_kernel(x_ptr, w_ptr, b_ptr, wout_ptr, iout_ptr, s_ptr, E, D, temp,
     tl.store(iout_ptr + t * K + kk, idx.to(tl.int64), mask=kk < K)
 
 
-GATE_CONFIG = {"block_k": 0, "num_warps": 4}     # block_k 0: 4096 / (experts padded), within 16 .. 256
+# block_k 0: a [experts padded, K block] tile of 32768 weights, the K block within 16 .. D padded. The H200 sweep
+# at v41-geometry's gate (16 experts, D 5120; 2026-12-07, `benchmarks/packed_gemm.py --sweep-gate`,
+# benchmarks/results/gpu_misc_h200-2026-12-07e.log), 4 warps, 1 token: K block 256 (the old rule, 4096 / experts,
+# at most 256) 27.9 us a call, 512 12.6, 1024 9.2, 2048 8.0 (this rule there; 32 tokens: 28.9 -> 8.7); same ids.
+GATE_CONFIG = {"block_k": 0, "num_warps": 4}
 
 
 def moe_gate_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str,
@@ -579,7 +583,8 @@ def moe_gate_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, t
         LAST["moe_gate"] = _moe_gate_kernel[(N,)](
             aligned_rows(x, D), aligned_rows(weight, D), bias.float().contiguous(), wout, iout, scores, E, D,
             float(gate_temp), float(route_scale), K=topk, KP=triton.next_power_of_2(topk), SCORE=SCORE_FUNCS.index(score_func),
-            NORM=bool(norm_topk_prob) and topk > 1, BE=BE, BK=cfg["block_k"] or max(16, min(256, 4096 // BE)),
+            NORM=bool(norm_topk_prob) and topk > 1, BE=BE,
+            BK=cfg["block_k"] or min(triton.next_power_of_2(D), max(16, 32768 // BE)),
             LIBDEVICE=not INTERPRET, num_warps=cfg["num_warps"], enable_fp_fusion=False)
     return wout, iout, scores
 
