@@ -245,9 +245,9 @@ def test_tie_rule_decides_gate1(blocks):
 @pytest.mark.gpu
 def test_gate1_teacher_forced_fp32_on_the_gpu(blocks):
     """Gate 1 on a GPU in fp32, dense and packed storage, under `use_official_cpu`: the official tie order (CUDA's
-    topk orders exact ties otherwise) and the row statistics in the CPU's summation order. Without the latter an
-    FP8 QDQ of the query path sits at a rounding midpoint and flips (H100: block_out.10, 2 outlier rows; H200:
-    block_out.9, 16 rows; docs/golden.md §4). Both storages are run and printed (pytest -s) before the assertion."""
+    topk orders exact ties otherwise) and the row statistics in the CPU's summation order. Without the latter
+    FP8 QDQs of the query path sit at rounding midpoints and flip (CUDA's row means: block_out.9, 16 outlier rows
+    on an H100 and an H200; docs/golden.md §4). Both storages are run and printed (pytest -s) before the assertion."""
     bad = {}
     try:
         for storage in ("dense", "packed"):

@@ -211,7 +211,7 @@ _CPU_SUM_LEVELS = 4
 def _cascade(v: torch.Tensor) -> torch.Tensor:
     """ATen's multi_row_sum: v [..., size, 4, L] summed over `size` in its chunked order -> [..., 4, L]."""
     size = v.size(-3)
-    power = max(4, (size - 1).bit_length() // _CPU_SUM_LEVELS if size > 1 else 0)
+    power = max(4, (size - 1).bit_length() // _CPU_SUM_LEVELS)        # ATen: max(4, CeilLog2(size) / 4)
     step, mask = 1 << power, (1 << power) - 1
     acc = [v.new_zeros(v.shape[:-3] + v.shape[-2:]) for _ in range(_CPU_SUM_LEVELS)]
     i = 0
