@@ -206,3 +206,33 @@ def test_plan_entropy_is_the_masked_distributions_and_the_bonus_raises_it(tok):
     stats = train_step(model, opt, rs, [0.0] * len(rs), cfg, tok.pad_id)
     assert abs(stats["plan_entropy"] - before / len(rs)) < 1e-5
     assert plan_entropy() > before + 0.05
+
+
+def test_plan_weight_scales_the_plan_letters_term_alone(tok):
+    """RLConfig.plan_weight w multiplies the plan letter's surrogate (and its entropy bonus) by w and leaves every
+    other token's term as it was: with advantages on the plan letter alone a plain SGD step moves the weights w
+    times the gradient; with advantages on the other tokens alone the gradient is the same at every w."""
+    model = build_model(tok, seed=8).eval()
+    eng = make_engine(model, tok, max_batch=8)
+    ps = problems(4, seed=5, lo=3, hi=5)
+    rs = rollouts(eng, tok, [(p, 40, 21 + i) for i, p in enumerate(ps)], T.MAX_TOKENS, temperature=1.0,
+                  routes=True, grammar=lambda p, b: C.Grammar(tok, p, b, "sml"))
+    T_ = max(len(r.prompt_ids) + len(r.output_ids) for r in rs)
+    at = C.plan_positions(rs, T_)
+    on_plan = [[float(at[i, len(r.prompt_ids) - 1 + t]) * 1e-3 for t in range(len(r.output_ids))]
+               for i, r in enumerate(rs)]
+    elsewhere = [[1e-3 - a for a in row] for row in on_plan]
+
+    def delta(adv, w):            # the step's gradient (lr 0 leaves the weights; the norm stays under the clip)
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), rs, adv, RLConfig(plan_weight=w), tok.pad_id)
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    d1, d4 = delta(on_plan, 1.0), delta(on_plan, 4.0)
+    assert d1.abs().max() > 0
+    assert torch.allclose(d4, 4.0 * d1, rtol=1e-4, atol=1e-12)
+    e1, e4 = delta(elsewhere, 1.0), delta(elsewhere, 4.0)
+    assert e1.abs().max() > 0
+    assert torch.equal(e4, e1)
+    with pytest.raises(ValueError, match="needs --constrain"):
+        from dsv41.posttrain.rl import RLRun
+        RLRun(RLConfig(plan_weight=2.0))

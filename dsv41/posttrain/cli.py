@@ -101,6 +101,9 @@ def register(subparsers) -> None:
                         "applies it to the checkpoint and the baseline alike); default off")
     p.add_argument("--plan-entropy", type=float,
                    help="rl with --constrain: alpha of the entropy bonus on the plan letter (default 0)")
+    p.add_argument("--plan-weight", type=float,
+                   help="rl with --constrain: the plan letter's weight in the loss (surrogate and entropy bonus; "
+                        "default 1)")
     p.add_argument("--init", help="rl: the checkpoint RL starts from (default <runs>/post-sft)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="eval: 0 greedy (default); > 0 sampled at that temperature, one seed per (problem, level)")
@@ -168,7 +171,8 @@ def main(args) -> int:
                                    quiet=args.quiet, drafter_lr=args.drafter_lr, adv_norm=args.adv_norm,
                                    paired_seeds=args.paired_seeds, credit=args.credit,
                                    constrain=args.constrain), args)
-            for name in ("samples", "prompts", "levels_per_prompt", "epochs", "k0_rate", "plan_entropy"):
+            for name in ("samples", "prompts", "levels_per_prompt", "epochs", "k0_rate", "plan_entropy",
+                         "plan_weight"):
                 if getattr(args, name) is not None:
                     setattr(cfg, name, getattr(args, name))
             for name, field in (("k0", "k0"), ("lam", "lam"), ("cmax", "c_max"), ("delta_b", "delta_b")):

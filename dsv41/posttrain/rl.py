@@ -108,6 +108,11 @@ class RLConfig:
     # Boltzmann policy turns each step into a logistic rise, so the sampled mean length can rise between every
     # pair of levels
     plan_entropy: float = 0.0
+    # constrained runs: the plan letter's weight in the loss (its surrogate term and its entropy bonus alike, so
+    # the bonus's Boltzmann optimum is unchanged): the plan is one token of ~15 in the token-normalised loss, and
+    # at weight 1 its bandit learns slowly (2026-12-07e: 476 updates left the plan far from that optimum); 1 is
+    # the loss as before, bit for bit
+    plan_weight: float = 1.0
     mix: TaskMix = field(default_factory=TaskMix)
     length: LengthReward = field(default_factory=LengthReward)
 
@@ -231,16 +236,17 @@ def prompt_levels(rng: random.Random, levels: tuple[int, ...], k: int) -> list[i
 
 
 def policy_loss(lp: torch.Tensor, lp_old: torch.Tensor, lp_mu: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                clip: float, cap: float) -> tuple[torch.Tensor, dict]:
+                clip: float, cap: float, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Token-level clipped surrogate with truncated importance weights; all [B, L] (adv broadcast per row).
 
     lp: new log-probs (differentiable); lp_old: the policy at the start of the update; lp_mu: the behaviour
-    policy's (the engine's); mask: 1 for tokens that train (response tokens within the staleness bound)."""
+    policy's (the engine's); mask: 1 for tokens that train (response tokens within the staleness bound); weight:
+    an optional per-token factor on the surrogate (the normaliser stays the mask's token count)."""
     w = torch.exp(lp_old - lp_mu).clamp(max=cap)
     ratio = torch.exp(lp - lp_old)
     surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
     n = mask.sum().clamp(min=1)
-    loss = -(w * surr * mask).sum() / n
+    loss = -(w * surr * (mask if weight is None else mask * weight)).sum() / n
     stats = {"tis_mean": float((w * mask).sum() / n), "clipped": float((((ratio - 1).abs() > clip) * mask).sum() / n)}
     return loss, stats
 
@@ -294,10 +300,13 @@ def train_step(model, opt, rs: list[Rollout], adv: list[float], cfg: RLConfig, p
     distribution they were drawn from."""
     ids, mu, a, mask = batch_tensors(rs, adv, pad, masks)
     allowed = decoding_mask(model, rs, ids.size(1))
-    ent_at = None
-    if cfg.plan_entropy > 0 and allowed is not None:
+    ent_at = weight = None
+    if allowed is not None and (cfg.plan_entropy > 0 or cfg.plan_weight != 1.0):
         from dsv41.posttrain.constrain import plan_positions
-        ent_at = plan_positions(rs, ids.size(1))
+        at = plan_positions(rs, ids.size(1))
+        ent_at = at if cfg.plan_entropy > 0 else None
+        if cfg.plan_weight != 1.0:
+            weight = 1.0 + (cfg.plan_weight - 1.0) * at
     routes = None
     if all(r.routes is not None for r in rs):           # replay the generation-time routing (routing.py)
         routes = replay_batch([r.routes for r in rs], [len(r.prompt_ids) + len(r.output_ids) for r in rs],
@@ -317,10 +326,10 @@ def train_step(model, opt, rs: list[Rollout], adv: list[float], cfg: RLConfig, p
                 lp, ent = masked_token_logprobs(model, ids, allowed, routes=routes, entropy=True)
             if lp_old is None:
                 lp_old = lp.detach()              # the policy at the start of the update
-            loss, stats = policy_loss(lp, lp_old, mu, a, mask, cfg.clip, cfg.tis_cap)
+            loss, stats = policy_loss(lp, lp_old, mu, a, mask, cfg.clip, cfg.tis_cap, weight)
             if ent is not None:             # the bonus, normalised by the same token count as the surrogate
                 h = (ent * ent_at).sum()
-                loss = loss - cfg.plan_entropy * h / mask.sum().clamp(min=1)
+                loss = loss - cfg.plan_entropy * cfg.plan_weight * h / mask.sum().clamp(min=1)
                 stats["plan_entropy"] = float(h.detach() / ent_at.sum().clamp(min=1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -404,12 +413,16 @@ class RLRun:
         cfg.mix.check()
         if cfg.credit not in CREDITS:
             raise ValueError(f"unknown credit {cfg.credit!r}: one of {', '.join(CREDITS)}")
+        if not cfg.constrain and cfg.plan_weight != 1.0:
+            raise ValueError("plan_weight weighs the plan letter of constrained rollouts: it needs --constrain")
         if cfg.constrain:
             from dsv41.posttrain.constrain import PLAN_SETS
             if cfg.constrain not in PLAN_SETS:
                 raise ValueError(f"unknown plan set {cfg.constrain!r}: one of {', '.join(PLAN_SETS)}")
             if cfg.plan_entropy < 0:
                 raise ValueError(f"plan_entropy must be >= 0, got {cfg.plan_entropy}")
+            if cfg.plan_weight <= 0:
+                raise ValueError(f"plan_weight must be > 0, got {cfg.plan_weight}")
             if cfg.dispatch != "sync":
                 raise ValueError("the decoding constraint runs with --dispatch sync only (the dispatcher's backend "
                                  "samples unconstrained)")
