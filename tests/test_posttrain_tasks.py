@@ -108,3 +108,17 @@ def test_bad_inputs_raise(tok, tmp_path):
     (tmp_path / "t.json").write_text(load_post_tokenizer(tmp_path / "x").tok.to_str().replace("</think>", "</th>"))
     with pytest.raises(ValueError, match="post-training tokenizer"):
         PostTokenizer(tmp_path / "t.json")
+
+
+def test_parse_problem_inverts_the_makers():
+    """tasks.parse_problem reads back every generated problem from its user message (the server's task_grammar
+    needs the problem a request states) and refuses text the tasks never write."""
+    rng = random.Random(3)
+    for family in T.FAMILIES:
+        for _ in range(200):
+            p = T.sample_problem(rng, family, 1, 6)
+            assert T.parse_problem(p.content) == p
+    for bad in ("sum", "sum a1 c2", "sum a12", "sum ax", "hello", "chase ab ba from c 2", "chase ab bb from a 2",
+                "chase ab ba from a x", "chase ab ba from a 0", "sum  a1", "chase ab ba  from a 1"):
+        with pytest.raises(ValueError):
+            T.parse_problem(bad)

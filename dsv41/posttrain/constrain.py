@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.posttrain import tasks as T
+from dsv41.server.chat import THINK_END
 from dsv41.train.qat import sequence_forward
 from dsv41.model.step import ForwardOptions
 
@@ -108,9 +109,9 @@ class Grammar:
         for t, c in self.letter_of.items():
             slots = template(p, stride_of(plans, c, n))
             self.tails[t] = ([holes if s is HOLE else [cid(s)] for s in slots]
-                             + [[tok.think_end_id], holes, [tok.eos_id]])
-        if any(x is None for row in self.head for x in row):
-            raise ValueError("the tokenizer lacks a head character")
+                             + [[cid(THINK_END)], holes, [tok.eos_id]])
+        if any(x is None for row in (*self.head, *(r for tail in self.tails.values() for r in tail)) for x in row):
+            raise ValueError("the tokenizer lacks a character of the plan grammar (not the post-training tokenizer)")
 
     def allowed(self, prefix: list[int]) -> list[int]:
         k = len(prefix)
@@ -124,6 +125,28 @@ class Grammar:
 
     def start(self) -> "GrammarMatcher":
         return GrammarMatcher(self)
+
+
+def checkpoint_plans(ckpt) -> str | None:
+    """The plan set a post-trained checkpoint decodes under (its grammar, for serving it), from its posttrain.json:
+    the RL run's `constrain`, else that of the run it started from (`init`), down to an SFT whose head is the
+    grammar's (band letter, size digit, plan letter, b = 100 merged into J: "sml"); None when the head differs
+    (a model trained without the plan head is served unconstrained)."""
+    import json
+    from pathlib import Path
+    seen = set()
+    path = Path(ckpt)
+    while path not in seen and (path / "posttrain.json").is_file():
+        seen.add(path)
+        cfg = json.loads((path / "posttrain.json").read_text()).get("config", {})
+        if cfg.get("constrain"):
+            return cfg["constrain"]
+        if all(cfg.get(k) for k in ("echo", "plan", "echo_size", "merge_top")):
+            return "sml"
+        if not cfg.get("init"):
+            return None
+        path = Path(cfg["init"])
+    return None
 
 
 class GrammarMatcher:

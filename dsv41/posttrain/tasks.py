@@ -92,6 +92,35 @@ def make_chase(rng: random.Random, n: int, letters: int = 6) -> Problem:
 MAKERS = {"sums": make_sums, "chase": make_chase}
 
 
+def parse_problem(content: str) -> Problem:
+    """The problem a user message states, as `Problem.content` writes it (`sum a3 b7 c0`, `chase ab ba from a 2`):
+    the inverse of the makers, so a served request can be checked and constrained like a generated one. Raises
+    ValueError for any other text."""
+    words = content.split()
+    if len(words) >= 2 and words[0] == "sum":
+        labels = [w[:1] for w in words[1:]]
+        if (labels != list(LETTERS[:len(labels)]) or any(len(w) != 2 or not w[1].isdigit() for w in words[1:])):
+            raise ValueError(f"not a sums problem: {content!r} (sum a<digit> b<digit> ...)")
+        p = sums_problem([int(w[1]) for w in words[1:]])
+    elif len(words) >= 5 and words[0] == "chase" and words[-3] == "from":
+        pairs, start, n = words[1:-3], words[-2], words[-1]
+        keys = [w[:1] for w in pairs]
+        mapping = {w[0]: w[1] for w in pairs if len(w) == 2}
+        if (keys != list(LETTERS[:len(keys)]) or len(mapping) != len(keys) or sorted(mapping.values()) != keys
+                or start not in mapping or not n.isdigit() or not 1 <= int(n) <= len(LETTERS)):
+            raise ValueError(f"not a chase problem: {content!r} (chase <key><target> ... from <key> <n>)")
+        states, at = [], start
+        for _ in range(int(n)):
+            at = mapping[at]
+            states.append(at)
+        p = Problem("chase", f"chase {' '.join(pairs)} from {start} {n}", tuple(states), ("",) * int(n), int(n))
+    else:
+        raise ValueError(f"not a task problem: {content!r} (a sums or chase problem as the tasks write them)")
+    if p.content != content:
+        raise ValueError(f"not a task problem as the tasks write it: {content!r} (expected {p.content!r})")
+    return p
+
+
 def check_family(family: str) -> str:
     if family not in MAKERS:
         raise ValueError(f"unknown task family {family!r}: choose from {', '.join(FAMILIES)}")

@@ -12,8 +12,9 @@
    then stop the server.
 5. The post-trained model: when `--posttrained` (default runs/post-rl, what `dsv41 posttrain all` writes) holds a
    checkpoint, serve it the same way and ask it held-out task problems at the lowest and the highest reasoning
-   effort (`reasoning_effort` 1 and 100), printing its reasoning, its answer, whether the answer is right and the
-   reasoning tokens; otherwise print the command that makes one. It never waits for input.
+   effort (`reasoning_effort` 1 and 100), under the plan grammar it was trained with (`task_grammar`, when its
+   SFT wrote the plan head), printing its reasoning, its answer, whether the answer is right and the reasoning
+   tokens; otherwise print the command that makes one. It never waits for input.
 """
 
 from __future__ import annotations
@@ -230,6 +231,7 @@ def _posttrained(args: argparse.Namespace, problems: int = 3) -> None:
 
     from dsv41.engine.cli import engine_from_args
     from dsv41.posttrain import tasks as T
+    from dsv41.posttrain.constrain import checkpoint_plans
     from dsv41.posttrain.rollout import held_out_problems
     from dsv41.posttrain.sft import TaskMix
     from dsv41.server.app import create_app, serve_in_thread
@@ -241,6 +243,7 @@ def _posttrained(args: argparse.Namespace, problems: int = 3) -> None:
         _p(f"no post-trained checkpoint in {ckpt}: `dsv41 posttrain all` makes one (runs/post-sft, post-rl, post-opd;"
            " about 35 minutes on 2 cores), then run `dsv41 demo` again")
         return
+    plans = checkpoint_plans(ckpt)
     pargs = copy.copy(args)
     pargs.checkpoint, pargs.cache_dir, pargs.swa_pool = str(ckpt), "none", "none"
     engine = engine_from_args(pargs)
@@ -249,13 +252,15 @@ def _posttrained(args: argparse.Namespace, problems: int = 3) -> None:
     with serve_in_thread(app, "127.0.0.1", 0) as handle:
         client = OpenAI(base_url=handle.url + "/v1", api_key="dsv41-demo", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
-        _p(f"serving {ckpt} as {model} on {handle.url}; held-out problems (never trained on), greedy")
+        _p(f"serving {ckpt} as {model} on {handle.url}; held-out problems (never trained on), greedy"
+           + (f", under the plan grammar it was trained with (task_grammar {plans!r})" if plans else ""))
+        grammar = {"task_grammar": plans} if plans else {}
         for p in held_out_problems(TaskMix(lo=4, hi=6), problems, seed=7):
             _p(f"\nuser: {p.content}   (answer {p.answer})")
             for b in (1, 100):
                 r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p.content}],
                                                    max_tokens=T.MAX_TOKENS, temperature=0,
-                                                   extra_body={"reasoning_effort": b})
+                                                   extra_body={"reasoning_effort": b, **grammar})
                 m = r.choices[0].message
                 think = (m.model_extra or {}).get("reasoning_content") or ""
                 ans = (m.content or "").strip()

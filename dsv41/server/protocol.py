@@ -199,6 +199,9 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)      # extension (vLLM)
+    # extension (dsv41): a post-trained checkpoint's plan grammar ("sml" / "strides", posttrain/constrain.py) over
+    # the task the last user message states, at the request's effort: the decoding that model was trained under
+    task_grammar: str | None = None
     _null_is_false = ("logprobs",)
 
     def check_unsupported(self) -> None:

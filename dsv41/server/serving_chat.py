@@ -37,7 +37,9 @@ class ServingChat(OpenAIServing):
         ids = self.render()
         max_new = self.max_tokens(req.max_new_tokens(), len(ids),
                                   "max_completion_tokens" if req.max_completion_tokens else "max_tokens", "messages")
-        if self.tool_mode not in (None, "auto"):
+        if req.task_grammar is not None:
+            self.constraint = self.task_constraint()
+        elif self.tool_mode not in (None, "auto"):
             self.constraint = self.compile(call_grammar(self.tools, self.tool_mode), self._reasoning_first(),
                                            "tool_choice")
         else:
@@ -61,7 +63,7 @@ class ServingChat(OpenAIServing):
             raise bad_request("chat_template_kwargs.thinking must be a boolean", "chat_template_kwargs")
         effort = req.reasoning_effort if req.reasoning_effort is not None else kw.get("reasoning_effort")
         try:
-            self.thinking, budget = chat_mode(effort, thinking, st.template.name != "simple")
+            self.thinking, self.budget = chat_mode(effort, thinking, st.template.name != "simple")
         except ValueError as e:
             raise bad_request(str(e), "reasoning_effort", "invalid_reasoning_effort") from None
         try:
@@ -70,7 +72,7 @@ class ServingChat(OpenAIServing):
             raise bad_request(str(e), str(e).split(":")[0].split(" ")[0], "invalid_tools") from None
         messages = self.messages()
         try:
-            self.prompt = st.template.render(messages, budget, self.thinking, self.tools or None)
+            self.prompt = st.template.render(messages, self.budget, self.thinking, self.tools or None)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         bos, self.vision = st.tokenizer.bos_id, None
@@ -80,6 +82,27 @@ class ServingChat(OpenAIServing):
             ids = ([] if bos is None else [bos]) + encode_prompt(st.tokenizer, check_text(self.prompt, "messages"))
         check_ids(ids, st.engine.cfg.vocab_size, "messages")
         return ids
+
+    def task_constraint(self):
+        """`task_grammar` -> the plan grammar of the task the last user message states at this request's effort
+        (posttrain/constrain.py): the band letter, size digit and trace template forced, the plan letter, the
+        states and the answer free. A 400 when it cannot apply."""
+        from dsv41.posttrain.constrain import PLAN_SETS, Grammar
+        from dsv41.posttrain.tasks import parse_problem
+        req = self.req
+        if req.task_grammar not in PLAN_SETS:
+            raise bad_request(f"task_grammar {req.task_grammar!r}: use one of {', '.join(PLAN_SETS)}", "task_grammar")
+        if (req.response_format or {}).get("type", "text") != "text" or self.tools:
+            raise bad_request("task_grammar cannot be combined with response_format or tools", "task_grammar")
+        if not self._reasoning_first() or self.budget is None:
+            raise bad_request("task_grammar needs thinking mode with an effort (reasoning_effort)", "task_grammar")
+        if req.messages[-1].role != "user":
+            raise bad_request("task_grammar applies to a final user message", "task_grammar")
+        try:
+            p = parse_problem(self.messages()[-1]["content"])
+            return Grammar(self.state.tokenizer, p, self.budget, req.task_grammar)
+        except ValueError as e:
+            raise bad_request(f"task_grammar: {e}", "task_grammar") from None
 
     def messages(self) -> list[dict]:
         """The request's messages as the templates read them: text parts joined by a blank line, an image part
