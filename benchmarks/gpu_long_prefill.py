@@ -9,7 +9,9 @@ token (the 890 B/token design figure), and after the longest one DECODE_STEPS de
 Env: DEVICE (cuda; cpu for a check of the script), CONFIG (v41-geometry), LENGTHS (32768,1048576), CHUNK (16384), MODE (ced-bounded), DECODE_STEPS (6),
 PROFILE (1: each length up to PROFILE_MAX (32768) tokens is prefilled once more into a fresh sequence under the torch
 profiler: GPU busy time over wall, and the kernels by their summed time; where the prefill rate goes),
-RESULT (the result file; default benchmarks/results/gpu_long_prefill_h200.json).
+SHAPES (1, with PROFILE: a third prefill under the profiler with shapes and stacks: the torch ops by the GPU time of
+their kernels, with input shapes and the dsv41 lines that issue them), RESULT (the result file; default
+benchmarks/results/gpu_long_prefill_h200.json).
 
     PROFILE=1 LENGTHS=512,32768 DECODE_STEPS=0 RESULT=$OUT/prefill_profile.json python benchmarks/gpu_long_prefill.py
 """
@@ -56,7 +58,45 @@ def profile_prefill(model, ids, mode: str, chunk: int, secs: float) -> dict:
     print(f"    profiled: GPU busy {busy:.3f} s of {secs:.3f} s wall ({busy / secs:.2f})", flush=True)
     for k in top:
         print(f"      {k['ms']:9.2f} ms {k['calls']:6d}x  {k['kernel'][:100]}", flush=True)
-    return {"gpu_busy_s": busy, "busy_over_wall": busy / secs, "top": top}
+    out = {"gpu_busy_s": busy, "busy_over_wall": busy / secs, "top": top}
+    if os.environ.get("SHAPES") == "1":
+        out["ops"] = op_sources(lambda: prefill(model, ids, pool.bind([pool.new_sequence()]), mode, chunk))
+    return out
+
+
+def op_sources(fn, top: int = 30) -> list[dict]:
+    """One more call of fn under the profiler with shapes and Python stacks: the torch ops by the GPU time of the
+    kernels they launched, grouped by (op, input shapes, the innermost dsv41 frames), so each costly kernel names
+    the line of ours that issues it."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad(), profile(activities=acts, record_shapes=True, with_stack=True) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    groups: dict = {}
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"      # CPU: a check of the script
+    for e in prof.events():
+        dev_us = getattr(e, attr, 0) or 0
+        if dev_us <= 0 or not e.name.startswith("aten::"):
+            continue
+        frames, par = [], e.cpu_parent            # the Python frames enclosing the op (with_stack's events)
+        while par is not None and len(frames) < 3:
+            if "dsv41/" in par.name and "(" in par.name:
+                frames.append(par.name)
+            par = par.cpu_parent
+        key = (e.name, str(e.input_shapes)[:160], " < ".join(f.split("dsv41/")[-1] for f in frames))
+        g = groups.setdefault(key, [0.0, 0])
+        g[0] += dev_us / 1e3
+        g[1] += 1
+    rows = sorted(({"op": k[0], "shapes": k[1], "source": k[2], "ms": v[0], "calls": v[1]}
+                   for k, v in groups.items()), key=lambda r: -r["ms"])[:top]
+    print("    torch ops by the GPU time of their kernels (op, calls, shapes, source):", flush=True)
+    for r in rows:
+        print(f"      {r['ms']:9.2f} ms {r['calls']:5d}x {r['op']:28s} {r['shapes'][:70]:70s} {r['source'][:140]}",
+              flush=True)
+    return rows
 
 
 def main() -> None:
