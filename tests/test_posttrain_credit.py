@@ -141,3 +141,22 @@ def test_cli_credit_option():
     assert ap.parse_args(["posttrain", "rl", "--credit", "split"]).credit == "split"
     with pytest.raises(SystemExit):
         ap.parse_args(["posttrain", "rl", "--credit", "nope"])
+
+
+def test_pipeline_recipe_fills_the_flags_left_at_their_defaults():
+    """`posttrain all` runs the controllable-effort recipe (cli.PIPELINE) on every flag the user left at its
+    default, keeps any flag given explicitly, and shares `--minutes` (the total) out over the stages."""
+    from dsv41.cli import build_parser
+    from dsv41.posttrain import cli as C
+    ap = build_parser()
+    a = ap.parse_args(["posttrain", "all"])
+    assert C.apply_pipeline(a) == 1.0
+    assert (a.constrain, a.dispatch, a.credit, a.echo, a.plan, a.echo_size, a.merge_top_band) == \
+        ("sml", "sync", "split", True, True, True, True)
+    assert a.levels == "1-100" and a.hold_out == "12,37,62,87" and a.plan_entropy == 0.1
+    b = ap.parse_args(["posttrain", "all", "--credit", "decision", "--k0", "2.5", "--minutes", "10"])
+    assert C.apply_pipeline(b) == 0.5
+    assert b.credit == "decision" and b.k0 == 2.5 and b.constrain == "sml"
+    assert sum(C.PIPELINE_MINUTES.values()) < C.PIPELINE_TOTAL
+    c = ap.parse_args(["posttrain", "rl"])               # a single stage keeps the parser's defaults
+    assert c.constrain == "" and c.dispatch == "sample" and not c.echo

@@ -6,7 +6,7 @@ Examples
     dsv41 posttrain opd --minutes 4                     # runs/post-rl -> runs/post-opd
     dsv41 posttrain dspark --minutes 2                  # runs/post-opd -> runs/post-dspark (drafter only)
     dsv41 posttrain eval --checkpoint runs/post-rl --baseline runs/post-sft --problems 500
-    dsv41 posttrain all                                 # sft, rl, opd, dspark, eval in a row, ~35 minutes on 2 cores
+    dsv41 posttrain all                                 # sft, rl, opd, dspark, eval in a row, ~20 minutes on 2 cores
     dsv41 posttrain rl --drafter-lr 3e-3                # RL that also trains the drafter on every update's rollouts
     dsv41 posttrain rl --dispatch batch --out runs/post-rl-batch   # another dispatch granularity, to compare
     dsv41 posttrain team --checkpoint runs/post-rl      # the multi-agent task: solo vs split, derived latency
@@ -30,13 +30,31 @@ from dsv41.posttrain.tasks import FAMILIES
 
 STAGES = ("sft", "rl", "opd", "dspark", "eval", "team", "all", "report")
 
+# `posttrain all`: the whole pipeline in about 20 minutes on 2 cores, with a budget per stage (minutes; the
+# evaluation's is its problem count: 200 per level, two processes), on the controllable-effort recipe of
+# benchmarks/results/posttrain-cpu-2026-12-07e: SFT writes the plan head (band letter, size digit, plan letter)
+# over dense levels with four held out, RL trains the plan letter under the plan grammar (sums, split credit,
+# an entropy bonus on the plan), and the evaluation decodes under the same grammar. `--minutes` of `all` is the
+# pipeline's total (each stage's budget scales with it); a flag given a value other than its default overrides
+# the recipe's.
+PIPELINE_MINUTES = {"sft": 6.0, "rl": 7.0, "opd": 3.0, "dspark": 1.5}
+PIPELINE_TOTAL = 20.0
+PIPELINE_SFT_STEPS, PIPELINE_SFT_LATE = 900, 180
+PIPELINE = {"levels": "1-100", "hold_out": "12,37,62,87", "echo": True, "plan": True, "echo_size": True,
+            "merge_top_band": True, "late_full_trace": 0.4, "constrain": "sml", "dispatch": "sync",
+            "credit": "split", "plan_entropy": 0.1, "k0": 1.0, "lam": 6.0, "cmax": 2.0, "levels_per_prompt": 4,
+            "delta_b": 24.75, "samples": 4, "prompts": 4, "paired_seeds": True, "eval_workers": 2}
+PIPELINE_RL = {"families": "sums", "lr": 1e-3}       # the RL stage's own (the other stages keep theirs)
+_DEFAULTS: dict = {}                                 # the parser's defaults: a flag left at its default
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("posttrain", help="post-training: SFT, RL with controllable effort, OPD, evaluation",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("stage", choices=STAGES)
     p.add_argument("--runs", default="runs", help="directory of the post-* checkpoints (default runs)")
-    p.add_argument("--minutes", type=float, help="time budget of the stage (default: its own)")
+    p.add_argument("--minutes", type=float, help="time budget of the stage (default: its own; all: the pipeline's "
+                   "total, 20, shared out as PIPELINE_MINUTES)")
     p.add_argument("--steps", type=int, help="step budget of the stage (default: its own)")
     p.add_argument("--checkpoint", help="eval: the checkpoint to evaluate (default runs/post-rl); dspark: the "
                    "post-trained checkpoint whose drafter trains (default runs/post-opd)")
@@ -111,6 +129,16 @@ def register(subparsers) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=main)
+    _DEFAULTS.update({a.dest: a.default for a in p._actions})
+
+
+def apply_pipeline(args) -> float:
+    """`all`: the recipe's values for every flag left at its default (PIPELINE); -> the budget scale (the total
+    `--minutes` over PIPELINE_TOTAL, 1 without it)."""
+    for k, v in PIPELINE.items():
+        if getattr(args, k) == _DEFAULTS.get(k):
+            setattr(args, k, v)
+    return 1.0 if args.minutes is None else args.minutes / PIPELINE_TOTAL
 
 
 def parse_levels(text: str, hold_out: str = "") -> tuple[int, ...]:
@@ -147,17 +175,24 @@ def _budget(cfg, args):
 def main(args) -> int:
     import torch
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    pipeline = args.stage == "all"
+    scale = apply_pipeline(args) if pipeline else 1.0
     levels = parse_levels(args.levels, args.hold_out)
     mix = TaskMix(families=parse_families(args.families), levels=levels).check()
     runs = Path(args.runs)
-    stages = ("sft", "rl", "opd", "dspark", "eval") if args.stage == "all" else (args.stage,)
+    stages = ("sft", "rl", "opd", "dspark", "eval") if pipeline else (args.stage,)
     if args.drafter_lr < 0:
         raise SystemExit(f"--drafter-lr must be >= 0, got {args.drafter_lr}")
+    t_all = time.time()
     for st in stages:
-        out = args.out if args.out and args.stage != "all" else str(runs / f"post-{st}")
+        out = args.out if args.out and not pipeline else str(runs / f"post-{st}")
         t0 = time.time()
+        if pipeline and st in PIPELINE_MINUTES:          # the stage's share of the pipeline's budget
+            args.minutes = PIPELINE_MINUTES[st] * scale
         if st == "sft":
             cfg = _budget(SFTConfig(out=out, seed=args.seed, mix=mix, quiet=args.quiet), args)
+            if pipeline and args.steps is None:
+                cfg.steps, cfg.late_steps = PIPELINE_SFT_STEPS, PIPELINE_SFT_LATE
             for name in ("full_trace", "late_steps", "late_full_trace"):
                 if getattr(args, name) is not None:
                     setattr(cfg, name, getattr(args, name))
@@ -166,8 +201,11 @@ def main(args) -> int:
             run_sft(cfg)
         elif st == "rl":
             from dsv41.posttrain.rl import RLConfig, run_rl
-            init = args.init if args.init and args.stage != "all" else str(runs / "post-sft")
-            cfg = _budget(RLConfig(init=init, out=out, seed=args.seed, mix=mix, dispatch=args.dispatch,
+            init = args.init if args.init and not pipeline else str(runs / "post-sft")
+            rl_mix = mix
+            if pipeline:
+                rl_mix = TaskMix(families=parse_families(PIPELINE_RL["families"]), levels=levels).check()
+            cfg = _budget(RLConfig(init=init, out=out, seed=args.seed, mix=rl_mix, dispatch=args.dispatch,
                                    quiet=args.quiet, drafter_lr=args.drafter_lr, adv_norm=args.adv_norm,
                                    paired_seeds=args.paired_seeds, credit=args.credit,
                                    constrain=args.constrain), args)
@@ -178,6 +216,9 @@ def main(args) -> int:
             for name, field in (("k0", "k0"), ("lam", "lam"), ("cmax", "c_max"), ("delta_b", "delta_b")):
                 if getattr(args, name) is not None:
                     setattr(cfg.length, field, getattr(args, name))
+            if pipeline:                                 # the budget ends the stage, not a step count
+                cfg.lr = PIPELINE_RL["lr"] if args.lr is None else args.lr
+                cfg.steps = 10_000 if args.steps is None else args.steps
             run_rl(cfg)
         elif st == "opd":
             from dsv41.posttrain.opd import OPDConfig, run_opd
@@ -211,6 +252,8 @@ def main(args) -> int:
                               args.eval_workers)
             print(json.dumps(report, indent=2))
         print(f"posttrain {st}: {time.time() - t0:.0f}s wall")
+    if pipeline:
+        print(f"posttrain all: {time.time() - t_all:.0f}s wall (budget {PIPELINE_TOTAL * scale:.0f} minutes)")
     return 0
 
 

@@ -241,7 +241,7 @@ def _posttrained(args: argparse.Namespace, problems: int = 3) -> None:
     ckpt = Path(args.posttrained)
     if not (has_model(ckpt) and (ckpt / "posttrain.json").is_file()):
         _p(f"no post-trained checkpoint in {ckpt}: `dsv41 posttrain all` makes one (runs/post-sft, post-rl, post-opd;"
-           " about 35 minutes on 2 cores), then run `dsv41 demo` again")
+           " about 20 minutes on 2 cores), then run `dsv41 demo` again")
         return
     plans = checkpoint_plans(ckpt)
     pargs = copy.copy(args)
