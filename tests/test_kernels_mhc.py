@@ -156,3 +156,27 @@ def test_hc_mixes_kernel(device, shape):
         assert rel(o, r) < 1e-5, (n, rel(o, r))
     with pytest.raises(ValueError, match="4 streams"):
         hc_mixes_triton(x[..., :3, :], fn, scale, base, 3, iters, eps, norm_eps)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)] + (["cpu"] if INTERPRETER else []))
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 3, 200), (1, 5, 5120)])
+def test_hc_post_kernel_is_the_reference_bit_for_bit(device, shape):
+    """`hc_post_triton` (the residual update alone) equals `mhc_math.hc_post` bit for bit on bf16 streams (the
+    same operations in the same order, no fused multiply-adds); through `dsv41.kernels.hc_post` too."""
+    from dsv41.kernels import hc_post
+    from dsv41.kernels.mhc_math import hc_post as hc_post_ref
+    from dsv41.kernels.triton import hc_post_triton
+    B, T, D = shape
+    g = torch.Generator().manual_seed(D + T)
+    f = torch.randn(B, T, D, generator=g).bfloat16().to(device)
+    x = torch.randn(B, T, 4, D, generator=g).bfloat16().to(device)
+    post = (torch.rand(B, T, 4, generator=g) * 2).to(device)
+    comb = torch.rand(B, T, 4, 4, generator=g).to(device)
+    ref = hc_post_ref(f, x, post, comb)
+    out = hc_post_triton(f, x, post, comb)
+    assert out.dtype == torch.bfloat16 and out.shape == (B, T, 4, D)
+    assert torch.equal(out, ref)
+    if device == "cuda":
+        assert torch.equal(hc_post(f, x, post, comb), ref)
+    with pytest.raises(ValueError, match="4 streams"):
+        hc_post_triton(f, x[..., :3, :], post[..., :3], comb[..., :3, :3])

@@ -36,6 +36,7 @@ from dsv41.kernels.packed_ref import (candidate_pool, decode_window_rows, indexe
 from dsv41.kernels.gemm_ref import block_scaled_linear_ref, packed_linear_ref
 from dsv41.kernels.invariant import deterministic, exact_block_linear, is_deterministic, set_deterministic
 from dsv41.kernels.mhc_math import hc_mixes as hc_mixes_ref
+from dsv41.kernels.mhc_math import hc_post as hc_post_ref
 from dsv41.kernels.mhc_ref import mhc_fused_ref
 from dsv41.kernels.moe_ref import expert_act_ref, moe_combine, moe_experts_ref, moe_gate_ref
 from dsv41.kernels.ref import apply_rope_ref, rms_norm_ref, sparse_attn_ref
@@ -47,7 +48,7 @@ __all__ = [
     "indexer_scores_packed", "indexer_scores_packed_ref",
     "indexer_topk_packed", "indexer_topk_packed_ref",
     "decode_window_rows", "pool_entries", "candidate_pool", "indexer_select",
-    "mhc_fused", "mhc_fused_ref", "hc_mixes", "hc_mixes_ref", "qdq_fp8", "qdq_fp8_ref",
+    "mhc_fused", "mhc_fused_ref", "hc_mixes", "hc_mixes_ref", "hc_post", "hc_post_ref", "qdq_fp8", "qdq_fp8_ref",
     "qdq_index_k", "qdq_index_k_ref",
     "pack_swa_kv", "pack_swa_kv_ref", "expert_act", "expert_act_ref",
     "moe_experts", "moe_experts_ref", "moe_combine", "moe_gate", "moe_gate_ref", "quant_linear", "block_scaled_linear_ref",
@@ -151,6 +152,13 @@ def indexer_topk_packed(q, w, index_pages, page_table, n_vis, topk, cand_blocks=
 # graph-replayed step is no faster with it (21.95 vs 21.90 ms at batch 1, 37.40 vs 37.66 at 32:
 # results/decode_step_ab_h100-2026-12-07.log).
 HC_MIXES_KERNEL = os.environ.get("DSV41_HC_MIXES_KERNEL") == "1"
+
+
+def hc_post(f, residual, post, comb):
+    """A block's residual update alone (no fused step follows it); see `mhc_math.hc_post`. The Triton kernel
+    (bf16 f and residual, 4 streams) gives the same bits."""
+    return _dispatch("hc_post", hc_post_ref, (f, residual, post, comb), [f, residual, post, comb], f,
+                     fits=residual.size(-2) == 4 and f.dtype == residual.dtype == torch.bfloat16)
 
 
 def hc_mixes(x, fn, scale, base, S, iters, eps, norm_eps):

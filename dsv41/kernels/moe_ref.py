@@ -101,7 +101,7 @@ def moe_combine(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, n
     counts = torch.bincount(flat, minlength=n_experts).tolist()
     for e, (rows, w) in enumerate(zip(rows_of.split(counts), w_of.split(counts))):
         if len(rows):
-            y = y.index_add(0, rows, expert(e, x[rows], w).float())
+            y.index_add_(0, rows, expert(e, x[rows], w).float())      # in place: no copy of y per expert
     y = y + shared(x).float()
     return y.type_as(x)
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from dsv41.config import LayerRole, ModelConfig
-from dsv41.kernels import hc_mixes, mhc_fused
-from dsv41.kernels.mhc_math import hc_post, hc_pre
+from dsv41.kernels import hc_mixes, hc_post, mhc_fused
+from dsv41.kernels.mhc_math import hc_pre
 from dsv41.model.attention import Attention
 from dsv41.model.common import RMSNorm
 from dsv41.model.engram import Engram

@@ -6,7 +6,8 @@ once the backend switch (`dsv41.kernels.backend`) has chosen Triton for a call.
                          the dense kernel)
   indexer_kernel.py      indexer_scores_packed_triton, indexer_topk_packed_triton (decode, packed MXFP4 keys)
   mhc_kernel.py          mhc_fused_triton (the fused mHC step between two sub-layers), hc_mixes_triton (the mixes
-                         alone, where no fused step precedes a sub-layer)
+                         alone, where no fused step precedes a sub-layer), hc_post_triton (the residual update
+                         alone, where no fused step follows a block)
   packed_gemm.py         packed_linear_triton (x W^T over a weight's checkpoint bytes, decoded in registers)
   fp8_decode.py          fp8_decode_triton (decode sizes of bf16 models on the FP8 tensor cores, swap AB)
   fp8_gemm.py            fp8_linear_triton (prefill sizes on the FP8 tensor cores, per-32 promotion; opt in)
@@ -22,7 +23,7 @@ once the backend switch (`dsv41.kernels.backend`) has chosen Triton for a call.
 """
 
 from dsv41.kernels.triton.indexer_kernel import indexer_scores_packed_triton, indexer_topk_packed_triton
-from dsv41.kernels.triton.mhc_kernel import hc_mixes_triton, mhc_fused_triton
+from dsv41.kernels.triton.mhc_kernel import hc_mixes_triton, hc_post_triton, mhc_fused_triton
 from dsv41.kernels.triton.norm_rope import rms_norm_triton, rope_triton
 from dsv41.kernels.triton.moe_kernel import moe_experts_triton, moe_gate_triton
 from dsv41.kernels.triton.packed_gemm import packed_linear_triton
@@ -33,5 +34,5 @@ from dsv41.kernels.triton.sparse_attn_kernel import sparse_attn_triton
 __all__ = ["sparse_attn_packed_triton", "sparse_attn_triton", "indexer_scores_packed_triton",
            "indexer_topk_packed_triton", "mhc_fused_triton", "qdq_fp8_triton",
            "pack_swa_kv_triton", "expert_act_triton", "moe_experts_triton", "packed_linear_triton",
-           "rms_norm_triton", "rope_triton", "hc_mixes_triton", "moe_gate_triton",
+           "rms_norm_triton", "rope_triton", "hc_mixes_triton", "hc_post_triton", "moe_gate_triton",
            "qdq_index_k_triton"]

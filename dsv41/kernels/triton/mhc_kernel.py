@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.triton.common import DOT_BF16, LAST, aligned_rows
+from dsv41.kernels.triton.common import DOT_BF16, INTERPRET, LAST, aligned_rows
 
 __all__ = ["mhc_fused_triton", "hc_mixes_triton", "CONFIG"]
 
@@ -378,3 +378,59 @@ def hc_mixes_triton(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
     coef = coef.view(*lead, M)
     return coef[..., :S], coef[..., S:2 * S], coef[..., 2 * S:].unflatten(-1, (S, S))
 
+
+
+# ------------------------------------------------------------------------------------------ hc_post alone
+# Where no fused step follows a block (the last block of a run, one before an Engram, and every block of the CED
+# encoder, which runs unfused): y_k = post_k * f + sum_j comb[j,k] * x_j, a program per (token, BD channels), the
+# reference's operations in its order without fused multiply-adds, so the bits are `mhc_math.hc_post`'s. HBM:
+# f and the 4 streams read once, the 4 outputs written once ((2S + 1) D bf16 values per token), against the
+# reference's ~10 torch kernels over [N, S, D] fp32 intermediates.
+
+@triton.jit
+def _to_bf16(y, BITS: tl.constexpr):
+    """fp32 -> bf16, round to nearest even: the hardware conversion, or (BITS: the interpreter, which truncates)
+    the same rounding on the bits (finite values)."""
+    if BITS:
+        b = y.to(tl.int32, bitcast=True)
+        b = b + 0x7FFF + ((b >> 16) & 1)
+        return (b >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return y.to(tl.bfloat16)
+
+
+@triton.jit
+def _hc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, BLOCK_D: tl.constexpr, BITS: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = d < D
+    fv = tl.load(f_ptr + t * D + d, mask=m, other=0.0).to(tl.float32)
+    x0 = tl.load(x_ptr + (t * 4 + 0) * D + d, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + (t * 4 + 1) * D + d, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + (t * 4 + 2) * D + d, mask=m, other=0.0).to(tl.float32)
+    x3 = tl.load(x_ptr + (t * 4 + 3) * D + d, mask=m, other=0.0).to(tl.float32)
+    for k in tl.static_range(4):
+        acc = tl.load(comb_ptr + t * 16 + k) * x0                 # comb[j, k] at j * 4 + k; j in index order
+        acc = acc + tl.load(comb_ptr + t * 16 + 4 + k) * x1
+        acc = acc + tl.load(comb_ptr + t * 16 + 8 + k) * x2
+        acc = acc + tl.load(comb_ptr + t * 16 + 12 + k) * x3
+        y = tl.load(post_ptr + t * 4 + k) * fv + acc
+        tl.store(y_ptr + (t * 4 + k) * D + d, _to_bf16(y, BITS), mask=m)
+
+
+def hc_post_triton(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Triton twin of `mhc_math.hc_post` (4 streams): f [..., D], residual [..., 4, D], post [..., 4], comb
+    [..., 4, 4] -> [..., 4, D] in f's dtype, bit-identical to the reference."""
+    S, D = residual.size(-2), residual.size(-1)
+    if S != 4:
+        raise ValueError(f"hc_post (triton): the kernel is written for 4 streams, got {S}")
+    if f.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16:
+        raise ValueError(f"hc_post (triton): f and residual must be bfloat16, got {f.dtype}, {residual.dtype}")
+    lead = residual.shape[:-2]
+    y = torch.empty(*lead, S, D, dtype=f.dtype, device=f.device)
+    N = residual[..., 0, 0].numel()
+    if N:
+        BD = min(1024, triton.next_power_of_2(D))
+        _hc_post_kernel[(N, triton.cdiv(D, BD))](f.contiguous(), residual.contiguous(), post.float().contiguous(),
+                                                comb.float().contiguous(), y, D, BLOCK_D=BD, BITS=INTERPRET,
+                                                num_warps=4, enable_fp_fusion=False)
+    return y
