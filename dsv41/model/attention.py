@@ -341,7 +341,8 @@ class Attention(QuantSite):
         if ctx.ragged is not None:
             return self.forward_ragged(u, ctx)
         B, T = u.shape[:2]
-        freqs = h2d(self.rope.freqs(ctx.positions), u.device)                        # [B,T,R/2]
+        freqs = ctx.memoized(("rope-freqs", self.rope.key),                          # [B,T,R/2], once per family
+                             lambda: h2d(self.rope.freqs(ctx.positions), u.device))
         qr, q = self.queries(u, freqs)
         kv = self.window_kv(u, freqs)
         o = self.attend(u, qr, q, kv, freqs, ctx)

@@ -197,6 +197,8 @@ class Rope:
         orig, theta = (cfg.original_seq_len, cfg.compress_rope_theta) if ratio else (0, cfg.rope_theta)
         self.inv_freq = rope_inv_freq(cfg.rope_head_dim, orig, float(theta), float(cfg.rope_factor), cfg.beta_fast,
                                       cfg.beta_slow)
+        # what the table depends on: layers with equal keys share a step's angles (StepContext.memoized)
+        self.key = (cfg.rope_head_dim, orig, float(theta), float(cfg.rope_factor), cfg.beta_fast, cfg.beta_slow)
 
     def freqs(self, positions: torch.Tensor) -> torch.Tensor:
         """complex64 [..., R/2] for integer positions of any shape."""

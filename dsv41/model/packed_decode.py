@@ -104,8 +104,8 @@ def attention_decode_packed(attn, u: torch.Tensor, ctx: StepContext) -> torch.Te
     """`Attention.forward` for one token per row over the packed store. u [B,1,D] -> [B,1,D]."""
     cache: PackedKVStore = ctx.cache
     L = attn.layer
-    rope = id(attn.rope.inv_freq)                       # one table per theta / YaRN setting (lru-cached)
-    freqs = ctx.memoized(("rope-freqs", rope), lambda: h2d(attn.rope.freqs(ctx.positions), u.device))  # [B,1,R/2]
+    freqs = ctx.memoized(("rope-freqs", attn.rope.key),                            # one per theta / YaRN setting
+                         lambda: h2d(attn.rope.freqs(ctx.positions), u.device))     # [B,1,R/2]
     qr, q = attn.queries(u, freqs)
     cache.write_window(L, ctx.start, attn.window_kv(u, freqs))                       # the ring now holds pos
     floor = ctx.opts.floor_for(L)
@@ -114,7 +114,7 @@ def attention_decode_packed(attn, u: torch.Tensor, ctx: StepContext) -> torch.Te
     topk, main, table = _compressed(attn, u, qr, freqs, ctx)
     ring, slots = cache.packed_ring(L)
     o = sparse_attn_packed(q[:, 0], ring, slots, win, main, table, topk, attn.attn_sink, attn.softmax_scale)
-    conj = ctx.memoized(("rope-conj", rope), lambda: freqs.conj().resolve_conj())
+    conj = ctx.memoized(("rope-conj", attn.rope.key), lambda: freqs.conj().resolve_conj())
     return attn.output(o.unsqueeze(1), freqs, conj)
 
 
