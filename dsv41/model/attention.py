@@ -210,7 +210,8 @@ class Indexer(QuantSite):
         q, w = self.queries(u, qr, freqs)
         src = ctx.cache.index_k_publisher if ctx.opts.official_decode_artifact else role.kv_from
         keys = ctx.cache.index_k(src, n_vis)                                        # [B,N,I]
-        compress_lens = (h2d(ctx.positions, u.device) + 1).div(m, rounding_mode="floor").unsqueeze(-1)
+        compress_lens = ctx.memoized(("compress-lens", m, u.size(1)), lambda: (h2d(ctx.positions, u.device) + 1).div(
+            m, rounding_mode="floor").unsqueeze(-1))
         # the candidate source may have run on more rows
         cand = ctx.published.cand[role.candidates_from][:, -ctx.seqlen:] if role.uses_candidates else None
         budget = self.score_budget >> (2 if is_deterministic() else 0)           # float64 blocks there
@@ -302,8 +303,8 @@ class Attention(QuantSite):
         if latent is None:
             return
         row0 = ctx.start // m
-        pos = (row0.unsqueeze(1) + torch.arange(latent.size(1), device=row0.device)) * m   # group's first token
-        freqs = h2d(self.rope.freqs(pos), latent.device)
+        freqs = ctx.memoized(("rope-freqs-groups", self.rope.key, m, latent.size(1)), lambda: h2d(self.rope.freqs(
+            (row0.unsqueeze(1) + torch.arange(latent.size(1), device=row0.device)) * m), latent.device))  # groups' 1st
         if self.indexer is not None:
             self.indexer.publish_keys(latent, count, row0, freqs, ctx)
         latent = apply_rope(latent, freqs)
@@ -366,7 +367,9 @@ class Attention(QuantSite):
         sparse attention of the queries q [B,T,H,C] over the window and the selected entries -> [B,T,H,C]."""
         T = u.size(1)
         prefill = ctx.all_prefill
-        idx = h2d(window_indices(ctx.start, T, self.window, prefill, ctx.opts.floor_for(self.layer)), u.device).int()
+        floor = ctx.opts.floor_for(self.layer)
+        idx = ctx.memoized(("window-indices", self.window, T, prefill, floor),     # [B,T,W], shared by the layers
+                           lambda: h2d(window_indices(ctx.start, T, self.window, prefill, floor), u.device).int())
         if packed_decode.verify_applies(self, ctx, prefill):
             return packed_decode.attend_packed(self, u, qr, q, kv, freqs, idx, ctx)
         win_kv = kv if prefill else torch.cat([ctx.cache.window_ring(self.layer).to(kv.dtype), kv], dim=1)
