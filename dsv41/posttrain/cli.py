@@ -32,19 +32,19 @@ STAGES = ("sft", "rl", "opd", "dspark", "eval", "team", "all", "report")
 
 # `posttrain all`: the whole pipeline in about 20 minutes on 2 cores, with a budget per stage (minutes; the
 # evaluation's is its problem count: 200 per level, two processes), on the controllable-effort recipe of
-# benchmarks/results/posttrain-cpu-2026-12-07e: SFT writes the plan head (band letter, size digit, plan letter)
-# over dense levels with four held out, RL trains the plan letter under the plan grammar (sums, split credit,
-# an entropy bonus on the plan, the plan letter weighted 8x: 2026-12-07f), and the evaluation decodes under the
-# same grammar. `--minutes` of `all` is the
-# pipeline's total (each stage's budget scales with it); a flag given a value other than its default overrides
-# the recipe's.
+# benchmarks/results/posttrain-cpu-2026-12-07e / -07f: SFT writes the plan head (band letter, size digit, plan
+# letter) over dense levels with four held out, RL trains the plan letter under the plan grammar (sums, split
+# credit, an entropy bonus on the plan, the plan letter weighted 8x), and the evaluation decodes under the same
+# grammar. `--minutes` of `all` is the pipeline's total (each stage's budget scales with it); a flag given a value
+# other than its default overrides the recipe's.
 PIPELINE_MINUTES = {"sft": 6.0, "rl": 7.0, "opd": 3.0, "dspark": 1.5}
 PIPELINE_TOTAL = 20.0
 PIPELINE_SFT_STEPS, PIPELINE_SFT_LATE = 900, 180
 PIPELINE = {"levels": "1-100", "hold_out": "12,37,62,87", "echo": True, "plan": True, "echo_size": True,
             "merge_top_band": True, "late_full_trace": 0.4, "constrain": "sml", "dispatch": "sync",
-            "credit": "split", "plan_entropy": 0.1, "plan_weight": 8.0, "k0": 1.0, "lam": 6.0, "cmax": 2.0, "levels_per_prompt": 4,
-            "delta_b": 24.75, "samples": 4, "prompts": 4, "paired_seeds": True, "eval_workers": 2}
+            "credit": "split", "plan_entropy": 0.1, "plan_weight": 8.0, "k0": 1.0, "lam": 6.0, "cmax": 2.0,
+            "levels_per_prompt": 4, "delta_b": 24.75, "samples": 4, "prompts": 4, "paired_seeds": True,
+            "eval_workers": 2}
 PIPELINE_RL = {"families": "sums", "lr": 1e-3}       # the RL stage's own (the other stages keep theirs)
 _DEFAULTS: dict = {}                                 # the parser's defaults: a flag left at its default
 
