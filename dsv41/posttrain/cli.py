@@ -37,7 +37,7 @@ STAGES = ("sft", "rl", "opd", "dspark", "eval", "team", "all", "report")
 # credit, an entropy bonus on the plan, the plan letter weighted 8x), and the evaluation decodes under the same
 # grammar. `--minutes` of `all` is the pipeline's total (each stage's budget scales with it); a flag given a value
 # other than its default overrides the recipe's.
-PIPELINE_MINUTES = {"sft": 6.0, "rl": 7.0, "opd": 3.0, "dspark": 1.5}
+PIPELINE_MINUTES = {"sft": 5.0, "rl": 6.0, "opd": 2.0, "dspark": 1.5}   # OPD: + ~100 s of its dense teacher
 PIPELINE_TOTAL = 20.0
 PIPELINE_SFT_STEPS, PIPELINE_SFT_LATE = 900, 180
 PIPELINE = {"levels": "1-100", "hold_out": "12,37,62,87", "echo": True, "plan": True, "echo_size": True,
