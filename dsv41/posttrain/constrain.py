@@ -26,6 +26,9 @@ with `plans="strides"`) before RL can sample them.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from dsv41.posttrain import tasks as T
@@ -132,8 +135,6 @@ def checkpoint_plans(ckpt) -> str | None:
     the RL run's `constrain`, else that of the run it started from (`init`), down to an SFT whose head is the
     grammar's (band letter, size digit, plan letter, b = 100 merged into J: "sml"); None when the head differs
     (a model trained without the plan head is served unconstrained)."""
-    import json
-    from pathlib import Path
     seen = set()
     path = Path(ckpt)
     while path not in seen and (path / "posttrain.json").is_file():

@@ -75,18 +75,21 @@ def make_sums(rng: random.Random, n: int) -> Problem:
     return sums_problem([rng.randrange(10) for _ in range(n)])
 
 
-def make_chase(rng: random.Random, n: int, letters: int = 6) -> Problem:
-    keys = list(LETTERS[:letters])
-    targets = keys[:]
-    rng.shuffle(targets)
-    mapping = dict(zip(keys, targets))
-    start = rng.choice(keys)
+def chase_problem(mapping: dict[str, str], start: str, n: int) -> Problem:
+    """The `chase` problem of this map (keys a, b, c, ... in order), followed n hops from `start`."""
     states, at = [], start
     for _ in range(n):
         at = mapping[at]
         states.append(at)
-    spec = " ".join(f"{k}{mapping[k]}" for k in keys)
+    spec = " ".join(f"{k}{v}" for k, v in mapping.items())
     return Problem("chase", f"chase {spec} from {start} {n}", tuple(states), ("",) * n, n)
+
+
+def make_chase(rng: random.Random, n: int, letters: int = 6) -> Problem:
+    keys = list(LETTERS[:letters])
+    targets = keys[:]
+    rng.shuffle(targets)
+    return chase_problem(dict(zip(keys, targets)), rng.choice(keys), n)
 
 
 MAKERS = {"sums": make_sums, "chase": make_chase}
@@ -109,11 +112,7 @@ def parse_problem(content: str) -> Problem:
         if (keys != list(LETTERS[:len(keys)]) or len(mapping) != len(keys) or sorted(mapping.values()) != keys
                 or start not in mapping or not n.isdigit() or not 1 <= int(n) <= len(LETTERS)):
             raise ValueError(f"not a chase problem: {content!r} (chase <key><target> ... from <key> <n>)")
-        states, at = [], start
-        for _ in range(int(n)):
-            at = mapping[at]
-            states.append(at)
-        p = Problem("chase", f"chase {' '.join(pairs)} from {start} {n}", tuple(states), ("",) * int(n), int(n))
+        p = chase_problem(mapping, start, int(n))
     else:
         raise ValueError(f"not a task problem: {content!r} (a sums or chase problem as the tasks write them)")
     if p.content != content:

@@ -70,7 +70,7 @@ class ServingChat(OpenAIServing):
             self.tools, self.tool_mode = check_tools(req.tools, req.tool_choice)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(":")[0].split(" ")[0], "invalid_tools") from None
-        messages = self.messages()
+        self.rendered = messages = self.messages()
         try:
             self.prompt = st.template.render(messages, self.budget, self.thinking, self.tools or None)
         except ValueError as e:
@@ -99,7 +99,7 @@ class ServingChat(OpenAIServing):
         if req.messages[-1].role != "user":
             raise bad_request("task_grammar applies to a final user message", "task_grammar")
         try:
-            p = parse_problem(self.messages()[-1]["content"])
+            p = parse_problem(self.rendered[-1]["content"])
             return Grammar(self.state.tokenizer, p, self.budget, req.task_grammar)
         except ValueError as e:
             raise bad_request(f"task_grammar: {e}", "task_grammar") from None
