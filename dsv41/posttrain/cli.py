@@ -44,7 +44,7 @@ PIPELINE = {"levels": "1-100", "hold_out": "12,37,62,87", "echo": True, "plan": 
             "merge_top_band": True, "late_full_trace": 0.4, "constrain": "sml", "dispatch": "sync",
             "credit": "split", "plan_entropy": 0.1, "plan_weight": 8.0, "k0": 1.0, "lam": 6.0, "cmax": 2.0,
             "levels_per_prompt": 4, "delta_b": 24.75, "samples": 4, "prompts": 4, "paired_seeds": True,
-            "eval_workers": 2}
+            "eval_workers": 2, "workers": 2}
 PIPELINE_RL = {"families": "sums", "lr": 1e-3}       # the RL stage's own (the other stages keep theirs)
 _DEFAULTS: dict = {}                                 # the parser's defaults: a flag left at its default
 
@@ -85,6 +85,9 @@ def register(subparsers) -> None:
                    help="eval: effort levels, the training ones and held-out ones between them")
     p.add_argument("--eval-batch", type=int, default=32,
                    help="eval: the engine's slots (default 32; deterministic mode: the responses do not depend on it)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="sft: data-parallel processes, each on a contiguous part of every batch (gloo on the CPU; "
+                   "one thread each of the machine's; default 1)")
     p.add_argument("--eval-workers", type=int, default=1,
                    help="eval: processes, each on a contiguous slice of the problems with its own engine (the "
                    "seeds follow the problem's index, so the result does not depend on it; default 1)")
@@ -199,6 +202,7 @@ def main(args) -> int:
                     setattr(cfg, name, getattr(args, name))
             cfg.echo, cfg.plan = args.echo, args.plan
             cfg.echo_size, cfg.merge_top = args.echo_size, args.merge_top_band
+            cfg.workers = args.workers
             run_sft(cfg)
         elif st == "rl":
             from dsv41.posttrain.rl import RLConfig, run_rl
