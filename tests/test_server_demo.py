@@ -4,6 +4,7 @@ tiny model (no training: `--no-train`)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from dsv41.engine.cli import engine_from_args
 from dsv41.server import cli, demo
@@ -61,13 +62,18 @@ def test_demo_serves_a_posttrained_checkpoint(tmp_path, capsys):
     from dsv41.posttrain.tokenizer import load_post_tokenizer
     tok = load_post_tokenizer(tmp_path / "tok")
     post = save(build_model(tok, seed=1).eval(), tok, tmp_path / "post-rl", {"stage": "rl"})
+    level = {"accuracy": 0.25, "mean_length": 7.5, "n": 4, "accuracy_by_family": {"sums": 0.5, "chase": 0.0}}
+    (post / "eval_csml.json").write_text(json.dumps({"temperature": 0.0, "levels": {"1": level, "50": level}}))
     a = _parser().parse_args(["demo", "--posttrained", str(post), "--max-tokens", "4"])
-    demo._posttrained(a, problems=1)
+    demo._posttrained(a, tasks=(("sums", 3),))
     out = capsys.readouterr().out
     assert f"serving {post}" in out and "user: sum a" in out
-    lines = [x for x in out.splitlines() if x.strip().startswith("effort")]
+    assert ("effort   1: accuracy 0.250 (chase 0.00, sums 0.50), mean reasoning 7.5 tokens, 4 held-out problems "
+            "(eval_csml.json, greedy)") in out
+    assert "effort 100: accuracy" not in out                     # no level 100 in that evaluation
+    lines = [x for x in out.splitlines() if x.strip().startswith("effort") and "reasoning " in x and "tokens '" in x]
     assert [x.split(":")[0].split()[-1] for x in lines] == ["1", "100"]
-    assert all("reasoning" in x and ("right" in x or "wrong" in x) for x in lines)
+    assert all("right" in x or "wrong" in x for x in lines)
 
 
 def test_ensure_checkpoint_paths(tmp_path, monkeypatch):

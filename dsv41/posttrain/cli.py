@@ -37,14 +37,16 @@ STAGES = ("sft", "rl", "opd", "dspark", "eval", "team", "all", "report")
 # credit, an entropy bonus on the plan, the plan letter weighted 8x), and the evaluation decodes under the same
 # grammar. `--minutes` of `all` is the pipeline's total (each stage's budget scales with it); a flag given a value
 # other than its default overrides the recipe's.
-PIPELINE_MINUTES = {"sft": 5.0, "rl": 6.0, "opd": 2.0, "dspark": 1.5}   # OPD: + ~100 s of its dense teacher
+# SFT's 1,500 steps take ~520 s with 2 workers; OPD: + ~100 s of its dense teacher and ~70 s of its evaluation
+PIPELINE_MINUTES = {"sft": 9.5, "rl": 3.0, "opd": 1.0, "dspark": 0.75}
+PIPELINE_OPD_EVAL = 50              # OPD's student-vs-teacher problems per level in the pipeline (default 100)
 PIPELINE_TOTAL = 20.0
-PIPELINE_SFT_STEPS, PIPELINE_SFT_LATE = 900, 180
+PIPELINE_SFT_STEPS, PIPELINE_SFT_LATE = 1500, 300   # ~0.35 s a step with 2 workers (2 cores)
 PIPELINE = {"levels": "1-100", "hold_out": "12,37,62,87", "echo": True, "plan": True, "echo_size": True,
             "merge_top_band": True, "late_full_trace": 0.4, "constrain": "sml", "dispatch": "sync",
             "credit": "split", "plan_entropy": 0.1, "plan_weight": 8.0, "k0": 1.0, "lam": 6.0, "cmax": 2.0,
             "levels_per_prompt": 4, "delta_b": 24.75, "samples": 4, "prompts": 4, "paired_seeds": True,
-            "eval_workers": 2, "workers": 2}
+            "eval_workers": 2, "workers": 2, "problems": 100}
 PIPELINE_RL = {"families": "sums", "lr": 1e-3}       # the RL stage's own (the other stages keep theirs)
 _DEFAULTS: dict = {}                                 # the parser's defaults: a flag left at its default
 
@@ -227,7 +229,10 @@ def main(args) -> int:
             run_rl(cfg)
         elif st == "opd":
             from dsv41.posttrain.opd import OPDConfig, run_opd
-            run_opd(_budget(OPDConfig(init=str(runs / "post-rl"), out=out, seed=args.seed, mix=mix), args))
+            cfg = _budget(OPDConfig(init=str(runs / "post-rl"), out=out, seed=args.seed, mix=mix), args)
+            if pipeline:
+                cfg.eval_problems = PIPELINE_OPD_EVAL
+            run_opd(cfg)
         elif st == "dspark":
             from dsv41.posttrain.dspark import DSparkConfig, run_dspark
             cfg = DSparkConfig(init=args.checkpoint if args.checkpoint and args.stage != "all" else

@@ -173,6 +173,7 @@ def run_sft(cfg: SFTConfig, say=print) -> Path:
         raise ValueError(f"SFT workers must be in [1, batch = {cfg.batch}], got {cfg.workers}")
     if cfg.workers == 1:
         return _train(cfg, weights, 0, 1, say)
+    load_post_tokenizer(cfg.out)                  # written once, before the ranks read it
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_rank_main, args=(cfg, weights, os.path.join(d, "rendezvous"), torch.get_num_threads()),

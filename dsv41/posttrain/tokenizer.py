@@ -15,6 +15,7 @@ checkpoint's tokenizer.json.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -50,8 +51,12 @@ def build_tokenizer():
 
 
 def save_tokenizer(path: str | Path) -> Path:
+    """The tokenizer written to `path` through a temporary file and a rename, so a concurrent reader (a
+    data-parallel rank, an evaluation worker) never sees a partial file."""
     path = Path(path)
-    build_tokenizer().save(str(path))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    build_tokenizer().save(str(tmp))
+    os.replace(tmp, path)
     return path
 
 

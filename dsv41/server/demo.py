@@ -11,10 +11,12 @@
    packed store vs the analytic figure of `dsv41.analysis.kv_bytes`; SWA bytes per sequence), a few /metrics lines,
    then stop the server.
 5. The post-trained model: when `--posttrained` (default runs/post-rl, what `dsv41 posttrain all` writes) holds a
-   checkpoint, serve it the same way and ask it held-out task problems at the lowest and the highest reasoning
-   effort (`reasoning_effort` 1 and 100), under the plan grammar it was trained with (`task_grammar`, when its
-   SFT wrote the plan head), printing its reasoning, its answer, whether the answer is right and the reasoning
-   tokens; otherwise print the command that makes one. It never waits for input.
+   checkpoint, serve it the same way and ask it held-out task problems (an easy, a middle and a hard one:
+   `POSTTRAINED_TASKS`) at the lowest and the highest reasoning effort (`reasoning_effort` 1 and 100), under the
+   plan grammar it was trained with (`task_grammar`, when its SFT wrote the plan head), printing its reasoning,
+   its answer, whether the answer is right and the reasoning tokens, after the checkpoint's own held-out
+   evaluation at those efforts when `posttrain eval` wrote one; otherwise print the command that makes one. It
+   never waits for input.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import random
 import subprocess
 import sys
 import time
@@ -29,6 +32,9 @@ from pathlib import Path
 
 DEMO_CHECKPOINT = "runs/demo-tiny"
 POSTTRAINED = "runs/post-rl"
+# (family, chain length) of the post-trained model's chat: an easy, a middle and a hard problem (the shortest plan
+# that stays right differs with the length: tasks.py)
+POSTTRAINED_TASKS = (("sums", 3), ("chase", 4), ("sums", 6))
 RANDOM_MARKER = "DEMO_RANDOM_INIT"
 # Long enough (well over the tiny model's n_win = 64 tokens) that the repeated request is worth a prefix-cache hit:
 # hits no longer than n_win are not adopted (docs/system.md §4).
@@ -223,7 +229,25 @@ def _metrics_excerpt(url: str) -> None:
             _p("  " + line)
 
 
-def _posttrained(args: argparse.Namespace, problems: int = 3) -> None:
+def _eval_lines(ckpt: Path, efforts=(1, 100)) -> list[str]:
+    """The checkpoint's own held-out evaluation (`posttrain eval`'s eval*.json beside it) at `efforts`, a line each."""
+    import json
+    lines = []
+    for f in sorted(ckpt.glob("eval*.json")):
+        if f.name.startswith("eval_raw"):
+            continue
+        d = json.loads(f.read_text())
+        mode = "greedy" if not d.get("temperature") else f"sampled at temperature {d['temperature']}"
+        for b in efforts:
+            lv = d.get("levels", {}).get(str(b))
+            if lv:
+                fams = ", ".join(f"{k} {v:.2f}" for k, v in sorted(lv.get("accuracy_by_family", {}).items()))
+                lines.append(f"  effort {b:>3}: accuracy {lv['accuracy']:.3f} ({fams}), mean reasoning "
+                             f"{lv['mean_length']:.1f} tokens, {lv['n']} held-out problems ({f.name}, {mode})")
+    return lines
+
+
+def _posttrained(args: argparse.Namespace, tasks=POSTTRAINED_TASKS) -> None:
     """Step 5 of the module docstring."""
     import copy
 
@@ -232,8 +256,6 @@ def _posttrained(args: argparse.Namespace, problems: int = 3) -> None:
     from dsv41.engine.cli import engine_from_args
     from dsv41.posttrain import tasks as T
     from dsv41.posttrain.constrain import checkpoint_plans
-    from dsv41.posttrain.rollout import held_out_problems
-    from dsv41.posttrain.sft import TaskMix
     from dsv41.server.app import create_app, serve_in_thread
     from dsv41.server.state import ServerSettings
 
@@ -255,7 +277,14 @@ def _posttrained(args: argparse.Namespace, problems: int = 3) -> None:
         _p(f"serving {ckpt} as {model} on {handle.url}; held-out problems (never trained on), greedy"
            + (f", under the plan grammar it was trained with (task_grammar {plans!r})" if plans else ""))
         grammar = {"task_grammar": plans} if plans else {}
-        for p in held_out_problems(TaskMix(lo=4, hi=6), problems, seed=7):
+        lines = _eval_lines(ckpt)
+        if lines:
+            _p("its held-out evaluation (dsv41 posttrain eval):")
+            for line in lines:
+                _p(line)
+        rng = random.Random("demo:posttrained")
+        for fam, n in tasks:
+            p = T.sample_problem(rng, fam, n, n, split="held_out")
             _p(f"\nuser: {p.content}   (answer {p.answer})")
             for b in (1, 100):
                 r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p.content}],
@@ -264,8 +293,8 @@ def _posttrained(args: argparse.Namespace, problems: int = 3) -> None:
                 m = r.choices[0].message
                 think = (m.model_extra or {}).get("reasoning_content") or ""
                 ans = (m.content or "").strip()
-                n = len(tok.encode(think)) if think else 0
-                _p(f"  effort {b:>3}: reasoning {n:>2} tokens {think!r:<36} answer {ans!r} "
+                k = len(tok.encode(think)) if think else 0
+                _p(f"  effort {b:>3}: reasoning {k:>2} tokens {think!r:<36} answer {ans!r} "
                    f"{'right' if ans == p.answer else 'wrong'}")
 
 
