@@ -37,11 +37,11 @@ STAGES = ("sft", "rl", "opd", "dspark", "eval", "team", "all", "report")
 # credit, an entropy bonus on the plan, the plan letter weighted 8x), and the evaluation decodes under the same
 # grammar. `--minutes` of `all` is the pipeline's total (each stage's budget scales with it); a flag given a value
 # other than its default overrides the recipe's.
-# SFT's 1,500 steps take ~520 s with 2 workers; OPD: + ~100 s of its dense teacher and ~70 s of its evaluation
+# SFT's 1,500 steps take 470-520 s with 2 workers (2 cores); OPD: + ~100 s of its dense teacher and ~70 s of its evaluation
 PIPELINE_MINUTES = {"sft": 9.5, "rl": 3.0, "opd": 1.0, "dspark": 0.75}
 PIPELINE_OPD_EVAL = 50              # OPD's student-vs-teacher problems per level in the pipeline (default 100)
 PIPELINE_TOTAL = 20.0
-PIPELINE_SFT_STEPS, PIPELINE_SFT_LATE = 1500, 300   # ~0.35 s a step with 2 workers (2 cores)
+PIPELINE_SFT_STEPS, PIPELINE_SFT_LATE = 1500, 300   # 0.31-0.34 s a step with 2 workers (2 cores)
 PIPELINE = {"levels": "1-100", "hold_out": "12,37,62,87", "echo": True, "plan": True, "echo_size": True,
             "merge_top_band": True, "late_full_trace": 0.4, "constrain": "sml", "dispatch": "sync",
             "credit": "split", "plan_entropy": 0.1, "plan_weight": 8.0, "k0": 1.0, "lam": 6.0, "cmax": 2.0,
@@ -89,7 +89,7 @@ def register(subparsers) -> None:
                    help="eval: the engine's slots (default 32; deterministic mode: the responses do not depend on it)")
     p.add_argument("--workers", type=int, default=1,
                    help="sft: data-parallel processes, each on a contiguous part of every batch (gloo on the CPU; "
-                   "one thread each of the machine's; default 1)")
+                   "the machine's threads shared out among them; default 1)")
     p.add_argument("--eval-workers", type=int, default=1,
                    help="eval: processes, each on a contiguous slice of the problems with its own engine (the "
                    "seeds follow the problem's index, so the result does not depend on it; default 1)")

@@ -109,8 +109,8 @@ class SinkhornFn(torch.autograd.Function):
 
     The iterations run on the [S,S] axes moved to the front ([S,S,N], N the flattened tokens, contiguous): each
     row / column sum is then S adds of contiguous N-vectors, where the [..,S,S] layout reduces S strided elements
-    per token (6-8 x slower per op on a CPU; the ~80 ops of a call dominated the post preset's SFT step). The
-    values are the model loop's up to the order of S-element sums."""
+    per token (a call is ~3 x faster on a CPU: `benchmarks/sft_step.py`; its ~80 small ops were about a third of
+    the post preset's SFT step). The values are the model loop's up to the order of S-element sums."""
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
