@@ -17,8 +17,8 @@ resumed run draws what the uninterrupted run drew; the checkpoint holds the weig
 `workers` > 1 trains data-parallel in that many spawned processes (gloo on the CPU): each builds the whole batch,
 takes its contiguous rows and weights its loss by its share of the batch's response tokens (the indexer term by
 its share of the rows), so the summed gradients are the whole batch's up to the order of float sums; the ranks
-step identically. The step is op-bound on a CPU (a batch of 8 costs ~0.7 of a batch of 16 on one core), so two
-workers on two cores take ~1.4 x the steps of one in the same time.
+step identically. The step is bound by per-op overhead on a CPU (a batch of 8 costs ~0.8 of a batch of 16 on one
+core), so two workers on two cores take only ~1.1-1.2 x the steps of one in the same time (`benchmarks/sft_step.py`).
 """
 
 from __future__ import annotations
