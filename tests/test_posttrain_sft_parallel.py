@@ -39,7 +39,7 @@ def test_rank_parts_sum_to_the_whole_batch_gradient(tmp_path, world):
         ce_sum += float(ce_r.detach()) * share
         for n, t in g.items():
             summed[n] = summed[n] + t if n in summed else t
-    assert ce_sum == pytest.approx(float(ce), rel=1e-6)
+    assert ce_sum == pytest.approx(float(ce.detach()), rel=1e-6)
     assert summed.keys() == whole.keys()
     for n, g in whole.items():
         assert float((summed[n] - g).norm()) <= 1e-4 * float(g.norm()) + 1e-9, n
@@ -59,8 +59,9 @@ def test_two_workers_train_what_one_process_trains(tmp_path):
     m2, _, meta2 = _run(tmp_path, "two", 2)
     assert meta1["step"] == meta2["step"] == 3
     assert meta1["losses"] == pytest.approx(meta2["losses"], rel=1e-5)
-    fresh = dict(build_model(tok, 0).named_parameters())
-    p1, p2 = dict(m1.named_parameters()), dict(m2.named_parameters())
+    fresh = {n: p.detach() for n, p in build_model(tok, 0).named_parameters()}
+    p1 = {n: p.detach() for n, p in m1.named_parameters()}
+    p2 = {n: p.detach() for n, p in m2.named_parameters()}
     assert p1.keys() == p2.keys()
     for n in p1:
         u1, u2 = p1[n] - fresh[n], p2[n] - fresh[n]
