@@ -173,18 +173,23 @@ def _prefill_ced(model, ids, cache, mode, tail, enc_taps, rings_valid) -> Prefil
     published = Publications()
     taps: dict[int, torch.Tensor] = {L: torch.cat(v, 1)[:, -cfg.window_size:] for L, v in enc_taps.items()}
     rows = {L: N for L in range(split)}
-    for k, L in enumerate(range(split, cfg.n_layers)):
+    k = 0
+    while k < len(seg_rows):
         R = seg_rows[k]
+        run = next((j for j in range(k, len(seg_rows)) if seg_rows[j] != R), len(seg_rows))   # layers of R rows
         x, pre = x[:, -R:], pre[:, -R:]
         seg_start = end - R
         # earlier positions' windows are valid only on an exact continuation whose rows all run here
         seg_floor = None if (rings_valid and R == N) else seg_start
         opts = ForwardOptions(window_floor=seg_floor, produce_kv=False)
         ctx = StepContext(seg_start, R, cache, opts, published=published)
-        # the split layer's input was completed by the encoder (its Engram and tap included)
-        x, pre = model.run_layers(x, pre, ctx, model.layers[L:L + 1], None if hashes is None else hashes[:, -R:],
-                                  taps if cfg.dspark_enabled else None, entered=L == split)
-        rows[L] = R
+        # consecutive layers of one row count run as one stack (ced-bounded: all of them), so their mHC steps fuse
+        # across blocks; the split layer's input was completed by the encoder (its Engram and tap included)
+        L0, L1 = split + k, split + run
+        x, pre = model.run_layers(x, pre, ctx, model.layers[L0:L1], None if hashes is None else hashes[:, -R:],
+                                  taps if cfg.dspark_enabled else None, entered=L0 == split)
+        rows.update({L: R for L in range(L0, L1)})
+        k = run
     logits, _ = model.logits_from(x[:, -1:], pre[:, -1:])
     main_hidden = tap_start = None
     if taps:
@@ -209,8 +214,7 @@ def _encode(model, ids, cache, split, R0, pieces, tail, enc_taps) -> None:
         hashes = model.engram_hashes(part, cache, None)
         ctx = StepContext(start, T, cache, opts)
         chunk_taps = {} if cfg.dspark_enabled else None
-        h, pre = model.run_layers(*model.streams_in(model.embed_tokens(part)), ctx, below, hashes, chunk_taps,
-                                  fuse=False)
+        h, pre = model.run_layers(*model.streams_in(model.embed_tokens(part)), ctx, below, hashes, chunk_taps)
         # the split layer's block input on every prompt row, then its global-KV production from that input and
         # the lagged pre
         h = model.block_input(at, h, ctx, hashes, chunk_taps)

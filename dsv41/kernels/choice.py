@@ -19,17 +19,31 @@ from torch import nn
 FUSED_MOE_MAX_TOKENS = 64
 
 _packed = {"enabled": True, "verify": False}
+_fused = {"moe_max_tokens": FUSED_MOE_MAX_TOKENS, "mhc": True}
 
 
 def fused_moe(x: torch.Tensor) -> bool:
-    """Take the experts op for these tokens x [N, D]: on a CUDA GPU, up to FUSED_MOE_MAX_TOKENS of them."""
-    return x.is_cuda and x.size(0) <= FUSED_MOE_MAX_TOKENS
+    """Take the experts op for these tokens x [N, D]: on a CUDA GPU, up to `set_fused_moe_max_tokens`'s limit
+    (FUSED_MOE_MAX_TOKENS unless set)."""
+    return x.is_cuda and x.size(0) <= _fused["moe_max_tokens"]
+
+
+def set_fused_moe_max_tokens(n: int) -> None:
+    """The most tokens a call runs through the experts op (comparisons: `benchmarks/prefill_launches.py`)."""
+    _fused["moe_max_tokens"] = int(n)
 
 
 def fused_mhc_across(*modules: nn.Module) -> bool:
     """Whether one fused mHC step may span these modules. A module with forward hooks (e.g. FSDP2 unsharding a
-    block's parameters) must be entered through its __call__: its parameters may only be valid there."""
-    return not any(m._forward_pre_hooks or m._forward_hooks for m in modules)
+    block's parameters) must be entered through its __call__: its parameters may only be valid there; and
+    `set_fused_mhc(False)` makes every block run on its own."""
+    return _fused["mhc"] and not any(m._forward_pre_hooks or m._forward_hooks for m in modules)
+
+
+def set_fused_mhc(enabled: bool) -> None:
+    """`False`: no fused mHC step spans two blocks (each block computes its own attention mixes; the same function,
+    more kernel launches on a GPU: comparisons and profiles)."""
+    _fused["mhc"] = bool(enabled)
 
 
 def set_packed_decode(enabled: bool) -> None:

@@ -98,25 +98,25 @@ class Transformer(nn.Module):
         return h
 
     def run_layers(self, h: torch.Tensor, pre_mix: torch.Tensor, ctx: StepContext, layers, hashes=None,
-                   taps: dict | None = None, step=None, entered: bool = False,
-                   fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   taps: dict | None = None, step=None,
+                   entered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks `layers`, in order, from the stream h [B,T,S,D] and collapse weights pre_mix [B,T,S] ->
         (the last block's output stream, its FFN pre).
 
         Each block's input goes through `block_input` first (`entered`: the first block's input already has).
         The block itself is `step(block, h, pre_mix, ctx)` when given (the fast training forward, the drafter),
         else the model's own: consecutive blocks share one fused mHC step (`Block.attn_and_ffn` with `nxt`)
-        unless an Engram runs between them, the kernels refuse (`fused_mhc_across`: hooked blocks run through
-        their __call__) or `fuse` is off (every block on its own, `Block.forward`: CED prefill's encoder, whose
-        GPU numerics are those of the unfused steps). With ctx.record, each block's output stream and FFN pre
-        are kept."""
+        unless an Engram runs between them or the kernels refuse (`fused_mhc_across`: hooked blocks run through
+        their __call__, or `set_fused_mhc(False)`: every block on its own, `Block.forward`). On a CPU both give the
+        same bits; on a GPU the fused step saves a block's separate mixes (~100 small kernels). With ctx.record,
+        each block's output stream and FFN pre are kept."""
         attn_in = None                   # this block's attention input, when the previous block computed it
         for i, layer in enumerate(layers):
             if i or not entered:
                 h = self.block_input(layer, h, ctx, hashes, taps)
             if step is not None:
                 h, pre_mix = step(layer, h, pre_mix, ctx)
-            elif not (fuse and fused_mhc_across(layer)):
+            elif not fused_mhc_across(layer):
                 h, pre_mix = layer(h, pre_mix, ctx)
             else:
                 if attn_in is None:
