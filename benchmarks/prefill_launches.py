@@ -12,12 +12,15 @@ a switch of `dsv41.kernels.choice` (the same function computed; the logits are c
 
 For each length (LENGTHS, default 128,512,2048) and variant: median wall of REPEATS prefills (ced-bounded, into a
 fresh packed-store sequence, after a warm-up one), then one more under the profiler: kernels launched, GPU busy time.
+Then, per variant, the engine's time to first token (`Engine.add_request` to the step that emits it: the body's
+prefill, then the last prompt token in the decode forward, graph-replayed on a GPU) for ENGINE_PROMPTS fresh prompts
+of ENGINE_TOKENS tokens one after another, with the steps' times and the CUDA graphs captured meanwhile.
 
     python benchmarks/prefill_launches.py                       # GPU: v41-geometry, random bf16 weights
     DEVICE=cpu CONFIG=tiny LENGTHS=64 python benchmarks/prefill_launches.py   # a check of the script (op counts)
 
 Env: DEVICE (cuda), CONFIG (v41-geometry), LENGTHS, REPEATS (5), MOE_MAX (4096), PACK (1: packed weights),
-RESULT (default benchmarks/results/prefill_launches.json).
+ENGINE_TOKENS (512; 0: no engine phase), ENGINE_PROMPTS (6), RESULT (default benchmarks/results/prefill_launches.json).
 """
 
 from __future__ import annotations
@@ -73,6 +76,34 @@ def launches(model, pool, ids, dev: str) -> dict:
     return {"aten_ops": sum(e.count for e in ev), "aten_self_s": sum(e.self_cpu_time_total for e in ev) / 1e6}
 
 
+def engine_ttft(model, cfg, dev: str, n: int, count: int) -> list[dict]:
+    """Time to first token of `count` fresh n-token prompts through one engine, one request at a time."""
+    from dsv41.engine.engine import Engine
+    from dsv41.engine.sampling import SamplingParams
+    eng = Engine(model, None, max_batch=4, max_seq_len=max(4096, 2 * n))
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+        caps = eng.graphs.captures if eng.graphs is not None else 0
+        sync(dev)
+        t = time.perf_counter()
+        rid = eng.add_request(ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        steps = []
+        while True:
+            ts = time.perf_counter()
+            outs = eng.step()
+            steps.append(time.perf_counter() - ts)
+            if any(o.request_id == rid and o.new_token_ids for o in outs):
+                break
+        ttft = time.perf_counter() - t
+        while eng.has_unfinished():
+            eng.step()
+        out.append({"ttft_s": ttft, "steps_s": steps,
+                    "graph_captures": (eng.graphs.captures if eng.graphs is not None else 0) - caps})
+    return out
+
+
 VARIANTS = {"unfused": (False, FUSED_MOE_MAX_TOKENS), "fused": (True, FUSED_MOE_MAX_TOKENS), "fused+moe": (True, None)}
 
 
@@ -118,6 +149,17 @@ def main() -> int:
                       f"launches {count:>6} (x{count / base.get('kernels', base.get('aten_ops')):.2f})"
                       + (f" GPU busy {row['gpu_busy_s'] * 1e3:7.1f} ms" if "gpu_busy_s" in row else "")
                       + f"  logits rel err {err:.1e}", flush=True)
+        n_eng = int(os.environ.get("ENGINE_TOKENS", "512"))
+        for v, (mhc, mmax) in VARIANTS.items() if n_eng else ():
+            set_fused_mhc(mhc)
+            set_fused_moe_max_tokens(moe_max if mmax is None else mmax)
+            reqs = engine_ttft(model, cfg, dev, n_eng, int(os.environ.get("ENGINE_PROMPTS", "6")))
+            rows.append({"engine_tokens": n_eng, "variant": v, "requests": reqs,
+                         "ttft_median_s": statistics.median(r["ttft_s"] for r in reqs)})
+            print(f"engine TTFT {n_eng} tokens, {v:10s}: " + " ".join(
+                f"{r['ttft_s'] * 1e3:.0f}" + (f"(+{r['graph_captures']} graphs)" if r["graph_captures"] else "")
+                for r in reqs) + f" ms; median {rows[-1]['ttft_median_s'] * 1e3:.0f} ms; steps of the last: "
+                + " ".join(f"{x * 1e3:.0f}" for x in reqs[-1]["steps_s"]) + " ms", flush=True)
     finally:
         set_fused_mhc(True)
         set_fused_moe_max_tokens(FUSED_MOE_MAX_TOKENS)
