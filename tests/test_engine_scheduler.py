@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dsv41.config import load_config
+from dsv41.engine.body_batch import forward_plan
 from dsv41.engine.engine import Engine
 from dsv41.engine.sampling import SamplingParams
 from dsv41.kv.pages import PoolFull, pages_at
@@ -117,15 +118,58 @@ def test_long_prompt_does_not_stall_running_streams(model, prompts):
     assert outputs([eng.completion(rid)]) == outputs(ref)
 
 
-def test_equal_prompts_prefill_as_one_batch(model, prompts, alone):
+def test_waiting_prompts_prefill_as_one_batch_in_few_forwards(model, prompts, alone):
+    """The 8 prompts (5 body lengths) are admitted as one group and fed in the forwards `forward_plan` picks (here
+    one per distinct length, each over the rows still short of it), their last tokens joining one decode forward:
+    the same outputs as alone."""
     eng = Engine(model, max_seq_len=256, deterministic=True)
     rids = [eng.add_request(p, PARAMS) for p in prompts]
+    calls, embed = [], eng.model.embed_tokens
+    eng.model.embed_tokens = lambda ids, *a, **k: calls.append(tuple(ids.shape)) or embed(ids, *a, **k)
     eng.step()
-    sizes = sorted(len(g.seqs) for g, _ in eng.last_plan.bodies)
-    assert sizes == [1, 1, 1, 1, 1, 3]          # the three consecutive 19-token prompts in one batch (arrival order)
+    del eng.model.embed_tokens
+    assert len(eng.last_plan.bodies) == 1 and len(eng.last_plan.join) == len(prompts)
+    bodies = [len(p) - 1 for p in prompts]
+    plan = forward_plan(bodies)
+    assert len(plan) == len(set(bodies)) == 5
+    assert calls == [(len(rows), T) for T, rows in plan] + [(len(prompts), 1)]
     while eng.has_unfinished():
         eng.step()
     assert outputs([eng.completion(r) for r in rids]) == alone
+
+
+def test_a_short_body_leaves_the_batch_and_decodes_while_a_long_one_prefills(model, prompts, alone):
+    """A step budget that feeds the long body over several steps: the short prompt's body is fed in the first
+    step (its last token joins the next step's decode: the body took the budget) and it gets a token on every
+    step after, while the long body goes on; the outputs are each prompt's alone."""
+    long = torch.randint(0, model.cfg.vocab_size, (120,), generator=torch.Generator().manual_seed(11)).tolist()
+    eng = Engine(model, max_seq_len=256, deterministic=True, max_batch=2, max_step_tokens=40)
+    r_long, r_short = eng.add_request(long, PARAMS), eng.add_request(prompts[5], PARAMS)
+    short_tokens, steps = [], 0
+    while not any(s.request_id == r_long and s.pending is not None for s in eng.running):
+        outs = eng.step()
+        steps += 1
+        short_tokens.append(r_short in {o.request_id for o in outs if o.new_token_ids})
+    assert steps >= 3 and short_tokens[0] is False and all(short_tokens[1:])
+    while eng.has_unfinished():
+        eng.step()
+    ref = Engine(model, max_seq_len=256, deterministic=True).generate([long], PARAMS)
+    assert outputs([eng.completion(r_long), eng.completion(r_short)]) == outputs(ref) + [alone[5]]
+
+
+@pytest.mark.parametrize("amounts", [[5], [3, 3, 3], [29, 18, 18, 18, 40, 6, 25, 18], list(range(1, 40)),
+                                     [0, 7, 0, 100, 64], [512, 300, 700, 256, 511, 513]])
+def test_forward_plan_feeds_each_row_its_amount_in_few_forwards(amounts):
+    plan = forward_plan(amounts)
+    fed = [0] * len(amounts)
+    for T, rows in plan:
+        assert T > 0 and rows == sorted(set(rows)) and all(amounts[b] > 0 for b in rows)
+        for b in rows:
+            fed[b] += T
+    assert fed == amounts
+    live = [a for a in amounts if a]
+    spread = max(live) - min(live)
+    assert len(plan) <= min(len(set(live)), 1 + spread.bit_length())
 
 
 def test_youngest_is_preempted_and_resumes_identically(model, prompts, alone):
@@ -160,8 +204,10 @@ def test_never_fitting_request_is_refused(model):
 
 def test_speculation_under_the_scheduler(model, prompts, alone):
     need = [pages_at([2, 1], P, len(p) + PARAMS.max_tokens) for p in prompts]
-    eng = Engine(model, max_seq_len=256, deterministic=True, speculative="fixed:2", kv_pages=sum(need) // 2,
+    # a third of what all need (the largest fits): admitted together, the rows outgrow it and preemption happens
+    eng = Engine(model, max_seq_len=256, deterministic=True, speculative="fixed:2", kv_pages=sum(need) // 3,
                  kv_page_size=P, max_step_tokens=16)
+    assert max(need) <= sum(need) // 3
     rids = [eng.add_request(p, PARAMS) for p in prompts]
     steps = run_steps(eng, lambda e: None)
     got = [eng.completion(r) for r in rids]

@@ -1,8 +1,8 @@
 """The inference engine: requests in, tokens out, with continuous batching.
 
 Each `step()` runs what the scheduler (`dsv41.engine.scheduler`) plans within its token and KV page budgets:
-chunks of admitted prompts (chunked prefill in the configured CED mode; prompts of one length admitted together
-prefill as one batch), then ONE batched decode step for every running sequence (rows at different positions,
+chunks of admitted prompts (chunked prefill in the configured CED mode; prompts admitted together prefill as one
+batch: of one length in one forward, of different lengths in few, `dsv41.engine.body_batch`), then ONE batched decode step for every running sequence (rows at different positions,
 prompts' last tokens joining), samples, applies stop conditions, and returns what each request produced.
 Sequences join and leave between steps; when the pages run out the youngest is preempted and recomputed later.
 With speculative decoding (`speculative="fixed:N"` or `"dspark"`, `dsv41.engine.speculative`) that step is one
@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 
+from dsv41.engine.body_batch import BodyBatch
 from dsv41.engine.graphs import decode_graphs
 from dsv41.engine.prefill import MODES, PrefillJob, check_ced
 from dsv41.engine.prefix_hit import prefix_hit
@@ -109,7 +110,8 @@ class Engine:
                  max_seq_len: int = DEFAULT_MAX_SEQ_LEN, chunk_size: int | None = None, device=None,
                  cache_dir=None, swa_pool=None, cache_interval: int = 4096, speculative="off", step_profile=None,
                  deterministic: bool = False, max_step_tokens: int | None = None, kv_pages: int | None = None,
-                 kv_page_size: int = 64, device_tier: int = 64, cuda_graphs: bool | None = None):
+                 kv_page_size: int = 64, device_tier: int = 64, cuda_graphs: bool | None = None,
+                 mixed_prefill: bool = True):
         """max_step_tokens: tokens one step feeds (decode rows, prompt chunks; default max(2048, max_batch));
         kv_pages: the global-store pages all sequences may hold together (None: unbounded), of kv_page_size entries
         (docs/system.md §3, `dsv41.engine.scheduler`). device_tier: with prefix caching, finished sequences kept
@@ -117,6 +119,9 @@ class Engine:
 
         cuda_graphs: decode steps of fixed shapes replayed from CUDA graphs (`dsv41.engine.graphs`); None: on for a
         CUDA device when the model supports them, True: required (on a CPU the same static step runs eagerly).
+
+        mixed_prefill: prompts of different lengths admitted together prefill as one batch in few forwards
+        (`dsv41.engine.body_batch`); False: only prompts of one length batch (comparisons).
 
         deterministic: switch on the deterministic mode (process-wide) and the `recent` tie rule: a request's
         tokens and log-probs then do not depend on its batch, the chunking, speculation or a cache resume
@@ -175,7 +180,7 @@ class Engine:
         self.step_cost = MeasuredCost(step_profile) if online else step_profile
         max_drafts = 0 if self.drafter is None else (self.speculation.n if self.speculation.mode == "fixed" else G)
         self.scheduler = Scheduler(self.cfg, max_batch, max_step_tokens, kv_page_size, kv_pages, max_drafts,
-                                   group_prompts=self.prefix_cache is None)
+                                   group_prompts=self.prefix_cache is None, mixed_lengths=mixed_prefill)
         self.scheduler.retained = self.device_tier          # retained prefixes are evicted before preempting
         self.last_plan: StepPlan | None = None
         self.waiting: list[Sequence] = []            # arrival order
@@ -277,6 +282,14 @@ class Engine:
         if replay and self.model.engram_hasher is not None:
             from dsv41.kv.prefix import engram_history_at
             view.engram_history = engram_history_at(self.model.engram_hasher, ids, start - replay).view(1, -1)
+        mixed = len({len(s.prompt_ids) for s in seqs}) > 1          # fresh text prompts of different lengths
+        if mixed:                                                    # (no prefix hit: grouping is off then)
+            self.pool.release(view, sids)
+            for s in seqs:
+                s.fed = 0
+            g.job = BodyBatch(self.model, {s.sid: torch.tensor(s.prompt_ids[:-1], device=self.device) for s in seqs},
+                              self.pool, self.prefill_mode)
+            return g
         if len(ids) > 1 + start:
             body = torch.tensor([s.prompt_ids[start - replay:-1] for s in seqs], device=self.device)
             g.job = (ImageBody(self.model, body, seq.vision) if g.vision else
@@ -301,6 +314,9 @@ class Engine:
         seeded with its taps, the end-of-prompt unit saved."""
         t0 = time.perf_counter()
         sids = [s.sid for s in g.seqs]
+        if isinstance(g.job, BodyBatch):
+            self._feed_body_batch(g, n, t0)
+            return
         view = self.pool.bind(sids)
         g.job.feed(view, n, self.chunk_size)
         if not g.job.remaining:
@@ -314,6 +330,28 @@ class Engine:
                 s.fed = len(s.prompt_ids) - 1
                 self._save_unit(s, s.prompt_ids[:-1])
             s.prefill_s += time.perf_counter() - t0
+
+    def _feed_body_batch(self, g: Group, n: int, t0: float) -> None:
+        """`_feed_body` for prompts of different lengths (`BodyBatch`): a row whose body is fed finishes at once
+        and leaves the group for a group of its own, so it decodes while the longer bodies go on."""
+        done = g.job.feed(n, self.chunk_size)
+        if done:
+            seed = None
+            if self.drafter is not None:
+                def seed(view, pf):
+                    if pf.main_hidden is not None:
+                        self.drafter.seed(view, pf.main_hidden, pf.tap_start)
+            g.job.finish(done, seed)
+        dt = time.perf_counter() - t0
+        for s in list(g.seqs):
+            s.prefill_s += dt
+            if s.sid in done:
+                s.fed = len(s.prompt_ids) - 1
+                self._save_unit(s, s.prompt_ids[:-1])
+                g.seqs.remove(s)
+                s.group = Group([s])
+        if not g.seqs:
+            g.job = None
 
     def _feed_tail(self, seq: Sequence, n: int, outs: list[StepOutput]) -> None:
         """The next n tokens after the body (all layers): the prompt's last token and, when the sequence resumes

@@ -131,7 +131,16 @@ class PrefillJob:
             raise ValueError(f"prefill not fed to the end: {self.remaining} tokens remain")
         if self.mode == "full":
             return _finish_full(self)
-        return _prefill_ced(self.model, self.ids, cache, self.mode, self.tail, self.taps, self.rings_valid)
+        return _prefill_ced(self.model, self.ids.size(1), cache, self.mode, *self.decoder_inputs(), self.rings_valid)
+
+    def decoder_inputs(self) -> tuple:
+        """What the CED decoder segment starts from: the encoder's tail rows x [B,R0,S,D], their lagged pre
+        [B,R0,S] and Engram hashes (or None), and the encoder-side drafter taps {layer: [B,<=W,D]}."""
+        W = self.model.cfg.window_size
+        tail = self.tail
+        return (torch.cat(tail["x"], 1), torch.cat(tail["pre"], 1),
+                torch.cat(tail["hash"], 1) if tail["hash"] else None,
+                {L: torch.cat(v, 1)[:, -W:] for L, v in self.taps.items()})
 
 
 def _chunks(lo: int, hi: int, chunk: int, replay: int, floor) -> list[tuple[int, int, ForwardOptions]]:
@@ -160,18 +169,15 @@ def _finish_full(job: PrefillJob) -> PrefillOut:
     return PrefillOut(job.out.logits[:, -1], main_hidden, tap_start, {L: N for L in range(job.model.cfg.n_layers)})
 
 
-def _prefill_ced(model, ids, cache, mode, tail, enc_taps, rings_valid) -> PrefillOut:
-    """The decoder segment of a CED prefill whose encoder has run (`_encode`) on every row."""
+def _prefill_ced(model, N: int, cache, mode, x, pre, hashes, taps, rings_valid) -> PrefillOut:
+    """The decoder segment of a CED prefill of N-token prompts whose encoder has run (`_encode`) on every row, from
+    its inputs (`PrefillJob.decoder_inputs`). Rows may stand at different positions when their decoder segments
+    have the same rows (`dsv41.engine.body_batch`: prompts of different lengths, fresh, so no valid rings)."""
     cfg = model.cfg
     split = check_ced(cfg)
-    N = ids.size(1)
     seg_rows = decoder_rows(cfg, mode, N)
-    x = torch.cat(tail["x"], 1)
-    pre = torch.cat(tail["pre"], 1)
-    hashes = torch.cat(tail["hash"], 1) if tail["hash"] else None
     end = cache.pos.clone()
     published = Publications()
-    taps: dict[int, torch.Tensor] = {L: torch.cat(v, 1)[:, -cfg.window_size:] for L, v in enc_taps.items()}
     rows = {L: N for L in range(split)}
     k = 0
     while k < len(seg_rows):
@@ -200,32 +206,39 @@ def _prefill_ced(model, ids, cache, mode, tail, enc_taps, rings_valid) -> Prefil
 
 
 def _encode(model, ids, cache, split, R0, pieces, tail, enc_taps) -> None:
-    """The encoder chunk by chunk: layers below the split on every prompt row, then the split layer's block input
-    (its Engram and tap) and its global-KV production. Appends the tail rows the decoder needs to `tail` ({"x",
-    "pre", "hash"}: lists of chunk pieces) and the encoder-side drafter taps to `enc_taps` (layer -> list of chunk
-    pieces)."""
-    cfg = model.cfg
+    """The encoder chunk by chunk (`_encode_piece`) over prompts ids [B,N] of one length: appends the tail rows the
+    decoder needs (its first layer's R0) to `tail` and the encoder-side drafter taps to `enc_taps`."""
     N = ids.size(1)
-    below, at = model.layers[:split], model.layers[split]
     for lo, hi, opts in pieces:
-        part = ids[:, lo:hi]
-        T = part.size(1)
-        start = cache.pos.clone()
-        hashes = model.engram_hashes(part, cache, None)
-        ctx = StepContext(start, T, cache, opts)
-        chunk_taps = {} if cfg.dspark_enabled else None
-        h, pre = model.run_layers(*model.streams_in(model.embed_tokens(part)), ctx, below, hashes, chunk_taps)
-        # the split layer's block input on every prompt row, then its global-KV production from that input and
-        # the lagged pre
-        h = model.block_input(at, h, ctx, hashes, chunk_taps)
-        if opts.produce_kv:
-            at.attn.produce_global_kv(at.attn_norm(hc_pre(h, pre)), ctx)
-        cache.pos = start + T
+        T = hi - lo
         keep = min(T, max(0, R0 - (N - lo - T)))                             # rows of this chunk the decoder needs
+        _encode_piece(model, ids[:, lo:hi], cache, split, opts, [(slice(None), keep, tail, enc_taps)])
+
+
+def _encode_piece(model, part, cache, split, opts, outs) -> None:
+    """One encoder forward of part [B,T], each row at its store's position: layers below the split on every row,
+    then the split layer's block input (its Engram and tap) and its global-KV production. outs: (rows, keep, tail,
+    enc_taps) per set of batch rows (an index or slice): the piece's last `keep` rows of those go to `tail` ({"x",
+    "pre", "hash"}: lists of pieces), their encoder-side drafter taps to `enc_taps` (layer -> list of pieces)."""
+    cfg = model.cfg
+    below, at = model.layers[:split], model.layers[split]
+    T = part.size(1)
+    start = cache.pos.clone()
+    hashes = model.engram_hashes(part, cache, None)
+    ctx = StepContext(start, T, cache, opts)
+    chunk_taps = {} if cfg.dspark_enabled else None
+    h, pre = model.run_layers(*model.streams_in(model.embed_tokens(part)), ctx, below, hashes, chunk_taps)
+    # the split layer's block input on every prompt row, then its global-KV production from that input and the
+    # lagged pre
+    h = model.block_input(at, h, ctx, hashes, chunk_taps)
+    if opts.produce_kv:
+        at.attn.produce_global_kv(at.attn_norm(hc_pre(h, pre)), ctx)
+    cache.pos = start + T
+    for rows, keep, tail, enc_taps in outs:
         if keep:
-            tail["x"].append(h[:, T - keep:])
-            tail["pre"].append(pre[:, T - keep:])
+            tail["x"].append(h[rows, T - keep:])
+            tail["pre"].append(pre[rows, T - keep:])
             if hashes is not None:
-                tail["hash"].append(hashes[:, T - keep:])
+                tail["hash"].append(hashes[rows, T - keep:])
         for L, t in (chunk_taps or {}).items():                              # encoder-side drafter taps
-            enc_taps.setdefault(L, []).append(t[:, -cfg.window_size:])
+            enc_taps.setdefault(L, []).append(t[rows, -cfg.window_size:])

@@ -4,8 +4,9 @@ budget (docs/system.md §3).
 Token budget. A step feeds at most `max_step_tokens` tokens to the model: first one per decoding sequence (1 + V
 with speculative decoding, V capped so the rows fit), then chunks of the admitted prompts still prefilling, oldest
 first, so a long prompt spreads over steps and the running streams get a token on every step (chunked prefill).
-Prompts admitted together with the same length form one group that prefills as one batch (rows at their own
-positions). The model's forward runs the same number of tokens on every row, so a step is one forward per
+Prompts admitted together form one group that prefills as one batch: of one length in one forward (rows at their
+own positions), of different lengths in few (`dsv41.engine.body_batch`: a row leaves the group when its body is
+fed). The model's forward runs the same number of tokens on every row, so a step is one forward per
 prefill unit plus one decode forward; a prompt's last token, a one-token row, joins the decode forward.
 An image prompt's body is one forward (its spans must be in the first chunk): it runs whole, alone in its step
 when it is larger than what the budget leaves.
@@ -59,6 +60,12 @@ def target(seq) -> int:
     return len(seq.prompt_ids) + max(0, len(seq.output_ids) - 1)
 
 
+def body_left(g: Group, seq) -> int:
+    """Body tokens this sequence still has to feed in its group's job (`BodyBatch`: its own; else the group's)."""
+    left = getattr(g.job, "remaining_of", None)
+    return g.job.remaining if left is None else left(seq.sid)
+
+
 def decoding(seq) -> bool:
     return seq.pending is not None and seq.fed == target(seq)
 
@@ -68,7 +75,7 @@ class Scheduler:
     `admit(list of sequences) -> Group` and `preempt(sequence)`)."""
 
     def __init__(self, cfg, max_batch: int, max_step_tokens: int | None, page_size: int, kv_pages: int | None,
-                 max_drafts: int = 0, group_prompts: bool = True):
+                 max_drafts: int = 0, group_prompts: bool = True, mixed_lengths: bool = True):
         max_step_tokens = max(DEFAULT_STEP_TOKENS, max_batch) if max_step_tokens is None else max_step_tokens
         if max_step_tokens < max_batch:
             raise ValueError(f"max_step_tokens {max_step_tokens} is below max_batch {max_batch}: every running "
@@ -77,6 +84,7 @@ class Scheduler:
             raise ValueError(f"kv_page_size ({page_size}) and kv_pages ({kv_pages}) must be positive")
         self.max_batch, self.max_step_tokens, self.max_drafts = max_batch, max_step_tokens, max_drafts
         self.page_size, self.kv_pages, self.group_prompts = page_size, kv_pages, group_prompts
+        self.mixed_lengths = mixed_lengths
         self.ratios = [s.ratio for s in cache_spec(cfg) if s.ratio > 0]
         self.retained = None        # the prefix device tier (`pages_held`, `evict_lru`): evicted before preempting
 
@@ -145,13 +153,18 @@ class Scheduler:
         return max(0, min(self.max_drafts, (self.max_step_tokens - reserve) // rows - 1))
 
     def _admissible(self, waiting: list, used: int, n_running: int) -> list:
-        """The head of the queue and those after it that prefill with it (fresh text prompts of its length), as
-        far as slots and pages allow; [] when the head does not fit."""
+        """The head of the queue and those after it that prefill with it (fresh text prompts: of its length, or
+        of any length when they and the head have a body, `dsv41.engine.body_batch`), as far as slots and pages
+        allow; [] when the head does not fit."""
         head, batch = waiting[0], []
         groupable = self.group_prompts and not head.output_ids and head.vision is None
+
+        def with_head(s) -> bool:
+            n, h = len(s.prompt_ids), len(head.prompt_ids)
+            return (groupable and not s.output_ids and s.vision is None
+                    and (n == h or self.mixed_lengths and min(n, h) > 1))
         for s in waiting:
-            if s is not head and not (groupable and not s.output_ids and s.vision is None
-                                      and len(s.prompt_ids) == len(head.prompt_ids)):
+            if s is not head and not with_head(s):
                 break
             if len(batch) + n_running + 1 > self.max_batch:
                 break
@@ -162,10 +175,19 @@ class Scheduler:
         return batch
 
     def _feed(self, plan: StepPlan, seqs: list, left: int, can_join: bool) -> int:
-        """Add the prefill work of these sequences (oldest first) within `left` tokens; returns what is left. A
-        body that finishes in this step lets its rows' last tokens follow in the same step."""
+        """Add the prefill work of these sequences (oldest first) within `left` tokens; returns what is left.
+        First the last prompt tokens of rows whose bodies are fed (one token each, and their first sampled token:
+        never held back behind a long body), then bodies and what follows them; a body that finishes in this step
+        lets its rows' last tokens follow in the same step."""
         planned: dict[int, int] = {}
+        if can_join:
+            for s in seqs:
+                if (s.group is None or s.group.job is None) and target(s) - s.fed == 1 and left >= 1:
+                    plan.join.append(s)
+                    left -= 1
         for s in seqs:
+            if s in plan.join:
+                continue
             g, fed = s.group, s.fed
             if g is not None and g.job is not None:
                 if id(g) not in planned:
@@ -173,8 +195,8 @@ class Scheduler:
                     planned[id(g)] = n
                     if n:
                         plan.bodies.append((g, n))
-                        left -= n * len(g.seqs)
-                if planned[id(g)] < g.job.remaining:
+                        left -= sum(min(n, body_left(g, o)) for o in g.seqs)
+                if planned[id(g)] < body_left(g, s):
                     continue
                 fed = len(s.prompt_ids) - 1
             todo = target(s) - fed
@@ -194,4 +216,12 @@ class Scheduler:
         todo = g.job.remaining
         if g.vision:
             return todo if left >= todo or not (plan.bodies or plan.tails or plan.join) else 0
-        return min(todo, left // len(g.seqs))
+        rest = sorted(body_left(g, s) for s in g.seqs)
+        n, used = 0, 0                     # the most tokens per row whose sum over the rows fits `left`
+        for k, r in enumerate(rest):       # (rows of shorter bodies take only what they have left)
+            rows = len(rest) - k
+            n = min(r, n + (left - used) // rows)
+            used = sum(min(n, x) for x in rest)
+            if n < r:
+                break
+        return n
