@@ -106,7 +106,7 @@ def rel_err(a, b):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", [True, False])
 @pytest.mark.parametrize("shape", [(1, 64, 64, 6, 3), (16, 256, 96, 8, 2), (64, 512, 2304 // 8, 16, 6),
-                                   (3, 5120, 2304, 16, 6)])
+                                   (3, 5120, 2304, 16, 6), (512, 1024, 256, 16, 6)])     # the last: a prefill size
 def test_moe_experts_triton(quant, shape):
     from dsv41.kernels.triton import moe_experts_triton
     n, dim, inter, experts, topk = shape

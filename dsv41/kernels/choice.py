@@ -13,10 +13,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Few tokens (a decode step) on a CUDA GPU: the experts as one op over their weights (`moe_experts`: Triton grouped
-# kernels, no host sync, ~10 launches instead of ~10 per active expert). Above this many tokens the module loop's
-# cuBLAS GEMMs read each expert's weights once, where the op's tiles of 16 pairs would re-read them.
-FUSED_MOE_MAX_TOKENS = 64
+# Up to this many tokens on a CUDA GPU the experts run as one op over their weights (`moe_experts`: Triton grouped
+# kernels, no host sync, ~10 launches instead of ~10 per active expert). Above it the module loop's cuBLAS GEMMs
+# read each expert's weights once, where the op's tiles of 16 pairs re-read them. Measured on an H100, v41-geometry
+# packed, an eager ced-bounded prefill (`benchmarks/prefill_launches.py`, results/gpu-serving-h100-2026-12-07h):
+# the op's prefill wall x0.67 of the loop's at 128 tokens and x0.60 at 512 (host-bound: 5.2K / 6.5K launches
+# instead of 11K / 12K), though its GPU time is x1.3 / x2.1; at 2,048 tokens x1.36 (GPU time x3.4).
+FUSED_MOE_MAX_TOKENS = 512
 
 _packed = {"enabled": True, "verify": False}
 _fused = {"moe_max_tokens": FUSED_MOE_MAX_TOKENS, "mhc": True}
