@@ -10,6 +10,8 @@ Legend: N tokens of the call.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -18,11 +20,13 @@ from torch import nn
 # read each expert's weights once, where the op's tiles of 16 pairs re-read them. Measured on an H100, v41-geometry
 # packed, an eager ced-bounded prefill (`benchmarks/prefill_launches.py`, results/gpu-serving-h100-2026-12-07h):
 # the op's prefill wall x0.67 of the loop's at 128 tokens and x0.60 at 512 (host-bound: 5.2K / 6.5K launches
-# instead of 11K / 12K), though its GPU time is x1.3 / x2.1; at 2,048 tokens x1.36 (GPU time x3.4).
+# instead of 11K / 12K), though its GPU time is x1.3 / x2.1; at 2,048 tokens x1.36 (GPU time x3.4). Under load (the
+# serving benchmark, another run) the idle TTFT halved but output tokens/s fell 53.4 -> 45.8: not yet compared in
+# one run; $DSV41_FUSED_MOE_MAX_TOKENS sets the limit for such a comparison.
 FUSED_MOE_MAX_TOKENS = 512
 
 _packed = {"enabled": True, "verify": False}
-_fused = {"moe_max_tokens": FUSED_MOE_MAX_TOKENS, "mhc": True}
+_fused = {"moe_max_tokens": int(os.environ.get("DSV41_FUSED_MOE_MAX_TOKENS", FUSED_MOE_MAX_TOKENS)), "mhc": True}
 
 
 def fused_moe(x: torch.Tensor) -> bool:
