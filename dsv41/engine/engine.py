@@ -2,9 +2,10 @@
 
 Each `step()` runs what the scheduler (`dsv41.engine.scheduler`) plans within its token and KV page budgets:
 chunks of admitted prompts (chunked prefill in the configured CED mode; prompts admitted together prefill as one
-batch: of one length in one forward, of different lengths in few, `dsv41.engine.body_batch`), then ONE batched decode step for every running sequence (rows at different positions,
-prompts' last tokens joining), samples, applies stop conditions, and returns what each request produced.
-Sequences join and leave between steps; when the pages run out the youngest is preempted and recomputed later.
+batch: of one length in one forward, of different lengths in few, `dsv41.engine.body_batch`), then ONE batched
+decode step for every running sequence (rows at different positions, prompts' last tokens joining), samples,
+applies stop conditions, and returns what each request produced. Sequences join and leave between steps; when the
+pages run out the youngest is preempted and recomputed later.
 With speculative decoding (`speculative="fixed:N"` or `"dspark"`, `dsv41.engine.speculative`) that step is one
 draft-verify step instead: each row may emit several tokens, with exactly the target's distribution (each row
 verifying its own number of drafts in one ragged forward).
