@@ -218,8 +218,9 @@ def _encode(model, ids, cache, split, R0, pieces, tail, enc_taps) -> None:
 def _encode_piece(model, part, cache, split, opts, outs) -> None:
     """One encoder forward of part [B,T], each row at its store's position: layers below the split on every row,
     then the split layer's block input (its Engram and tap) and its global-KV production. outs: (rows, keep, tail,
-    enc_taps) per set of batch rows (a slice, so the batch axis stays): the piece's last `keep` rows of those go to `tail` ({"x",
-    "pre", "hash"}: lists of pieces), their encoder-side drafter taps to `enc_taps` (layer -> list of pieces)."""
+    enc_taps) per set of batch rows (a slice, so the batch axis stays): the piece's last `keep` rows of those go to
+    `tail` ({"x", "pre", "hash"}: lists of pieces), their encoder-side drafter taps to `enc_taps` (layer -> list
+    of pieces)."""
     cfg = model.cfg
     below, at = model.layers[:split], model.layers[split]
     T = part.size(1)
