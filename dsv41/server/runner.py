@@ -15,13 +15,15 @@ or a single Failed(request_id, status, message) instead (bad input rejected by t
 A request whose sink raises or whose client is gone is aborted; an exception inside `engine.step()` fails every
 request in flight with a 500 and the loop carries on, so no request can stop the server.
 
-Threads. The loop thread runs a CPU engine's torch ops with `cpu_threads` intra-op threads (default 1,
-$DSV41_ENGINE_THREADS overrides). Once the main thread has run a parallel torch op (building the model does), a
-second thread's parallel regions get an OpenMP team of their own, the teams together outnumber the cores, and
-libgomp stops spinning between regions: on a 2-core machine the same engine step took 2-2.6 x longer in the loop
-thread than in the main thread (tiny model: a 64-token prefill 1.0-1.2 s vs 0.4-0.6 s, 8 rows of decode 10.5 s vs
-4.1 s), and with one thread there 0.5-0.7 s and 3.7-3.8 s (measured 2026-12-07h; the model's ops are small, so one
-thread loses little). A GPU engine's loop keeps torch's setting.
+Threads. The loop thread runs its torch ops with `threads` intra-op threads: $DSV41_ENGINE_THREADS when set (any
+device; 0: torch's setting), else 1 for a CPU engine and torch's setting for a GPU one. Once the main thread has
+run a parallel torch op (building the model does), a second thread's parallel regions get an OpenMP team of their
+own, the teams together outnumber the cores, and libgomp stops spinning between regions: on a 2-core machine the
+same engine step took 2-2.6 x longer in the loop thread than in the main thread (tiny model: a 64-token prefill
+1.0-1.2 s vs 0.4-0.6 s, 8 rows of decode 10.5 s vs 4.1 s), and with one thread there 0.5-0.7 s and 3.7-3.8 s
+(measured 2026-12-07h; the model's ops are small, so one thread loses little). On a GPU the loop's host work is mostly launches; whether its few parallel CPU ops pay the
+same cost is not measured (on an H100 host the server's idle TTFT was 812 ms where the engine in the main thread
+took 550 ms): `DSV41_ENGINE_THREADS=1` against unset is that comparison.
 """
 
 from __future__ import annotations
@@ -63,11 +65,13 @@ class Failed:
 
 class EngineRunner:
     def __init__(self, engine, metrics, idle_poll_s: float = 0.05, kv_refresh_s: float = 0.25,
-                 cpu_threads: int | None = None):
+                 threads: int | None = None):
         self.engine, self.metrics = engine, metrics
-        if cpu_threads is None:
-            cpu_threads = int(os.environ.get("DSV41_ENGINE_THREADS", "1"))
-        self.cpu_threads = cpu_threads
+        if threads is None:
+            env = os.environ.get("DSV41_ENGINE_THREADS")
+            cpu = getattr(engine, "device", torch.device("cpu")).type == "cpu"
+            threads = int(env) if env is not None else (1 if cpu else 0)
+        self.threads = threads                               # 0: torch's setting
         self.idle_poll_s, self.kv_refresh_s = idle_poll_s, kv_refresh_s
         self._cmds: queue.Queue = queue.Queue()
         self._sinks: dict[str, Callable[[Any], None]] = {}
@@ -104,8 +108,8 @@ class EngineRunner:
 
     # ---------------------------------------------------------------- loop thread
     def _loop(self) -> None:
-        if getattr(self.engine, "device", torch.device("cpu")).type == "cpu" and self.cpu_threads > 0:
-            torch.set_num_threads(self.cpu_threads)          # this thread's own setting (module docstring)
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)              # this thread's own setting (module docstring)
         while not self._stop.is_set():
             try:
                 self._drain(block=not self.engine.has_unfinished())
