@@ -21,9 +21,10 @@ run a parallel torch op (building the model does), a second thread's parallel re
 own, the teams together outnumber the cores, and libgomp stops spinning between regions: on a 2-core machine the
 same engine step took 2-2.6 x longer in the loop thread than in the main thread (tiny model: a 64-token prefill
 1.0-1.2 s vs 0.4-0.6 s, 8 rows of decode 10.5 s vs 4.1 s), and with one thread there 0.5-0.7 s and 3.7-3.8 s
-(measured 2026-12-07h; the model's ops are small, so one thread loses little). On a GPU the loop's host work is mostly launches; whether its few parallel CPU ops pay the
-same cost is not measured (on an H100 host the server's idle TTFT was 812 ms where the engine in the main thread
-took 550 ms): `DSV41_ENGINE_THREADS=1` against unset is that comparison.
+(measured 2026-12-07h; the model's ops are small, so one thread loses little). On a GPU the loop's host work is
+mostly launches; whether its few parallel CPU ops pay the same cost is not measured (on an H100 host the server's
+idle TTFT was 812 ms where the engine in the main thread took 550 ms): `DSV41_ENGINE_THREADS=1` against unset is
+that comparison.
 """
 
 from __future__ import annotations
