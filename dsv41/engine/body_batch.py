@@ -63,11 +63,11 @@ class BodyBatch:
         self.jobs: dict[int, PrefillJob] = {}
         for sid, ids in bodies.items():
             view = pool.bind([sid])
+            if int(view.pos.max()) != 0:
+                pool.release(view, [sid])
+                raise ValueError("a body batch holds fresh sequences only")
             self.jobs[sid] = PrefillJob(model, ids.view(1, -1), view, mode)
             pool.release(view, [sid])
-            if int(view.pos.max()) != 0:
-                raise ValueError("a body batch holds fresh sequences only")
-        self.forwards = 0                                    # model forwards run so far (tests, benchmarks)
 
     @property
     def remaining(self) -> int:
@@ -110,7 +110,6 @@ class BodyBatch:
         self.pool.release(view, sids)
         for j in jobs:
             j.fed += T
-        self.forwards += 1
 
     @torch.no_grad()
     def finish(self, sids: list[int], seed=None) -> None:
@@ -139,4 +138,3 @@ class BodyBatch:
             if seed is not None:
                 seed(view, pf)
             self.pool.release(view, group)
-            self.forwards += 1

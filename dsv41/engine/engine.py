@@ -269,6 +269,12 @@ class Engine:
         ids, start, replay = seq.prompt_ids, 0, 0
         for s in seqs:
             s.sid, s.group = self.pool.new_sequence(), g
+        if len({len(s.prompt_ids) for s in seqs}) > 1:    # fresh text prompts of different lengths (grouped only
+            for s in seqs:                                 # without prefix caching, so no hit to look up)
+                s.fed = 0
+            g.job = BodyBatch(self.model, {s.sid: torch.tensor(s.prompt_ids[:-1], device=self.device) for s in seqs},
+                              self.pool, self.prefill_mode)
+            return g
         hit = prefix_hit(self, seq)
         if hit is not None:
             start = hit.boundary
@@ -283,14 +289,6 @@ class Engine:
         if replay and self.model.engram_hasher is not None:
             from dsv41.kv.prefix import engram_history_at
             view.engram_history = engram_history_at(self.model.engram_hasher, ids, start - replay).view(1, -1)
-        mixed = len({len(s.prompt_ids) for s in seqs}) > 1          # fresh text prompts of different lengths
-        if mixed:                                                    # (no prefix hit: grouping is off then)
-            self.pool.release(view, sids)
-            for s in seqs:
-                s.fed = 0
-            g.job = BodyBatch(self.model, {s.sid: torch.tensor(s.prompt_ids[:-1], device=self.device) for s in seqs},
-                              self.pool, self.prefill_mode)
-            return g
         if len(ids) > 1 + start:
             body = torch.tensor([s.prompt_ids[start - replay:-1] for s in seqs], device=self.device)
             g.job = (ImageBody(self.model, body, seq.vision) if g.vision else
