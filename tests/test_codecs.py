@@ -376,6 +376,19 @@ def test_nibbles():
         C.pack_nibbles(torch.zeros(3, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn])
+def test_table_decoders_equal_the_bit_decoders_on_every_byte(dtype):
+    """The decoders by table (what the packed records and weights are read with) return the bit decoders' values
+    bit for bit on all 256 bytes, NaN codes and signed zeros included, from any 1-byte dtype and leading shape."""
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).view(4, 64)
+    bits = lambda t: t.view(torch.int32)                                          # noqa: E731
+    assert torch.equal(bits(C.e4m3_values(b)), bits(C.e4m3_to_float(b)))
+    assert torch.equal(bits(C.e8m0_values(b)), bits(C.e8m0_to_float(b)))
+    pairs = C.e2m1_pair_values(b)
+    assert pairs.shape == (4, 128)
+    assert torch.equal(bits(pairs), bits(C.e2m1_to_float(C.unpack_nibbles(b))))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # non-finite handling
 # ----------------------------------------------------------------------------------------------------------

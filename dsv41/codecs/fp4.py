@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import as_u8, byte_ints, e4m3_to_float, e8m0_to_float, f32, float_to_e4m3, grouped, pow2, pow2_ceil
+from .fp8 import as_u8, by_table, byte_ints, e4m3_values, e8m0_to_float, e8m0_values, f32, float_to_e4m3, grouped
+from .fp8 import pow2, pow2_ceil
 from .fp8 import record_bytes, require_finite, round_to_e4m3, ue8m0_scale_byte, unpack_record
 
 E2M1_MAX = 6.0
@@ -112,6 +113,17 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)
 
 
+def _e2m1_pairs(b: torch.Tensor) -> torch.Tensor:
+    """bytes [n] -> fp32 [n, 2]: the E2M1 values of each byte's low, then high nibble."""
+    return e2m1_to_float(unpack_nibbles(b.to(torch.uint8)).view(-1, 2))
+
+
+def e2m1_pair_values(packed: torch.Tensor) -> torch.Tensor:
+    """Nibble-packed E2M1 bytes [..., n] -> fp32 [..., 2n], low nibble first: `e2m1_to_float(unpack_nibbles(.))`'s
+    values, by table."""
+    return by_table(_e2m1_pairs, packed).flatten(-2)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # compressed main KV: FP4, E4M3 scale per 16
 # ----------------------------------------------------------------------------------------------------------
@@ -143,7 +155,7 @@ def _fp4_record(r: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
 
 def _unpack_fp4(packed: torch.Tensor, group: int, decode_scale, what: str) -> torch.Tensor:
     """uint8[..., d/2 + d/group] -> fp32[..., d] = E2M1(code) * decode_scale(scale byte)."""
-    return unpack_record(packed, group, 4, lambda b: e2m1_to_float(unpack_nibbles(b)), decode_scale, what)
+    return unpack_record(packed, group, 4, e2m1_pair_values, decode_scale, what)
 
 
 def main_kv_bytes(d: int = 512) -> int:
@@ -170,7 +182,7 @@ def pack_main_kv(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
 
 def unpack_main_kv(packed: torch.Tensor) -> torch.Tensor:
     """uint8[..., d/2 + d/16] -> fp32[..., d] = E2M1(code) * E4M3(scale)."""
-    return _unpack_fp4(packed, MAIN_KV_GROUP, e4m3_to_float, "unpack_main_kv")
+    return _unpack_fp4(packed, MAIN_KV_GROUP, e4m3_values, "unpack_main_kv")
 
 
 def _represents(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -240,4 +252,4 @@ def pack_index_k(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
 
 def unpack_index_k(packed: torch.Tensor) -> torch.Tensor:
     """uint8[..., d/2 + d/32] -> fp32[..., d] = E2M1(code) * 2^(scale byte - 127)."""
-    return _unpack_fp4(packed, INDEX_K_GROUP, e8m0_to_float, "unpack_index_k")
+    return _unpack_fp4(packed, INDEX_K_GROUP, e8m0_values, "unpack_index_k")

@@ -42,6 +42,7 @@ group's UE8M0 scale byte 255 (NaN), so the whole group decodes to NaN.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import torch
@@ -204,6 +205,34 @@ def e8m0_to_float(codes: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+# ------------------------------------------------------------------------------------------------ by table
+# The decoders above, tabulated once per device over the 256 byte values and read by one gather: the same
+# values bit for bit (NaN codes included), in 2 ops instead of ~10 elementwise passes over the codes (the
+# records a decode step reads, the weights it dequantizes).
+
+@functools.cache
+def _byte_table(decode, device: torch.device) -> torch.Tensor:
+    """fp32 [256, ...]: decode(b) of every byte value b, on `device`."""
+    return decode(torch.arange(256, dtype=torch.int32)).to(device)
+
+
+def by_table(decode, codes: torch.Tensor) -> torch.Tensor:
+    """decode(codes) for 1-byte codes, read from its table: [..., n] -> [..., n, *decode's trailing shape]."""
+    table = _byte_table(decode, codes.device)
+    flat = table.index_select(0, as_u8(codes).reshape(-1).int())      # ~2x an advanced-indexing gather on a CPU
+    return flat.view(*codes.shape, *table.shape[1:])
+
+
+def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes of any shape -> fp32: `e4m3_to_float`'s values, by table."""
+    return by_table(e4m3_to_float, codes)
+
+
+def e8m0_values(codes: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes of any shape -> fp32: `e8m0_to_float`'s values, by table."""
+    return by_table(e8m0_to_float, codes)
+
+
 def ue8m0_scale_byte(y: torch.Tensor) -> torch.Tensor:
     """UE8M0 byte of 2^ceil(log2 y), for positive fp32 y, computed exactly from the bits (int32 result).
 
@@ -282,4 +311,4 @@ def pack_swa_kv(x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
 
 def unpack_swa_kv(packed: torch.Tensor) -> torch.Tensor:
     """uint8[..., d + d/32] -> fp32[..., d] = E4M3(code) * 2^(scale byte - 127)."""
-    return unpack_record(packed, FP8_GROUP, 8, e4m3_to_float, e8m0_to_float, "unpack_swa_kv")
+    return unpack_record(packed, FP8_GROUP, 8, e4m3_values, e8m0_values, "unpack_swa_kv")

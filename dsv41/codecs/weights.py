@@ -18,13 +18,12 @@ tables built from the codecs' own decoders (the same fp32 products as the whole-
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from .fp4 import e2m1_to_float, float_to_e2m1, pack_nibbles, unpack_nibbles
-from .fp8 import as_u8, e4m3_to_float, e8m0_to_float, float_to_e4m3, float_to_e8m0
+from .fp4 import e2m1_pair_values, float_to_e2m1, pack_nibbles
+from .fp8 import as_u8, e4m3_values, e8m0_values, float_to_e4m3, float_to_e8m0
 
 BLOCK = 32                   # the scale block: a 32 x 32 tile (fp8), 32 inputs of a row (fp4, fp8_rows)
 PACKED_KINDS = ("fp8", "fp4", "fp8_rows")
@@ -38,22 +37,22 @@ def _tile_scales(scale: torch.Tensor, rows: int, cols: int, tile: int) -> torch.
 
 def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, tile: int = BLOCK) -> torch.Tensor:
     """e4m3 [N, K] + e8m0 [ceil(N/32), ceil(K/32)] -> fp32 [N, K]."""
-    w = e4m3_to_float(weight)
-    return w * _tile_scales(e8m0_to_float(scale), *w.shape, tile)
+    w = e4m3_values(weight)
+    return w * _tile_scales(e8m0_values(scale), *w.shape, tile)
 
 
 def _row_scaled(w: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    return w * e8m0_to_float(scale).repeat_interleave(group, 1)[:, :w.size(1)]
+    return w * e8m0_values(scale).repeat_interleave(group, 1)[:, :w.size(1)]
 
 
 def dequant_fp4(weight: torch.Tensor, scale: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
     """packed e2m1 [N, K/2] + e8m0 [N, K/32] -> fp32 [N, K]."""
-    return _row_scaled(e2m1_to_float(unpack_nibbles(as_u8(weight))), scale, group)
+    return _row_scaled(e2m1_pair_values(weight), scale, group)
 
 
 def dequant_rows(weight: torch.Tensor, scale: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
     """e4m3 [R, W] + e8m0 [R, W/32] -> fp32 [R, W]."""
-    return _row_scaled(e4m3_to_float(weight), scale, group)
+    return _row_scaled(e4m3_values(weight), scale, group)
 
 
 def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -119,29 +118,6 @@ def non_finite_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor) -> int
 
 
 # ------------------------------------------------------------------------------------------------ block decoders
-
-@functools.cache
-def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(e4m3 [256], e2m1 byte pairs [256, 2], e8m0 [256]) fp32 values of every byte, on `device`."""
-    b = torch.arange(256, dtype=torch.int32)
-    pairs = e2m1_to_float(unpack_nibbles(b.to(torch.uint8)).view(256, 2))
-    return tuple(t.to(device) for t in (e4m3_to_float(b), pairs, e8m0_to_float(b)))
-
-
-def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
-    """e4m3 bytes of any shape -> fp32 (the values of `e4m3_to_float`, by table)."""
-    return _tables(codes.device)[0][as_u8(codes).int()]
-
-
-def e8m0_values(scale: torch.Tensor) -> torch.Tensor:
-    """e8m0 bytes of any shape -> fp32 (the values of `e8m0_to_float`, by table)."""
-    return _tables(scale.device)[2][as_u8(scale).int()]
-
-
-def e2m1_pair_values(packed: torch.Tensor) -> torch.Tensor:
-    """packed e2m1 bytes [..., n] -> fp32 [..., 2n] (low nibble first, the values of `e2m1_to_float`)."""
-    return _tables(packed.device)[1][as_u8(packed).int()].flatten(-2)
-
 
 def rows_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Table rows in `fp8_rows` storage, any leading shape: codes [..., W], scale [..., W/32] -> fp32 [..., W]
