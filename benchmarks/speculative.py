@@ -257,7 +257,10 @@ def _run_batch(args, res: dict, model, tok, groups: list, modes: list[str], prof
                      realised_tokens=sum(x.get("realised_tokens", 0) for x in st),
                      timed_steps=sc.get("timed_steps", 0), step_predicted_s=sc.get("predicted_s", 0.0),
                      step_realised_s=sc.get("realised_s", 0.0),
-                     closed_batch_steps={"plain": sc.get("closed_plain", 0), "spec": sc.get("closed_spec", 0)})
+                     closed_batch_steps={"plain": sc.get("closed_plain", 0), "spec": sc.get("closed_spec", 0)},
+                     seeding_share=sc["seed_s"] / sc["seeded_s"] if sc.get("seeded_s") else None,
+                     stopped={"never_pays": sc.get("stopped_never_pays", 0),
+                              "seeding_cost": sc.get("stopped_seeding_cost", 0)})
             prev = best.get(mode)
             rounds = (prev["rounds_tok_per_s"] if prev else []) + [r["tok_per_s"]]
             if prev is None or r["tok_per_s"] > prev["tok_per_s"]:
@@ -279,6 +282,8 @@ def _run_batch(args, res: dict, model, tok, groups: list, modes: list[str], prof
               f"verify lengths [{vl}]  predicted/realised {r['predicted_tokens']:.0f}/{r['realised_tokens']}  "
               f"step s predicted/realised {r['step_predicted_s']:.2f}/{r['step_realised_s']:.2f}  "
               f"closed-batch plan plain/spec {r['closed_batch_steps']['plain']}/{r['closed_batch_steps']['spec']}  "
+              f"seeding share {'-' if r['seeding_share'] is None else format(r['seeding_share'], '.2f')}  "
+              f"stopped never-pays/seeding {r['stopped']['never_pays']}/{r['stopped']['seeding_cost']}  "
               f"same tokens {r['same_tokens_as_off']}", flush=True)
     if args.out:                                       # after every batch: a time limit keeps what was measured
         Path(args.out).write_text(_json(res) + "\n")

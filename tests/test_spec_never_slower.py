@@ -6,6 +6,7 @@ token those of no speculation in every mode (and in the deterministic mode, log-
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -167,16 +168,59 @@ def test_engine_never_drafts_where_verification_cannot_pay(debug_model, one_thre
     dear = batch_profile((1, 2, 3), G, 0.01, 0.005, 0.01)
     for spec in ("dspark", "dspark:online"):
         eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative=spec, step_profile=dear)
-        eng.drafter = CountingDrafter(G, cfg.vocab_size)
+        eng.drafter = SeedCountingDrafter(G, cfg.vocab_size)
         got = eng.generate(prompts, params)
         assert [c.output_ids for c in got] == want, spec
         assert eng.drafter.proposals == 0, spec
+        # nor is it kept seeded: each row stops drafting for good at its first decode step (only the steps that
+        # feed a prompt's last token, at most one or two per prompt, seed it; drafting would seed every step)
+        assert eng.drafter.seeds <= 2 * len(prompts) and eng.spec_counts["stopped_never_pays"] > 0, spec
         st = [c.stats["speculative"] for c in got]
         assert all(set(s["verify_lengths"]) == {0} and s["drafted_tokens"] == 0 for s in st), st
     eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative="dspark", step_profile=FLAT)
-    eng.drafter = CountingDrafter(G, cfg.vocab_size)
+    eng.drafter = SeedCountingDrafter(G, cfg.vocab_size)
     assert [c.output_ids for c in eng.generate(prompts, params)] == want
-    assert eng.drafter.proposals > 0
+    assert eng.drafter.proposals > 0 and eng.drafter.seeds > 2 * len(prompts)
+
+
+class SeedCountingDrafter(CountingDrafter):
+    """CountingDrafter that also counts (and, with seed_s, takes that long for) its seedings."""
+
+    def __init__(self, G: int, vocab: int, seed_s: float = 0.0):
+        super().__init__(G, vocab)
+        self.seeds, self.seed_s = 0, seed_s
+
+    def seed(self, *args, **kwargs):
+        self.seeds += 1
+        if self.seed_s:
+            time.sleep(self.seed_s)
+
+
+def test_costly_seeding_stops_drafting_once_it_does_not_pay(debug_model, one_thread):
+    """Once the verified drafts say no verify pays, dspark decodes plainly and probes every PROBE_EVERY-th step,
+    which needs the drafter seeded at every plain step; when that seeding costs more than SEED_SHARE of a plain
+    step (here a slow drafter, as the eager seeding beside a CUDA-graph step on a GPU), the rows stop drafting for
+    good instead: no more proposals, probes or seedings; outputs stay greedy's. A cheap seeding keeps the probes."""
+    from dsv41.engine.engine import MIN_EVIDENCE, PROBE_EVERY, SEED_EVIDENCE
+    cfg, m = debug_model
+    G = cfg.dspark_block_size
+    prompts = _prompts(cfg.vocab_size, (5,))
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    want = [c.output_ids for c in Engine(m, prefill_mode="full", max_seq_len=256).generate(prompts, params)]
+    prof = StepProfile([1, 1 + G], [1.0, 1.2])              # pays at acceptance 1; the wrong drafts never do
+    runs = {}
+    for seed_s in (0.0, 0.2):
+        eng = Engine(m, prefill_mode="full", max_seq_len=256, speculative="dspark", step_profile=prof)
+        eng.drafter = SeedCountingDrafter(G, cfg.vocab_size, seed_s)
+        got = eng.generate(prompts, params)
+        assert [c.output_ids for c in got] == want
+        runs[seed_s] = (eng.drafter.proposals, eng.drafter.seeds, dict(eng.spec_counts))
+    (p_cheap, s_cheap, sc_cheap), (p_dear, s_dear, sc_dear) = runs[0.0], runs[0.2]
+    assert sc_cheap["stopped_seeding_cost"] == 0 and p_cheap > MIN_EVIDENCE + 1     # probes went on
+    assert sc_dear["stopped_seeding_cost"] == 1
+    assert p_dear <= MIN_EVIDENCE + SEED_EVIDENCE // PROBE_EVERY + 1 < p_cheap
+    # seeded by its verifies and then by plain steps only until the seeding's share was measured, then never
+    assert s_dear <= p_dear + SEED_EVIDENCE + 2 < s_cheap
 
 
 def test_fixed_zero_decodes_without_drafting(debug_model, one_thread):

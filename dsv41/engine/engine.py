@@ -46,6 +46,8 @@ DEFAULT_MAX_SEQ_LEN = 4096                   # prompt + completion tokens per re
 MIN_EVIDENCE = 16      # verified first drafts before the dspark scheduler may skip drafting (`Engine._drafting_pays`)
 PROBE_EVERY = 16       # while drafting does not pay, draft anyway on every 16th step
 CLOSED_EVIDENCE = 128  # verified first drafts before a closed batch may stop drafting for good (`_drafting_pays`)
+SEED_SHARE = 0.05      # keeping the drafter seeded while drafting does not pay: stop above this share of a step
+SEED_EVIDENCE = 4      # seeded plain steps timed before that share is trusted
 
 
 @dataclass
@@ -169,7 +171,9 @@ class Engine:
         # ("reached") and rows that accepted it; target forwards and rows decoded; with a cost model (dspark),
         # decode steps timed and the seconds the model predicted for their shapes vs those they took
         self.spec_counts = {"reached": [0] * G, "accepted": [0] * G, "forwards": 0, "row_steps": 0, "tokens": 0,
-                            "timed_steps": 0, "predicted_s": 0.0, "realised_s": 0.0, "closed_plain": 0, "closed_spec": 0}
+                            "timed_steps": 0, "predicted_s": 0.0, "realised_s": 0.0, "closed_plain": 0, "closed_spec": 0,
+                            "seeded_steps": 0, "seeded_s": 0.0, "seed_s": 0.0, "stopped_never_pays": 0,
+                            "stopped_seeding_cost": 0}
         self.last_step_cost: tuple[float, float] | None = None   # (predicted, realised) s of the last timed step
         self._skipped = 0                      # dspark steps in a row decoded without drafting (`_drafting_pays`)
         if self.speculation.mode == "dspark" and step_profile is None:
@@ -400,6 +404,7 @@ class Engine:
         if not rows:
             return
         t0 = time.perf_counter()
+        seed_s = None
         sids = [s.sid for s in rows]
         view = self.pool.bind(sids)
         spec_step = self.drafter is not None and self._drafting_pays(live, drafts)
@@ -410,9 +415,6 @@ class Engine:
             g = self.graphs
             out = g.forward(ids, view) if g is not None and g.applies(view) else self.model(ids, view, last_only=True)
             logits = out.logits[:, -1]
-            if (self.drafter is not None and out.main_hidden is not None     # a step without drafts: the drafter
-                    and not all(s.drafter_off for s in rows)):                 # still sees its taps (unless no row
-                self.drafter.seed(view, out.main_hidden, pos)                  # drafts again: its cost skipped)
             for b, s in enumerate(live):
                 s.pending = sample_token(logits[b], s.params, s.gen)
                 before = len(s.output_ids)
@@ -425,10 +427,20 @@ class Engine:
                 s.fed += 1
                 if s.pending is None:
                     self._first_token(s, logits[b], outs)
+            if (self.drafter is not None and out.main_hidden is not None     # a step without drafts: the drafter
+                    and not all(s.drafter_off for s in rows)):                 # still sees its taps (unless no row
+                t_seed = time.perf_counter()                                   # drafts again: its cost skipped),
+                self.drafter.seed(view, out.main_hidden, pos)                  # timed after sampling synchronised
+                seed_s = time.perf_counter() - t_seed                          # the device (its launches, on a GPU)
         else:
             n_tokens, vmax = self._verify(view, live, outs, drafts)
         self.pool.release(view, sids)
         dt = time.perf_counter() - t0
+        if seed_s is not None and live and not join:        # what keeping the drafter seeded costs a plain step
+            sc = self.spec_counts
+            sc["seeded_steps"] += 1
+            sc["seeded_s"] += dt
+            sc["seed_s"] += seed_s
         if self.step_cost is not None and live and not join:     # the cost model's prediction vs this step
             B = len(live)
             pred = spec_cost(self.step_cost, B)(n_tokens, vmax) if spec_step else plain_cost(self.step_cost, B)
@@ -453,9 +465,13 @@ class Engine:
         compares, with its cost model (`spec_cost` / `plain_cost` at this batch: the profile, or what the engine
         measured with dspark:online), B / T_plain(B) against the best verify length: first at acceptance 1 (when
         even drafts that are always accepted do not pay, as at loaded batches where the forward's cost grows with
-        its tokens, it never drafts), then, once `MIN_EVIDENCE` first drafts were verified, at the acceptance
-        measured so far per draft position; while that says no, it drafts again every `PROBE_EVERY`-th such step
-        so that a drafter doing better is noticed. A closed batch (nobody waiting, every row's end known:
+        its tokens or on a GPU whose plain steps replay CUDA graphs while verifies run eagerly, it does not draft;
+        when not even a whole block would pay, the rows stop drafting for good), then, once `MIN_EVIDENCE` first
+        drafts were verified, at the acceptance measured so far per draft position; while that says no, it drafts
+        again every `PROBE_EVERY`-th such step so that a drafter doing better is noticed, as long as keeping the
+        drafter seeded for those probes costs at most `SEED_SHARE` of a plain step (measured over `SEED_EVIDENCE`
+        seeded steps: on a GPU the eager seeding doubled a graph-replayed step, 2026-12-08); above it the rows
+        stop drafting for good (issue 28: never slower than off). A closed batch (nobody waiting, every row's end known:
         `_closed_remaining`) is judged by when its last row is done instead (`closed_batch_times`, each row at its
         own measured acceptance, `row_acceptance`), once `CLOSED_EVIDENCE` first drafts were verified: it drafts
         only while some verify length is predicted to end the batch sooner than plain decoding; when none is, its
@@ -472,9 +488,12 @@ class Engine:
                 for s in live]
         cost, plain = spec_cost(self.step_cost, B), plain_cost(self.step_cost, B)
         G = self.cfg.dspark_block_size
-        if max(choose_verify_lengths(torch.ones(B, G), cost, caps, ragged=True, plain=plain, by_longest=True)) == 0:
-            return False                                   # no acceptance could make a verify pay here
         sc = self.spec_counts
+        if max(choose_verify_lengths(torch.ones(B, G), cost, caps, ragged=True, plain=plain, by_longest=True)) == 0:
+            full = [0 if s.drafter_off else max(0, min(G, s.params.max_tokens - len(s.output_ids) - 1)) for s in live]
+            if max(choose_verify_lengths(torch.ones(B, G), cost, full, ragged=True, plain=plain, by_longest=True)) == 0:
+                self._stop_drafting(live, "stopped_never_pays")   # not even a whole block, always accepted, pays
+            return False                                   # no acceptance could make a verify pay here
         if sc["reached"][0] < MIN_EVIDENCE:
             return True
         rates = [a / r if r else 0.0 for a, r in zip(sc["accepted"], sc["reached"])]
@@ -495,8 +514,18 @@ class Engine:
         if max(choose_verify_lengths(S, cost, caps, ragged=True, plain=plain, by_longest=True)) > 0:
             self._skipped = 0
             return True
+        if sc["seeded_steps"] >= SEED_EVIDENCE and sc["seed_s"] > SEED_SHARE * sc["seeded_s"]:
+            self._stop_drafting(live, "stopped_seeding_cost")     # staying ready to probe costs more than SEED_SHARE
+            return False
         self._skipped += 1
         return self._skipped % PROBE_EVERY == 0
+
+    def _stop_drafting(self, live: list[Sequence], why: str) -> None:
+        """The rows stop drafting for good (`Sequence.drafter_off`: no proposal, no probe, no seeding once every row
+        of a step is off; a row admitted later drafts), counted under `why` in `spec_counts`."""
+        for s in live:
+            s.drafter_off = True
+        self.spec_counts[why] += 1
 
     def _shrinkage(self, live: list[Sequence]) -> float:
         """How strongly each row's measured acceptance is pulled to the batch's (`shrinkage_strength` over the
