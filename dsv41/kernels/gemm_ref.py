@@ -56,11 +56,11 @@ def block_scaled_linear_ref(x: torch.Tensor, weight: torch.Tensor | PackedWeight
     if K % GEMM_BLOCK:
         raise ValueError(f"block-scaled GEMM needs K divisible by {GEMM_BLOCK}, got {K}")
     a = x.reshape(-1, K).float().contiguous()
+    a_blocks = a.split(GEMM_BLOCK, dim=1)                  # a[:, k:k+32] for each block, as views (one op)
     acc = torch.zeros(a.size(0), N, dtype=torch.float32, device=x.device)
     for c0, w in weight_column_chunks(weight):
-        for k0 in range(0, w.size(1), GEMM_BLOCK):
-            k = c0 + k0
-            acc += a[:, k:k + GEMM_BLOCK] @ w[:, k0:k0 + GEMM_BLOCK].T      # one block's partial, then the add
+        for j, w_t in enumerate(w.T.split(GEMM_BLOCK, dim=0)):          # w[:, k0:k0+32].T, the same views
+            acc.add_(torch.mm(a_blocks[c0 // GEMM_BLOCK + j], w_t))      # one block's partial, then the add
     y = acc.to(weight.dtype)
     if bias is not None:
         y = y + bias
