@@ -22,11 +22,12 @@ fp4.py for the bit layouts.
 """
 
 from .fp4 import (E2M1_MAX, FP4_MAX_INV, INDEX_K_AMAX_FLOOR, INDEX_K_GROUP, MAIN_KV_AMAX_FLOOR, MAIN_KV_GROUP,
-                  e2m1_pair_values, e2m1_to_float, float_to_e2m1, index_k_bytes, main_kv_bytes, pack_index_k, pack_main_kv,
-                  pack_main_kv_exact, pack_nibbles, qdq_index_k, qdq_index_q, qdq_main_kv, round_to_e2m1,
-                  unpack_index_k, unpack_main_kv, unpack_nibbles)
+                  e2m1_pair_values, e2m1_to_float, float_to_e2m1, index_k_bytes, main_kv_bytes, pack_index_k,
+                  pack_main_kv, pack_main_kv_exact, pack_nibbles, qdq_index_k, qdq_index_q, qdq_main_kv,
+                  round_to_e2m1, unpack_index_k, unpack_main_kv, unpack_nibbles)
 from .fp8 import (E4M3_MAX, FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX_INV, e4m3_to_float, e4m3_values, e8m0_to_float,
-                  e8m0_values, float_to_e4m3, float_to_e8m0, pack_swa_kv, qdq_fp8, round_to_e4m3, swa_kv_bytes, ue8m0_scale_byte, unpack_swa_kv)
+                  e8m0_values, float_to_e4m3, float_to_e8m0, pack_swa_kv, qdq_fp8, round_to_e4m3, swa_kv_bytes,
+                  ue8m0_scale_byte, unpack_swa_kv)
 
 __all__ = ["E2M1_MAX", "E4M3_MAX", "FP4_MAX_INV", "FP8_AMAX_FLOOR", "FP8_GROUP", "FP8_MAX_INV", "INDEX_K_AMAX_FLOOR",
            "INDEX_K_GROUP", "MAIN_KV_AMAX_FLOOR", "MAIN_KV_GROUP", "e2m1_pair_values", "e2m1_to_float", "e4m3_to_float",

@@ -171,9 +171,9 @@ class Engine:
         # ("reached") and rows that accepted it; target forwards and rows decoded; with a cost model (dspark),
         # decode steps timed and the seconds the model predicted for their shapes vs those they took
         self.spec_counts = {"reached": [0] * G, "accepted": [0] * G, "forwards": 0, "row_steps": 0, "tokens": 0,
-                            "timed_steps": 0, "predicted_s": 0.0, "realised_s": 0.0, "closed_plain": 0, "closed_spec": 0,
-                            "seeded_steps": 0, "seeded_s": 0.0, "seed_s": 0.0, "stopped_never_pays": 0,
-                            "stopped_seeding_cost": 0}
+                            "timed_steps": 0, "predicted_s": 0.0, "realised_s": 0.0, "closed_plain": 0,
+                            "closed_spec": 0, "seeded_steps": 0, "seeded_s": 0.0, "seed_s": 0.0,
+                            "stopped_never_pays": 0, "stopped_seeding_cost": 0}
         self.last_step_cost: tuple[float, float] | None = None   # (predicted, realised) s of the last timed step
         self._skipped = 0                      # dspark steps in a row decoded without drafting (`_drafting_pays`)
         if self.speculation.mode == "dspark" and step_profile is None:
@@ -471,11 +471,11 @@ class Engine:
         again every `PROBE_EVERY`-th such step so that a drafter doing better is noticed, as long as keeping the
         drafter seeded for those probes costs at most `SEED_SHARE` of a plain step (measured over `SEED_EVIDENCE`
         seeded steps: on a GPU the eager seeding doubled a graph-replayed step, 2026-12-08); above it the rows
-        stop drafting for good (issue 28: never slower than off). A closed batch (nobody waiting, every row's end known:
-        `_closed_remaining`) is judged by when its last row is done instead (`closed_batch_times`, each row at its
-        own measured acceptance, `row_acceptance`), once `CLOSED_EVIDENCE` first drafts were verified: it drafts
-        only while some verify length is predicted to end the batch sooner than plain decoding; when none is, its
-        rows stop drafting for good (`Sequence.drafter_off`: no proposal, no probe, and no seeding once every row
+        stop drafting for good (issue 28: never slower than off). A closed batch (nobody waiting, every row's end
+        known: `_closed_remaining`) is judged by when its last row is done instead (`closed_batch_times`, each row
+        at its own measured acceptance, `row_acceptance`), once `CLOSED_EVIDENCE` first drafts were verified: it
+        drafts only while some verify length is predicted to end the batch sooner than plain decoding; when none
+        is, its rows stop drafting for good (`Sequence.drafter_off`: no proposal, no probe, and no seeding once every row
         of a step is off; issue 28: at batch 32 the per-step objective verified, the low-acceptance rows
         straggled, and the batch ended later than off's)."""
         if drafts == 0 or self.speculation.mode == "fixed" and self.speculation.n == 0 \
