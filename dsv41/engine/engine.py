@@ -475,9 +475,9 @@ class Engine:
         known: `_closed_remaining`) is judged by when its last row is done instead (`closed_batch_times`, each row
         at its own measured acceptance, `row_acceptance`), once `CLOSED_EVIDENCE` first drafts were verified: it
         drafts only while some verify length is predicted to end the batch sooner than plain decoding; when none
-        is, its rows stop drafting for good (`Sequence.drafter_off`: no proposal, no probe, and no seeding once every row
-        of a step is off; issue 28: at batch 32 the per-step objective verified, the low-acceptance rows
-        straggled, and the batch ended later than off's)."""
+        is, its rows stop drafting for good (`Sequence.drafter_off`: no proposal, no probe, and no seeding once
+        every row of a step is off; issue 28: at batch 32 the per-step objective verified, the low-acceptance
+        rows straggled, and the batch ended later than off's)."""
         if drafts == 0 or self.speculation.mode == "fixed" and self.speculation.n == 0 \
                 or all(s.drafter_off for s in live):
             return False
