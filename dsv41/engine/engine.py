@@ -484,13 +484,13 @@ class Engine:
         if self.speculation.mode != "dspark":
             return True
         B = len(live)
-        caps = [0 if s.drafter_off else max(0, min(drafts, s.params.max_tokens - len(s.output_ids) - 1))
-                for s in live]
+        room = [0 if s.drafter_off else max(0, s.params.max_tokens - len(s.output_ids) - 1) for s in live]
+        caps = [min(drafts, r) for r in room]
         cost, plain = spec_cost(self.step_cost, B), plain_cost(self.step_cost, B)
         G = self.cfg.dspark_block_size
         sc = self.spec_counts
         if max(choose_verify_lengths(torch.ones(B, G), cost, caps, ragged=True, plain=plain, by_longest=True)) == 0:
-            full = [0 if s.drafter_off else max(0, min(G, s.params.max_tokens - len(s.output_ids) - 1)) for s in live]
+            full = [min(G, r) for r in room]                   # the step's budget aside: a whole block a row
             if max(choose_verify_lengths(torch.ones(B, G), cost, full, ragged=True, plain=plain, by_longest=True)) == 0:
                 self._stop_drafting(live, "stopped_never_pays")   # not even a whole block, always accepted, pays
             return False                                   # no acceptance could make a verify pay here
